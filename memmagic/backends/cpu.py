@@ -1,0 +1,66 @@
+"""The CPU backend: runs the code for real on the CPU and tracks live tensor storage."""
+
+from __future__ import annotations
+
+import platform
+from typing import Any, Callable
+
+import torch
+
+from ..report import MemoryReport
+from ..tracking import Tracking
+from . import Backend, Outcome
+
+__all__ = ["CPUBackend", "CPU_NOTES"]
+
+CPU_NOTES = (
+    "CPU tensor storage tracked op by op; buffers a kernel allocates and frees inside "
+    "itself (mkldnn, sort) and memory outside tensors (Python objects, the allocator's "
+    "own overhead) are not counted",
+)
+
+
+def _cpu_name() -> str:
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _on_cpu(t: torch.Tensor) -> str | None:
+    return "device" if t.device.type == "cpu" else None
+
+
+class CPUBackend(Backend):
+    """Real run on the CPU. ``before`` counts every CPU tensor that exists at the start."""
+
+    name = "cpu"
+
+    def __init__(self, **options: Any) -> None:
+        if options:
+            raise TypeError(f"the cpu backend takes no options, got {sorted(options)}")
+
+    def execute(self, run: Callable[[dict], Any], namespace: dict) -> Outcome:
+        tracking = Tracking(_on_cpu)
+        value = error = None
+        try:
+            with tracking:
+                value = run(namespace)
+        except BaseException as exc:  # re-raised by the caller after rendering
+            error = exc
+        return Outcome(report_from_tracking(tracking, "cpu", f"cpu ({_cpu_name()})",
+                                            CPU_NOTES, error), value, error)
+
+
+def report_from_tracking(tracking: Tracking, backend: str, device: str,
+                         notes: tuple[str, ...], error: BaseException | None,
+                         **extra: Any) -> MemoryReport:
+    r = tracking.result
+    assert r is not None
+    notes = tuple(notes)
+    if r.peak_phase:
+        notes += (f"peak reached during {r.peak_phase}",)
+    return MemoryReport(
+        backend=backend, device=device, before=r.before, peak=r.peak, after=r.after,
+        wall_s=tracking.wall_s, breakdown=r.breakdown, peak_op=r.peak_op,
+        peak_module=r.peak_module,
+        error=None if error is None else f"{type(error).__name__}: {error}".strip(": "),
+        notes=notes, **extra,
+    )

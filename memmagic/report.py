@@ -1,0 +1,258 @@
+"""Result objects and byte formatting. Importing this module needs no torch.
+
+All sizes are ``int`` bytes. Formatting happens here and only here.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Any, Mapping
+
+__all__ = ["Category", "MemoryReport", "format_bytes", "parse_bytes"]
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def format_bytes(n: int | None, *, signed: bool = False) -> str:
+    """Format a byte count with binary units: ``format_bytes(3 * 2**20) == '3.00 MiB'``.
+
+    ``signed=True`` prefixes ``+`` for positive numbers (for deltas). ``None`` is ``'n/a'``.
+    """
+    if n is None:
+        return "n/a"
+    sign = "-" if n < 0 else ("+" if signed and n > 0 else "")
+    value = float(abs(n))
+    for unit in _UNITS:
+        if value < 1024 or unit == _UNITS[-1]:
+            if unit == "B":
+                return f"{sign}{int(value)} B"
+            return f"{sign}{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+_PARSE_UNITS = {
+    "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+    "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse ``'10GiB'``, ``'512 MiB'``, ``'16GB'`` (decimal) or ``'1024'`` into bytes."""
+    s = str(text).strip().lower().replace(" ", "").replace("_", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):] or "b"
+    if unit not in _PARSE_UNITS or not num:
+        raise ValueError(
+            f"cannot read {text!r} as a size; write it like '10GiB', '512MiB' or '16GB'"
+        )
+    try:
+        value = float(num)
+    except ValueError:
+        raise ValueError(
+            f"cannot read {text!r} as a size; write it like '10GiB', '512MiB' or '16GB'"
+        ) from None
+    if value < 0:
+        raise ValueError(f"a size cannot be negative: {text!r}")
+    return int(value * _PARSE_UNITS[unit])
+
+
+class Category(str, Enum):
+    """What a tensor is for. The values are the keys of ``MemoryReport.breakdown``."""
+
+    PARAMETERS = "parameters"
+    BUFFERS = "buffers"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    ACTIVATIONS = "activations"  # tensors autograd saved for backward
+    OTHER = "other"  # inputs, outputs, temporaries
+
+    def __str__(self) -> str:
+        return self.value
+
+
+BACKENDS = ("cuda", "cpu", "sim")
+
+_SOURCE = {
+    "cuda": "CUDA caching allocator",
+    "cpu": "live tensor storage, tracked op by op on the CPU",
+    "sim": "simulated CUDA run on fake tensors",
+}
+
+
+def _frozen_breakdown(values: Mapping[str, int] | None) -> Mapping[str, int]:
+    out = {c.value: 0 for c in Category}
+    for key, value in (values or {}).items():
+        key = Category(key).value
+        out[key] = int(value)
+    return MappingProxyType(out)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """What one measured cell (or callable) did to memory. All sizes in bytes.
+
+    ``before``, ``peak`` and ``after`` are bytes of live tensor memory on the measured
+    device at the start, at the highest point, and at the end. On ``cuda`` they come from
+    the caching allocator (``memory_allocated``), so they include the 512-byte rounding
+    and any workspace torch allocates through it; they never include the CUDA context
+    or memory of other processes. On ``cpu`` they are tensor storages tracked op by op:
+    buffers a kernel allocates and frees internally are not seen. On ``sim`` they are
+    what the simulated CUDA allocator would hold.
+
+    ``breakdown`` maps each :class:`Category` value to bytes at the moment of the peak;
+    for the tracker-based backends (``cpu``, ``sim``) it sums to ``peak``.
+    """
+
+    backend: str
+    device: str
+    before: int
+    peak: int
+    after: int
+    wall_s: float
+    breakdown: Mapping[str, int] = field(default_factory=dict)
+    reserved_peak: int | None = None
+    reserved_after: int | None = None
+    peak_op: str | None = None
+    peak_module: str | None = None
+    host_peak: int | None = None
+    gpu_name: str | None = None
+    gpu_memory: int | None = None
+    error: str | None = None
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, not {self.backend!r}")
+        object.__setattr__(self, "breakdown", _frozen_breakdown(self.breakdown))
+        object.__setattr__(self, "notes", tuple(self.notes))
+
+    # -- derived numbers ---------------------------------------------------------------
+    @property
+    def increment(self) -> int:
+        """Peak above the starting point: what decides an out-of-memory."""
+        return self.peak - self.before
+
+    @property
+    def retained(self) -> int:
+        """Memory the cell left allocated (after - before); negative if it freed some."""
+        return self.after - self.before
+
+    @property
+    def unattributed(self) -> int:
+        """Peak bytes that no category explains (allocator rounding, workspaces)."""
+        return self.peak - sum(self.breakdown.values())
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the peak (reserved where known) fits the target GPU; None if no target."""
+        if self.gpu_memory is None:
+            return None
+        need = self.reserved_peak if self.reserved_peak is not None else self.peak
+        return need <= self.gpu_memory
+
+    @property
+    def source(self) -> str:
+        """Where the numbers come from, in words."""
+        return _SOURCE[self.backend]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data view (JSON-ready) including the derived numbers."""
+        return {
+            "backend": self.backend, "device": self.device, "before": self.before,
+            "peak": self.peak, "after": self.after, "increment": self.increment,
+            "retained": self.retained, "reserved_peak": self.reserved_peak,
+            "reserved_after": self.reserved_after, "wall_s": self.wall_s,
+            "breakdown": dict(self.breakdown), "peak_op": self.peak_op,
+            "peak_module": self.peak_module, "host_peak": self.host_peak,
+            "gpu_name": self.gpu_name, "gpu_memory": self.gpu_memory,
+            "error": self.error, "notes": list(self.notes),
+        }
+
+    # -- rendering ---------------------------------------------------------------------
+    def __str__(self) -> str:
+        parts = [
+            f"peak {format_bytes(self.peak)} ({format_bytes(self.increment, signed=True)})",
+            f"retained {format_bytes(self.retained, signed=True)}",
+        ]
+        if self.reserved_peak is not None:
+            parts.append(f"reserved {format_bytes(self.reserved_peak)}")
+        line = ", ".join(parts) + f" [{self.backend}: {self.device}]"
+        if self.fits is not None:
+            verdict = "fits" if self.fits else "DOES NOT FIT"
+            line += f" {verdict} {self.gpu_name or 'GPU'} ({format_bytes(self.gpu_memory)})"
+        if self.error:
+            line += f" (cell failed: {self.error})"
+        return line
+
+    def _rows(self) -> list[tuple[str, str]]:
+        rows = [
+            ("before", format_bytes(self.before)),
+            ("peak", f"{format_bytes(self.peak)} ({format_bytes(self.increment, signed=True)})"),
+            ("after", f"{format_bytes(self.after)} (retained {format_bytes(self.retained, signed=True)})"),
+        ]
+        if self.reserved_peak is not None:
+            rows.append(("reserved peak", format_bytes(self.reserved_peak)))
+        if self.host_peak is not None:
+            rows.append(("host (CPU) peak", format_bytes(self.host_peak)))
+        if self.gpu_memory is not None:
+            verdict = "fits" if self.fits else "does NOT fit"
+            rows.append(("target GPU", f"{self.gpu_name} {format_bytes(self.gpu_memory)}: {verdict}"))
+        where = " / ".join(x for x in (self.peak_module, self.peak_op) if x)
+        if where:
+            rows.append(("peak at", where))
+        return rows
+
+    def breakdown_rows(self) -> list[tuple[str, int, float]]:
+        """(category, bytes, share of peak) for every category, in Category order."""
+        total = self.peak or 1
+        return [(k, v, v / total) for k, v in self.breakdown.items()]
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(f"<MemoryReport : {self}>")
+
+    def summary(self) -> str:
+        """A multi-line text table: the numbers, the breakdown and the notes."""
+        lines = [f"memmagic [{self.backend}] {self.device}: {self.source}"]
+        width = max(len(k) for k, _ in self._rows())
+        lines += [f"  {k:<{width}}  {v}" for k, v in self._rows()]
+        lines.append("  breakdown at peak:")
+        for name, value, share in self.breakdown_rows():
+            lines.append(f"    {name:<16}{format_bytes(value):>12}  {share:6.1%}")
+        if self.backend == "cuda" and self.unattributed:
+            lines.append(f"    {'unattributed':<16}{format_bytes(self.unattributed):>12}")
+        if self.error:
+            lines.append(f"  cell failed: {self.error}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        esc = html.escape
+        head = (
+            f"<b>memmagic</b> <code>{esc(self.backend)}</code> {esc(self.device)}"
+            f" <span style='color:#666'>({esc(self.source)})</span>"
+        )
+        rows = "".join(
+            f"<tr><th style='text-align:left'>{esc(k)}</th><td style='text-align:left'>{esc(v)}</td></tr>"
+            for k, v in self._rows()
+        )
+        bars = []
+        for name, value, share in self.breakdown_rows():
+            pct = max(0.0, min(share, 1.0)) * 100
+            bars.append(
+                f"<tr><td>{esc(name)}</td><td style='text-align:right'>{esc(format_bytes(value))}</td>"
+                f"<td style='text-align:right'>{share:.1%}</td>"
+                f"<td style='width:12em'><div style='background:#4c78a8;height:0.8em;width:{pct:.1f}%'></div></td></tr>"
+            )
+        notes = "".join(f"<li>{esc(n)}</li>" for n in self.notes)
+        err = f"<p style='color:#b00'>cell failed: {esc(self.error)}</p>" if self.error else ""
+        return (
+            f"<div class='memmagic-report'>{head}{err}"
+            f"<table>{rows}</table>"
+            f"<table><tr><th>category (at peak)</th><th>bytes</th><th>share</th><th></th></tr>{''.join(bars)}</table>"
+            + (f"<ul style='color:#666'>{notes}</ul>" if notes else "")
+            + "</div>"
+        )

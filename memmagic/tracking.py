@@ -1,0 +1,548 @@
+"""Live-storage tracking at op granularity, and attribution of storages to categories.
+
+:class:`StorageTracker` is a ``TorchDispatchMode`` that records each storage an op outputs,
+once, and notices its release through a weakref callback on the storage. It therefore
+sees every tensor allocation that goes through the dispatcher; it does not see buffers a
+kernel allocates and frees internally (mkldnn, sort, cuDNN/cuBLAS workspaces).
+
+:class:`Tracking` is the context manager the backends use: it seeds the tracker with the
+tensors that already exist (so they count in ``before``), installs the role hooks
+(module forward hooks, optimizer step hooks, saved-tensor hooks) and removes everything
+in ``finally``.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.nn.modules.module as _module_mod
+from torch.optim.optimizer import (
+    Optimizer,
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _torch_private as _priv
+from .report import Category
+
+__all__ = ["StorageTracker", "Tracking", "TrackResult", "scan_existing", "Pool"]
+
+# Which pool a tensor's storage counts in: "device" (the measured device), "host", or None.
+Pool = str
+IncludeFn = Callable[[torch.Tensor], "Pool | None"]
+
+# A storage keeps the most specific role it ever had.
+_PRIORITY = {
+    Category.OTHER: 0,
+    Category.ACTIVATIONS: 1,
+    Category.OPTIMIZER_STATE: 2,
+    Category.GRADIENTS: 3,
+    Category.BUFFERS: 4,
+    Category.PARAMETERS: 5,
+}
+
+
+def _identity(n: int) -> int:
+    return n
+
+
+@dataclass
+class _Entry:
+    serial: int
+    nbytes: int
+    pool: str
+    ref: weakref.ref | None = None
+
+
+@dataclass(frozen=True)
+class TrackResult:
+    """Numbers one :class:`Tracking` run produced. Sizes in bytes."""
+
+    before: int
+    peak: int
+    after: int
+    breakdown: dict[str, int]
+    peak_op: str | None
+    peak_module: str | None
+    peak_phase: str | None
+    host_before: int
+    host_peak: int
+    host_after: int
+    ops: int
+    timeline: list[tuple[int, int]] = field(default_factory=list)  # (op index, live device bytes)
+
+
+class StorageTracker(TorchDispatchMode):
+    """Records live storages op by op.
+
+    ``include(t)`` says which pool a tensor's storage counts in ("device" or "host") or
+    None to ignore it. ``round_bytes`` maps a storage's size to what the allocator would
+    hold for it (identity for the CPU, 512-byte rounding for CUDA).
+    """
+
+    def __init__(self, include: IncludeFn, round_bytes: Callable[[int], int] = _identity) -> None:
+        super().__init__()
+        self._include = include
+        self._round = round_bytes
+        self._live: dict[int, _Entry] = {}
+        self._serial = 0
+        self.pool_of: dict[int, str] = {}
+        self._seed: dict[int, int] = {}
+        self.roles: dict[int, Category] = {}
+        self.events: list[tuple[int, int, int]] = []  # (serial, delta bytes, op index)
+        # (number of events before it, serial, +1 saved / -1 released by autograd)
+        self.saved_events: list[tuple[int, int, int]] = []
+        self.current = {"device": 0, "host": 0}
+        self.peak = {"device": 0, "host": 0}
+        self.before = {"device": 0, "host": 0}
+        self.peak_event = -1
+        self.peak_op: str | None = None
+        self.peak_module: str | None = None
+        self.peak_phase: str | None = None
+        self.ops = 0
+        self.module_stack: list[str] = []
+        self.phase_override: str | None = None
+        self._mutating: dict[object, bool] = {}
+        self._closed = False
+
+    # -- storage bookkeeping ----------------------------------------------------------
+    def _on_free(self, key: int, serial: int) -> None:
+        entry = self._live.get(key)
+        if entry is None or entry.serial != serial or self._closed:
+            return
+        del self._live[key]
+        self._add(entry, -entry.nbytes)
+
+    def _add(self, entry: _Entry, delta: int) -> None:
+        pool = entry.pool
+        self.events.append((entry.serial, delta, self.ops))
+        cur = self.current[pool] + delta
+        self.current[pool] = cur
+        if cur > self.peak[pool]:
+            self.peak[pool] = cur
+            if pool == "device":
+                self.peak_event = len(self.events) - 1
+                self._peak_context()
+
+    def _peak_context(self) -> None:
+        self.peak_op = self._last_op
+        self.peak_module = "/".join(self.module_stack) if self.module_stack else None
+        if self.phase_override:
+            self.peak_phase = self.phase_override
+        else:
+            self.peak_phase = "backward" if _priv.in_backward() else "forward"
+
+    _last_op: str | None = None
+
+    def track(self, t: torch.Tensor, role: Category = Category.OTHER) -> int | None:
+        """Start tracking ``t``'s storage (if not yet tracked); return its serial or None."""
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None  # sparse and other storage-less tensors
+        key = _priv.storage_key(st)
+        entry = self._live.get(key)
+        if entry is None:
+            pool = self._include(t)
+            if pool is None:
+                return None
+            self._serial += 1
+            serial = self._serial
+            entry = _Entry(serial, self._round(st.nbytes()), pool)
+            self.pool_of[serial] = pool
+            try:
+                entry.ref = weakref.ref(st, lambda _r, k=key, s=serial: self._on_free(k, s))
+            except TypeError:
+                return None
+            self._live[key] = entry
+            self._add(entry, entry.nbytes)
+        self.note_serial(entry.serial, role)
+        return entry.serial
+
+    def _recheck_size(self, t: torch.Tensor) -> None:
+        """After a mutating op: an existing storage may have been resized (resize_, out=)."""
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        entry = self._live.get(_priv.storage_key(st))
+        if entry is None:
+            self.track(t)
+            return
+        size = self._round(st.nbytes())
+        if size != entry.nbytes:
+            delta = size - entry.nbytes
+            entry.nbytes = size
+            self._add(entry, delta)
+
+    def serial_of(self, t: torch.Tensor) -> int | None:
+        try:
+            entry = self._live.get(_priv.storage_key(t.untyped_storage()))
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None
+        return None if entry is None else entry.serial
+
+    def saved(self, serial: int, delta: int) -> None:
+        """Autograd started (+1) or stopped (-1) holding this storage for backward."""
+        if not self._closed:
+            self.saved_events.append((len(self.events), serial, delta))
+
+    def note_serial(self, serial: int, role: Category) -> None:
+        old = self.roles.get(serial, Category.OTHER)
+        if _PRIORITY[role] > _PRIORITY[old]:
+            self.roles[serial] = role
+
+    def note(self, t: object, role: Category) -> None:
+        """Record that ``t``'s storage plays ``role`` (only for storages already tracked)."""
+        if not isinstance(t, torch.Tensor):
+            return
+        try:
+            key = _priv.storage_key(t.untyped_storage())
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        entry = self._live.get(key)
+        if entry is not None:
+            self.note_serial(entry.serial, role)
+
+    def seed(self, tensors: Iterable[tuple[torch.Tensor, Category]]) -> None:
+        """Register tensors that exist before the run: they count in ``before``."""
+        for t, role in tensors:
+            self.track(t, role)
+        self.before = dict(self.current)
+        self._seed = {e.serial: e.nbytes for e in self._live.values()}
+        self.events.clear()
+        self.peak = dict(self.current)
+        self.peak_event = -1
+        self.peak_op = self.peak_module = self.peak_phase = None
+
+    # -- dispatch -----------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        self._last_op = func.__name__ if hasattr(func, "__name__") else str(func)
+        mutating = self._mutating.get(func)
+        if mutating is None:
+            schema = getattr(func, "_schema", None)
+            mutating = bool(schema is not None and schema.is_mutable)
+            self._mutating[func] = mutating
+        self._visit(out, mutating)
+        if mutating:
+            for a in list(args) + list((kwargs or {}).values()):
+                self._visit(a, True)
+        return out
+
+    def _visit(self, obj: object, mutating: bool) -> None:
+        if isinstance(obj, torch.Tensor):
+            if mutating:
+                self._recheck_size(obj)
+            else:
+                self.track(obj)
+        elif isinstance(obj, (list, tuple)):
+            for o in obj:
+                self._visit(o, mutating)
+
+    # -- results ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop listening for frees: later releases no longer change the numbers."""
+        self._closed = True
+        for entry in self._live.values():
+            entry.ref = None
+
+    def breakdown_at(self, event_index: int) -> dict[str, int]:
+        """Device bytes per category after event ``event_index`` (-1: at the start)."""
+        live = dict(self._seed)
+        for serial, delta, _ in self.events[: event_index + 1]:
+            live[serial] = live.get(serial, 0) + delta
+        saved: dict[int, int] = {}
+        for n_events, serial, delta in self.saved_events:
+            if n_events > event_index + 1:
+                break
+            saved[serial] = saved.get(serial, 0) + delta
+        out = {c.value: 0 for c in Category}
+        for serial, nbytes in live.items():
+            if nbytes and self.pool_of[serial] == "device":
+                role = self.roles.get(serial, Category.OTHER)
+                if _PRIORITY[role] < _PRIORITY[Category.ACTIVATIONS] and saved.get(serial, 0) > 0:
+                    role = Category.ACTIVATIONS
+                out[role.value] += nbytes
+        return out
+
+    def timeline(self, max_points: int = 2000) -> list[tuple[int, int]]:
+        """(op index, live device bytes) after each device event, thinned to ``max_points``
+        (the peak is always kept)."""
+        cur = self.before["device"]
+        points: list[tuple[int, int]] = [(0, cur)]
+        for serial, delta, op in self.events:
+            if self.pool_of[serial] == "device":
+                cur += delta
+                points.append((op, cur))
+        if len(points) > max_points:
+            peak_i = max(range(len(points)), key=lambda i: points[i][1])
+            step = len(points) / max_points
+            keep = {int(i * step) for i in range(max_points)} | {len(points) - 1, peak_i}
+            points = [p for i, p in enumerate(points) if i in keep]
+        return points
+
+
+# -- tensors that exist before a run --------------------------------------------------------
+_KIND_CACHE: dict[type, str | None] = {}
+
+
+def _kind(tp: type) -> str | None:
+    kind = _KIND_CACHE.get(tp, "?")
+    if kind == "?":
+        if issubclass(tp, torch.nn.Parameter):
+            kind = "parameter"
+        elif issubclass(tp, torch.Tensor):
+            kind = "tensor"
+        elif issubclass(tp, torch.nn.Module):
+            kind = "module"
+        elif issubclass(tp, Optimizer):
+            kind = "optimizer"
+        else:
+            kind = None
+        _KIND_CACHE[tp] = kind
+    return kind
+
+
+def _saved_tensors(fn: object, seen: set[int]) -> Iterator[torch.Tensor]:
+    """Tensors saved for backward by the autograd graph reachable from ``fn``."""
+    stack = [fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                try:
+                    value = getattr(node, name)
+                except Exception:  # freed by an earlier backward, or a hook refused
+                    continue
+                values = value if isinstance(value, (tuple, list)) else (value,)
+                for v in values:
+                    if isinstance(v, torch.Tensor):
+                        yield v
+        for nxt, _ in getattr(node, "next_functions", ()):
+            stack.append(nxt)
+
+
+def scan_existing() -> list[tuple[torch.Tensor, Category]]:
+    """Every tensor reachable from Python objects now, with its category.
+
+    Finds tensors through the garbage collector (parameters, buffers of modules, ``.grad``,
+    optimizer state, any other tensor) and the tensors saved by live autograd graphs.
+    Tensors held only by C++ code other than autograd graphs are not found.
+    """
+    found: list[tuple[torch.Tensor, Category]] = []
+    graph_roots = []
+    for obj in gc.get_objects():
+        kind = _kind(type(obj))
+        if kind is None:
+            continue
+        if kind == "parameter":
+            found.append((obj, Category.PARAMETERS))
+            if obj.grad is not None:
+                found.append((obj.grad, Category.GRADIENTS))
+        elif kind == "tensor":
+            found.append((obj, Category.OTHER))
+            if obj.grad_fn is not None:
+                graph_roots.append(obj.grad_fn)
+        elif kind == "module":
+            for b in obj._buffers.values():
+                if b is not None:
+                    found.append((b, Category.BUFFERS))
+        elif kind == "optimizer":
+            for state in obj.state.values():
+                for v in state.values() if isinstance(state, dict) else ():
+                    if isinstance(v, torch.Tensor):
+                        found.append((v, Category.OPTIMIZER_STATE))
+    seen: set[int] = set()
+    for root in graph_roots:
+        for t in _saved_tensors(root, seen):
+            found.append((t, Category.ACTIVATIONS))
+    return found
+
+
+class _Saved:
+    """What our pack hook hands autograd: the tensor itself, plus a note when autograd
+    lets go of it (its graph ran backward or was dropped)."""
+
+    __slots__ = ("tensor", "serial", "tracker")
+
+    def __init__(self, tensor: torch.Tensor, serial: int, tracker: StorageTracker) -> None:
+        self.tensor, self.serial, self.tracker = tensor, serial, tracker
+
+    def __del__(self) -> None:
+        self.tracker.saved(self.serial, -1)
+
+
+# -- role hooks ---------------------------------------------------------------------------
+class _RoleHooks:
+    """Global module / optimizer / saved-tensor hooks that tell the tracker what storages are."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        self.t = tracker
+        self.params: dict[int, weakref.ref] = {}  # tensors hash by id but compare elementwise
+        self._names: dict[int, str] = {}
+        self._handles: list = []
+        self._saved_ctx = None
+
+    def _pre_forward(self, module, args):
+        t = self.t
+        for p in module._parameters.values():
+            if p is not None:
+                t.note(p, Category.PARAMETERS)
+                self.params.setdefault(id(p), weakref.ref(p))
+                if p.grad is not None:
+                    t.note(p.grad, Category.GRADIENTS)
+        for b in module._buffers.values():
+            if b is not None:
+                t.note(b, Category.BUFFERS)
+        name = self._names.get(id(module))
+        if name is None:
+            name = type(module).__name__
+            if t.module_stack:
+                parent = self._parent
+                if parent is not None:
+                    for child_name, child in parent._modules.items():
+                        if child is module:
+                            name = child_name
+                            break
+            self._names[id(module)] = name
+        t.module_stack.append(name)
+        self._parents.append(module)
+
+    @property
+    def _parent(self):
+        return self._parents[-1] if self._parents else None
+
+    def _post_forward(self, module, args, output):
+        t = self.t
+        if t.module_stack:
+            t.module_stack.pop()
+        if self._parents:
+            self._parents.pop()
+        for b in module._buffers.values():  # BatchNorm replaces running stats in place or anew
+            if b is not None:
+                t.note(b, Category.BUFFERS)
+
+    def _optimizer(self, opt, args, kwargs, *, post: bool) -> None:
+        t = self.t
+        for group in opt.param_groups:
+            for p in group["params"]:
+                t.note(p, Category.PARAMETERS)
+                self.params.setdefault(id(p), weakref.ref(p))
+                if p.grad is not None:
+                    t.note(p.grad, Category.GRADIENTS)
+        for state in opt.state.values():
+            if isinstance(state, dict):
+                for v in state.values():
+                    t.note(v, Category.OPTIMIZER_STATE)
+        t.phase_override = None if post else "optimizer"
+
+    def _pack(self, tensor):
+        serial = self.t.serial_of(tensor)
+        if serial is None:
+            return tensor
+        self.t.saved(serial, +1)
+        return _Saved(tensor, serial, self.t)
+
+    @staticmethod
+    def _unpack(packed):
+        return packed.tensor if type(packed) is _Saved else packed
+
+    def install(self) -> None:
+        self._parents: list = []
+        reg = self._handles.append
+        reg(_module_mod.register_module_forward_pre_hook(self._pre_forward))
+        reg(_module_mod.register_module_forward_hook(self._post_forward, always_call=True))
+        reg(register_optimizer_step_pre_hook(lambda o, a, k: self._optimizer(o, a, k, post=False)))
+        reg(register_optimizer_step_post_hook(lambda o, a, k: self._optimizer(o, a, k, post=True)))
+        self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_ctx.__enter__()
+
+    def final_notes(self) -> None:
+        """At the end: gradients of every parameter seen are gradients."""
+        for ref in list(self.params.values()):
+            p = ref()
+            if p is not None and p.grad is not None:
+                self.t.note(p.grad, Category.GRADIENTS)
+
+    def uninstall(self) -> None:
+        try:
+            if self._saved_ctx is not None:
+                self._saved_ctx.__exit__(None, None, None)
+                self._saved_ctx = None
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+
+
+# -- the context manager the backends use -----------------------------------------------
+class Tracking:
+    """Track live storages while the body runs; ``result`` is set on exit (also on error).
+
+    Installs a dispatch mode, global module and optimizer hooks and saved-tensor hooks,
+    and removes all of them in ``finally``. Exceptions are never swallowed.
+    """
+
+    def __init__(self, include: IncludeFn, round_bytes: Callable[[int], int] = _identity,
+                 *, seed: bool = True) -> None:
+        self.tracker = StorageTracker(include, round_bytes)
+        self._hooks = _RoleHooks(self.tracker)
+        self._seed = seed
+        self.result: TrackResult | None = None
+        self.wall_s = 0.0
+        self._t0 = 0.0
+
+    def __enter__(self) -> "Tracking":
+        if self._seed:
+            self.tracker.seed(scan_existing())
+        self._hooks.install()
+        try:
+            self.tracker.__enter__()
+        except BaseException:
+            self._hooks.uninstall()
+            raise
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, et, ev, tb) -> bool:
+        self.wall_s = time.perf_counter() - self._t0
+        try:
+            self.tracker.__exit__(et, ev, tb)
+        finally:
+            try:
+                self._hooks.uninstall()
+            finally:
+                self._finish()
+        return False
+
+    def _finish(self) -> None:
+        t = self.tracker
+        try:
+            self._hooks.final_notes()
+        finally:
+            t.close()
+        self.result = TrackResult(
+            before=t.before["device"],
+            peak=t.peak["device"],
+            after=t.current["device"],
+            breakdown=t.breakdown_at(t.peak_event),
+            peak_op=t.peak_op,
+            peak_module=t.peak_module,
+            peak_phase=t.peak_phase,
+            host_before=t.before["host"],
+            host_peak=t.peak["host"],
+            host_after=t.current["host"],
+            ops=t.ops,
+            timeline=t.timeline(),
+        )
