@@ -123,12 +123,15 @@ class MemoryReport:
     gpu_memory: int | None = None
     error: str | None = None
     notes: tuple[str, ...] = ()
+    # (op index, live device bytes) through the run, thinned; empty where not tracked
+    timeline: tuple[tuple[int, int], ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {self.backend!r}")
         object.__setattr__(self, "breakdown", _frozen_breakdown(self.breakdown))
         object.__setattr__(self, "notes", tuple(self.notes))
+        object.__setattr__(self, "timeline", tuple(tuple(p) for p in self.timeline))
 
     # -- derived numbers ---------------------------------------------------------------
     @property

@@ -371,16 +371,22 @@ def scan_existing() -> list[tuple[torch.Tensor, Category]]:
 
 
 class _Saved:
-    """What our pack hook hands autograd: the tensor itself, plus a note when autograd
-    lets go of it (its graph ran backward or was dropped)."""
+    """What our pack hook hands autograd: the tensor itself, plus a note to each active
+    tracker when autograd lets go of it (its graph ran backward or was dropped)."""
 
-    __slots__ = ("tensor", "serial", "tracker")
+    __slots__ = ("tensor", "marks")
 
-    def __init__(self, tensor: torch.Tensor, serial: int, tracker: StorageTracker) -> None:
-        self.tensor, self.serial, self.tracker = tensor, serial, tracker
+    def __init__(self, tensor: torch.Tensor, marks: list[tuple[StorageTracker, int]]) -> None:
+        self.tensor, self.marks = tensor, marks
 
     def __del__(self) -> None:
-        self.tracker.saved(self.serial, -1)
+        for tracker, serial in self.marks:
+            tracker.saved(serial, -1)
+
+
+# Role hooks of the trackings running now, outermost first. Only the outermost installs
+# saved-tensor hooks (autograd calls only the innermost pack hook) and tells all of them.
+_ACTIVE: list["_RoleHooks"] = []
 
 
 # -- role hooks ---------------------------------------------------------------------------
@@ -419,6 +425,15 @@ class _RoleHooks:
         t.module_stack.append(name)
         self._parents.append(module)
 
+    def _param_registered(self, module, name, param):
+        if param is not None:
+            self.t.note(param, Category.PARAMETERS)
+            self.params.setdefault(id(param), weakref.ref(param))
+
+    def _buffer_registered(self, module, name, buffer):
+        if buffer is not None:
+            self.t.note(buffer, Category.BUFFERS)
+
     @property
     def _parent(self):
         return self._parents[-1] if self._parents else None
@@ -447,12 +462,15 @@ class _RoleHooks:
                     t.note(v, Category.OPTIMIZER_STATE)
         t.phase_override = None if post else "optimizer"
 
-    def _pack(self, tensor):
-        serial = self.t.serial_of(tensor)
-        if serial is None:
-            return tensor
-        self.t.saved(serial, +1)
-        return _Saved(tensor, serial, self.t)
+    @staticmethod
+    def _pack(tensor):
+        marks = []
+        for hooks in _ACTIVE:
+            serial = hooks.t.serial_of(tensor)
+            if serial is not None:
+                hooks.t.saved(serial, +1)
+                marks.append((hooks.t, serial))
+        return _Saved(tensor, marks) if marks else tensor
 
     @staticmethod
     def _unpack(packed):
@@ -461,22 +479,31 @@ class _RoleHooks:
     def install(self) -> None:
         self._parents: list = []
         reg = self._handles.append
+        reg(_module_mod.register_module_parameter_registration_hook(self._param_registered))
+        reg(_module_mod.register_module_buffer_registration_hook(self._buffer_registered))
         reg(_module_mod.register_module_forward_pre_hook(self._pre_forward))
         reg(_module_mod.register_module_forward_hook(self._post_forward, always_call=True))
         reg(register_optimizer_step_pre_hook(lambda o, a, k: self._optimizer(o, a, k, post=False)))
         reg(register_optimizer_step_post_hook(lambda o, a, k: self._optimizer(o, a, k, post=True)))
-        self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._saved_ctx.__enter__()
+        if not _ACTIVE:
+            self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_ctx.__enter__()
+        _ACTIVE.append(self)
 
     def final_notes(self) -> None:
         """At the end: gradients of every parameter seen are gradients."""
         for ref in list(self.params.values()):
             p = ref()
-            if p is not None and p.grad is not None:
+            if p is None:
+                continue
+            self.t.note(p, Category.PARAMETERS)  # .to()/.half() gave it a new storage
+            if p.grad is not None:
                 self.t.note(p.grad, Category.GRADIENTS)
 
     def uninstall(self) -> None:
         try:
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
             if self._saved_ctx is not None:
                 self._saved_ctx.__exit__(None, None, None)
                 self._saved_ctx = None

@@ -196,7 +196,7 @@ def _images(batch: int, shape: tuple[int, ...], classes: int):
 
 # size "test": a real CPU step well under a second (tests); "bench": heavier, for timing.
 CASES: dict[str, dict[str, Case]] = {"test": {}, "bench": {}}
-for _size, _k in (("test", 1), ("bench", 4)):
+for _size, _k in (("test", 1), ("bench", 2)):
     for _c in [
         Case("mlp", f"5-layer MLP, 784-{1024 * _k}x4-10, batch {64 * _k}",
              lambda k=_k: _mlp(1024 * k), _images(64 * _k, (1, 28, 28), 10), (64 * _k, 1, 28, 28)),

@@ -8,7 +8,8 @@ re-raises it after rendering). The simulated backend hands ``run`` a sandboxed n
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -30,12 +31,36 @@ class Outcome:
     error: BaseException | None = None
 
 
+class Measurement:
+    """What ``Backend.measuring()`` yields; ``report`` is set when the block exits."""
+
+    report: MemoryReport | None = None
+
+
 class Backend(ABC):
+    """Real-run backends implement :meth:`measuring`; the simulated one overrides
+    :meth:`execute` (it must hand the code a sandboxed namespace)."""
+
     name: str
 
-    @abstractmethod
+    def measuring(self) -> AbstractContextManager[Measurement]:
+        """A context manager measuring its body; the report is set on exit, also on error."""
+        raise NotImplementedError(
+            f"the {self.name} backend cannot measure a with-block; "
+            "pass a function to memmagic.measure() instead")
+
     def execute(self, run: Callable[[dict], Any], namespace: dict) -> Outcome:
         """Run ``run(ns)`` under measurement; never raises what ``run`` raised."""
+        __tracebackhide__ = True
+        value = error = None
+        holder = Measurement()
+        try:
+            with self.measuring() as holder:
+                value = run(namespace)
+        except BaseException as exc:  # handed back to the caller, who re-raises it
+            error = exc
+        assert holder.report is not None
+        return Outcome(holder.report, value, error)
 
     def measure(self, fn: Callable[[], Any]) -> Outcome:
         """Measure a zero-argument callable."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import platform
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
 from ..report import MemoryReport
 from ..tracking import Tracking
-from . import Backend, Outcome
+from . import Backend, Measurement
 
 __all__ = ["CPUBackend", "CPU_NOTES"]
 
@@ -37,21 +38,35 @@ class CPUBackend(Backend):
         if options:
             raise TypeError(f"the cpu backend takes no options, got {sorted(options)}")
 
-    def execute(self, run: Callable[[dict], Any], namespace: dict) -> Outcome:
+    @contextmanager
+    def measuring(self) -> Iterator[Measurement]:
+        __tracebackhide__ = True
+        holder = Measurement()
         tracking = Tracking(_on_cpu)
-        value = error = None
+        error = None
         try:
             with tracking:
-                value = run(namespace)
-        except BaseException as exc:  # re-raised by the caller after rendering
+                yield holder
+        except BaseException as exc:
             error = exc
-        return Outcome(report_from_tracking(tracking, "cpu", f"cpu ({_cpu_name()})",
-                                            CPU_NOTES, error), value, error)
+            raise
+        finally:
+            holder.report = report_from_tracking(
+                tracking, "cpu", f"cpu ({_cpu_name()})", CPU_NOTES, error)
+
+
+def error_text(error: BaseException | None) -> str | None:
+    """``'Type: message'`` (first line only) for a report, None when there was no error."""
+    if error is None:
+        return None
+    msg = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {msg[0]}" if msg else type(error).__name__
 
 
 def report_from_tracking(tracking: Tracking, backend: str, device: str,
                          notes: tuple[str, ...], error: BaseException | None,
                          **extra: Any) -> MemoryReport:
+    """A MemoryReport from a finished :class:`Tracking` (the cpu and sim backends)."""
     r = tracking.result
     assert r is not None
     notes = tuple(notes)
@@ -61,6 +76,5 @@ def report_from_tracking(tracking: Tracking, backend: str, device: str,
         backend=backend, device=device, before=r.before, peak=r.peak, after=r.after,
         wall_s=tracking.wall_s, breakdown=r.breakdown, peak_op=r.peak_op,
         peak_module=r.peak_module,
-        error=None if error is None else f"{type(error).__name__}: {error}".strip(": "),
-        notes=notes, **extra,
+        error=error_text(error), notes=notes, timeline=tuple(r.timeline), **extra,
     )

@@ -20,13 +20,15 @@ Instead:
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
 from ..report import MemoryReport
 from ..tracking import Tracking
-from . import Backend, BackendUnavailable, Outcome, cuda_usable
+from . import Backend, BackendUnavailable, Measurement, cuda_usable
+from .cpu import error_text
 
 __all__ = ["CUDABackend", "AllocatorProbe", "replay_peak", "CUDA_NOTES"]
 
@@ -48,6 +50,11 @@ def replay_peak(start: int, events: list[tuple[str, int]], up: set[str], down: s
         elif action in down:
             cur -= size
     return peak
+
+
+def round_512(n: int) -> int:
+    """What the CUDA caching allocator holds for an n-byte request (multiples of 512)."""
+    return -(-n // 512) * 512
 
 
 _ALLOC_UP, _ALLOC_DOWN = {"alloc"}, {"free_completed"}
@@ -127,35 +134,43 @@ class CUDABackend(Backend):
         d = t.device
         return "device" if d.type == "cuda" and (d.index or 0) == self.device else None
 
-    def execute(self, run: Callable[[dict], Any], namespace: dict) -> Outcome:
+    @contextmanager
+    def measuring(self) -> Iterator[Measurement]:
+        __tracebackhide__ = True
         probe = self.probe
+        holder = Measurement()
         probe.synchronize()
         a0, m0, r0, mr0 = probe.counters()
-        tracking = Tracking(self._include, lambda n: -(-n // 512) * 512) if self.breakdown else None
-        value = error = None
+        tracking = (Tracking(self._include, round_512) if self.breakdown else None)
+        error: BaseException | None = None
+        events = None
         t0 = time.perf_counter()
         probe.start_trace()
-        events = None
         try:
-            try:
-                if tracking is None:
-                    value = run(namespace)
-                else:
-                    with tracking:
-                        value = run(namespace)
-            except BaseException as exc:
-                error = exc
-            try:
-                probe.synchronize()
-            except BaseException as exc:  # an asynchronous kernel error surfaces here
-                error = error or exc
+            if tracking is None:
+                yield holder
+            else:
+                with tracking:
+                    yield holder
+            probe.synchronize()  # an asynchronous kernel error surfaces here
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
+            wall_s = time.perf_counter() - t0
             events = probe.stop_trace()
-        wall_s = time.perf_counter() - t0
-        a1, m1, r1, mr1 = probe.counters()
+            holder.report = self._report(probe, (a0, m0, r0, mr0), probe.counters(), events,
+                                         tracking, wall_s, error)
+
+    def _report(self, probe: "AllocatorProbe", start: tuple[int, int, int, int],
+                end: tuple[int, int, int, int], events: list[tuple[str, int]] | None,
+                tracking: Tracking | None, wall_s: float,
+                error: BaseException | None) -> MemoryReport:
+        a0, m0, r0, mr0 = start
+        a1, m1, r1, mr1 = end
         notes = list(CUDA_NOTES)
         tr = tracking.result if tracking is not None else None
-        if m1 > m0:
+        if m1 > m0:  # a new all-time peak: the counter is exact
             peak = m1
         elif events is not None:
             peak = replay_peak(a0, events, _ALLOC_UP, _ALLOC_DOWN)
@@ -175,12 +190,10 @@ class CUDABackend(Backend):
         else:
             breakdown = {}
             notes.append("no breakdown (breakdown=False)")
-        report = MemoryReport(
+        return MemoryReport(
             backend="cuda", device=f"cuda:{self.device} ({probe.name()})", before=a0,
             peak=peak, after=a1, wall_s=wall_s, breakdown=breakdown, reserved_peak=reserved,
             reserved_after=r1, peak_op=tr.peak_op if tr else None,
-            peak_module=tr.peak_module if tr else None,
-            error=None if error is None else f"{type(error).__name__}: {error}".strip(": "),
-            notes=tuple(notes),
+            peak_module=tr.peak_module if tr else None, error=error_text(error),
+            notes=tuple(notes), timeline=tuple(tr.timeline) if tr else (),
         )
-        return Outcome(report, value, error)

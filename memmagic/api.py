@@ -1,0 +1,57 @@
+"""The Python API for scripts: ``measure(fn)`` and ``with track() as m: ...``.
+
+Knows nothing of IPython.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from .backends import Measurement, get_backend
+from .report import MemoryReport
+
+__all__ = ["measure", "track"]
+
+
+def measure(fn: Callable[[], Any], *, backend: str = "auto", **options: Any) -> MemoryReport:
+    """Run ``fn()`` and return the :class:`MemoryReport` of what it did to memory.
+
+    ``backend`` is "auto" (cuda when a GPU is usable, else cpu), "cuda", "cpu" or "sim".
+    If ``fn`` raises, the same exception propagates with the report up to the failure
+    attached as ``exc.memmagic_report``.
+    """
+    if not callable(fn):
+        raise TypeError(f"measure() needs a function to call, got {type(fn).__name__}")
+    outcome = get_backend(backend, **options).measure(fn)
+    if outcome.error is not None:
+        _attach(outcome.error, outcome.report)
+        raise outcome.error
+    return outcome.report
+
+
+@contextmanager
+def track(*, backend: str = "auto", **options: Any) -> Iterator[Measurement]:
+    """Measure a with-block on a real device (cuda or cpu); ``m.report`` is set on exit.
+
+    >>> with track(backend="cpu") as m:
+    ...     y = torch.ones(1024)
+    >>> m.report.increment
+    4096
+    """
+    be = get_backend(backend, **options)
+    holder = None
+    try:
+        with be.measuring() as holder:
+            yield holder
+    except BaseException as exc:
+        if holder is not None and holder.report is not None:
+            _attach(exc, holder.report)
+        raise
+
+
+def _attach(error: BaseException, report: MemoryReport) -> None:
+    try:
+        error.memmagic_report = report  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        pass

@@ -1,0 +1,186 @@
+"""The ``%%gpumem`` / ``%gpumem`` magic: argument parsing and rendering only."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gc
+import re
+import sys
+import traceback
+from dataclasses import replace
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+
+from .backends import BACKEND_NAMES, BackendUnavailable, cuda_usable, get_backend
+from .report import MemoryReport, format_bytes, parse_bytes
+
+__all__ = ["MemMagics"]
+
+_OOM_TEXT = re.compile(r"out of memory|can't allocate memory", re.I)
+_REQUESTED = re.compile(r"(?:Tried to allocate|you tried to allocate)\s+([\d.]+\s*[KMGTP]?i?B|\d+ bytes)", re.I)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and bool(_OOM_TEXT.search(str(error))))
+
+
+@magics_class
+class MemMagics(Magics):
+    """Holds the magic; the measuring happens in :mod:`memmagic.backends`."""
+
+    @magic_arguments()
+    @argument("--backend", choices=BACKEND_NAMES, default="auto",
+              help="Where to measure: cuda (real GPU allocator), cpu (real run on the CPU, "
+                   "tensors tracked op by op), sim (simulated CUDA GPU on fake tensors, no GPU "
+                   "needed), auto (cuda when a GPU is usable, else cpu). Default: auto.")
+    @argument("--device", type=int, default=None, metavar="N",
+              help="CUDA device index for --backend cuda (default: the current device).")
+    @argument("--gpu", default=None, metavar="NAME",
+              help="Target GPU for --backend sim, e.g. T4, A100-40GB, RTX4090, laptop-6GB: "
+                   "the report says whether the cell fits.")
+    @argument("--gpu-memory", default=None, metavar="SIZE",
+              help="Target GPU memory for --backend sim, e.g. 10GiB.")
+    @argument("--no-breakdown", action="store_true",
+              help="cuda only: skip the per-category breakdown (lowest overhead).")
+    @argument("--no-chart", action="store_true", help="Do not draw the breakdown chart.")
+    @argument("-o", "--output", action="store_true", help="Return the MemoryReport.")
+    @argument("-v", "--var", default=None, metavar="NAME",
+              help="Store the MemoryReport in the variable NAME.")
+    @argument("-q", "--quiet", action="store_true", help="Print nothing.")
+    @argument("statement", nargs=argparse.REMAINDER,
+              help="Line magic: the statement to measure.")
+    @line_cell_magic
+    def gpumem(self, line: str = "", cell: str | None = None) -> MemoryReport | None:
+        """Measure what a cell (or one statement) does to GPU memory.
+
+        Reports the peak, the memory left allocated (retained) and a breakdown at the peak
+        into parameters, buffers, gradients, optimizer state, activations (tensors saved for
+        backward) and other (inputs, outputs, temporaries). Sizes are bytes of tensor memory
+        on the measured device; the CUDA context and other processes are never included.
+
+        Examples::
+
+            %%gpumem
+            loss = model(x).sum(); loss.backward()
+
+            %%gpumem --backend sim --gpu T4 -o
+            ...code written for a GPU...
+
+            %gpumem -v r y = model(x)
+        """
+        __tracebackhide__ = True
+        try:
+            args = parse_argstring(self.gpumem, line)
+        except UsageError as exc:
+            raise UsageError(f"{exc} (see %%gpumem? for the options)") from None
+        source = " ".join(args.statement) if cell is None else cell
+        if cell is not None and args.statement:
+            raise UsageError(
+                f"unexpected {' '.join(args.statement)!r} after %%gpumem: options start with '-', "
+                "the code goes in the cell body")
+        if not source.strip():
+            raise UsageError("nothing to measure: use %gpumem STATEMENT or put code in a %%gpumem cell")
+        if args.var is not None and not args.var.isidentifier():
+            raise UsageError(f"-v needs a Python variable name, not {args.var!r}")
+        backend = self._backend(args)
+        run = self._compile(source)
+        outcome = backend.execute(run, self.shell.user_ns)
+        report = outcome.report
+        if args.backend == "auto" and backend.name == "cpu":
+            report = replace(report, notes=report.notes + (
+                "auto picked the cpu backend: no usable CUDA GPU here "
+                "(use --backend sim to predict what a GPU would use)",))
+        if args.var:
+            self.shell.user_ns[args.var] = report
+        if outcome.error is None and outcome.value is not None and not args.quiet:
+            display(outcome.value)
+        if not args.quiet:
+            self._render(report, chart=not args.no_chart)
+        if outcome.error is not None:
+            error = outcome.error
+            if is_out_of_memory(error):
+                self._after_oom(error, report, quiet=args.quiet)
+            raise error
+        return report if args.output else None
+
+    # -- helpers -------------------------------------------------------------------------
+    def _backend(self, args: argparse.Namespace):
+        name = args.backend
+        if name != "sim" and (args.gpu or args.gpu_memory):
+            raise UsageError("--gpu and --gpu-memory pick a target for the simulation: add --backend sim")
+        if args.device is not None and name not in ("cuda", "auto"):
+            raise UsageError("--device picks a CUDA device: use it with --backend cuda")
+        options: dict[str, Any] = {}
+        if name == "sim":
+            if args.gpu:
+                options["gpu"] = args.gpu
+            if args.gpu_memory:
+                try:
+                    options["gpu_memory"] = parse_bytes(args.gpu_memory)
+                except ValueError as exc:
+                    raise UsageError(f"--gpu-memory: {exc}") from None
+        if name == "cuda" or (name == "auto" and cuda_usable()):
+            if args.device is not None:
+                options["device"] = args.device
+            if args.no_breakdown:
+                options["breakdown"] = False
+        elif args.no_breakdown:
+            raise UsageError("--no-breakdown applies to --backend cuda only")
+        try:
+            return get_backend(name, **options)
+        except (BackendUnavailable, ValueError, TypeError) as exc:
+            raise UsageError(str(exc)) from None
+
+    def _compile(self, source: str):
+        shell = self.shell
+        transformed = shell.transform_cell(source)
+        try:
+            tree = shell.compile.ast_parse(transformed)
+        except SyntaxError:
+            # Let IPython show the syntax error the way it shows any cell's.
+            raise
+        tree = shell.transform_ast(tree)
+        filename = shell.compile.cache(transformed, shell.execution_count)
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        body = shell.compile(tree, filename, "exec")
+        tail = shell.compile(last, filename, "eval") if last is not None else None
+
+        def run(ns: dict) -> Any:
+            __tracebackhide__ = True
+            exec(body, ns)
+            return eval(tail, ns) if tail is not None else None
+
+        return run
+
+    def _render(self, report: MemoryReport, *, chart: bool) -> None:
+        display(report)
+        if chart and getattr(self.shell, "kernel", None) is not None:
+            from .plots import breakdown_figure
+
+            display(breakdown_figure(report))
+
+    @staticmethod
+    def _after_oom(error: BaseException, report: MemoryReport, *, quiet: bool) -> None:
+        """Free what the failed cell's frames hold so the next cell can run, and say so."""
+        traceback.clear_frames(error.__traceback__)
+        gc.collect()
+        if quiet:
+            return
+        m = _REQUESTED.search(str(error))
+        requested = m.group(1) if m else "an unknown amount"
+        print(
+            f"memmagic: out of memory on {report.device}: tried to allocate {requested} while "
+            f"{format_bytes(report.after)} of tensors were live (peak {format_bytes(report.peak)}). "
+            "The failed cell's local variables were released.",
+            file=sys.stderr,
+        )

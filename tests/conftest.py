@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def _shell():
+    from IPython.testing.globalipapp import start_ipython
+
+    return start_ipython()
+
+
+@pytest.fixture
+def ip(_shell):
+    """A real IPython InteractiveShell with memmagic loaded and a clean namespace."""
+    _shell.run_line_magic("load_ext", "memmagic")
+    _shell.run_cell("import torch")
+    yield _shell
+    _shell.run_line_magic("unload_ext", "memmagic")
+    _shell.reset(new_session=False)
+    gc.collect()
+
+
+def global_state() -> dict:
+    """Every piece of global torch state memmagic could touch."""
+    from memmagic import _torch_private as priv
+
+    return {
+        "dispatch_modes": priv.dispatch_mode_depth(),
+        "function_mode": priv.function_mode_enabled(),
+        "saved_tensor_hooks": priv.saved_tensors_hooks_top(),
+        "module_hooks": priv.global_module_hook_counts(),
+        "optimizer_hooks": priv.global_optimizer_hook_counts(),
+        "autocast_cpu": torch.is_autocast_enabled("cpu"),
+        "autocast_cuda": torch.is_autocast_enabled("cuda"),
+        "default_device": str(torch.get_default_device()),
+        "default_dtype": torch.get_default_dtype(),
+        "grad_enabled": torch.is_grad_enabled(),
+    }
+
+
+@pytest.fixture
+def clean_state():
+    """Asserts the test leaves torch's global state exactly as it found it."""
+    before = global_state()
+    yield before
+    assert global_state() == before

@@ -1,0 +1,117 @@
+"""The CUDA backend's peak logic against a scripted allocator, and on a real GPU when present."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memmagic.backends.cuda import CUDABackend, replay_peak
+
+
+class FakeProbe:
+    """Plays a scripted allocator: counters at start and end, and a trace of events."""
+
+    def __init__(self, start, end, events, *, overflow=False):
+        self.device = 0
+        self.start, self.end, self.events, self.overflow = start, end, events, overflow
+        self.calls = []
+        self._n = 0
+
+    def name(self):
+        return "Fake GPU"
+
+    def synchronize(self):
+        self.calls.append("sync")
+
+    def counters(self):
+        self._n += 1
+        return self.start if self._n == 1 else self.end
+
+    def start_trace(self):
+        self.calls.append("start_trace")
+
+    def stop_trace(self):
+        self.calls.append("stop_trace")
+        return None if self.overflow else list(self.events)
+
+
+MiB = 2**20
+
+
+def run(probe, fn=lambda: None, **kw):
+    return CUDABackend(probe=probe, breakdown=False, **kw).measure(fn)
+
+
+def test_new_all_time_peak_comes_from_the_counter():
+    probe = FakeProbe((10 * MiB, 10 * MiB, 20 * MiB, 20 * MiB), (12 * MiB, 50 * MiB, 60 * MiB, 60 * MiB), [])
+    r = run(probe).report
+    assert (r.before, r.peak, r.after, r.reserved_peak) == (10 * MiB, 50 * MiB, 12 * MiB, 60 * MiB)
+    assert r.increment == 40 * MiB and r.retained == 2 * MiB
+
+
+def test_peak_below_an_earlier_one_is_replayed_from_the_trace():
+    # max_memory_allocated was 100 MiB before the cell and stays: the counter cannot tell
+    events = [("alloc", 8 * MiB), ("segment_alloc", 20 * MiB), ("alloc", 4 * MiB),
+              ("free_requested", 8 * MiB), ("free_completed", 8 * MiB), ("alloc", 2 * MiB),
+              ("segment_free", 20 * MiB)]
+    probe = FakeProbe((10 * MiB, 100 * MiB, 30 * MiB, 120 * MiB), (16 * MiB, 100 * MiB, 30 * MiB, 120 * MiB), events)
+    r = run(probe).report
+    assert r.peak == 10 * MiB + 12 * MiB
+    assert r.reserved_peak == 50 * MiB
+    assert "start_trace" in probe.calls and "stop_trace" in probe.calls
+
+
+def test_overflowed_trace_is_said_in_the_notes():
+    probe = FakeProbe((10 * MiB, 100 * MiB, 30 * MiB, 120 * MiB), (10 * MiB, 100 * MiB, 30 * MiB, 120 * MiB), [],
+                      overflow=True)
+    r = run(probe).report
+    assert any("trace overflowed" in n for n in r.notes)
+
+
+def test_failure_still_reports_and_stops_the_trace():
+    probe = FakeProbe((0, 0, 0, 0), (MiB, 2 * MiB, 2 * MiB, 2 * MiB), [])
+
+    def boom():
+        raise ValueError("x")
+    out = run(probe, boom)
+    assert isinstance(out.error, ValueError) and out.report.error == "ValueError: x"
+    assert probe.calls[-1] == "stop_trace"
+
+
+def test_replay_peak():
+    assert replay_peak(5, [("alloc", 3), ("free_completed", 3), ("alloc", 1)], {"alloc"}, {"free_completed"}) == 8
+
+
+def test_cuda_backend_never_resets_the_peak_counters(monkeypatch):
+    called = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: called.append(1))
+    probe = FakeProbe((0, 0, 0, 0), (0, 0, 0, 0), [])
+    run(probe)
+    assert called == []
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+def test_real_gpu_peak_and_outer_reading_stay_right():
+    from memmagic import measure
+
+    torch.cuda.reset_peak_memory_stats()
+    big = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    del big
+    outer_peak = torch.cuda.max_memory_allocated()
+    r = measure(lambda: torch.ones(1 * MiB, dtype=torch.uint8, device="cuda").sum(), backend="cuda")
+    assert torch.cuda.max_memory_allocated() == outer_peak  # the user's reading survives
+    assert r.increment >= MiB and r.peak < outer_peak
+
+
+@cuda
+def test_real_gpu_nested_measurements():
+    from memmagic import measure
+
+    def inner():
+        x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+        return measure(lambda: torch.empty(32 * MiB, dtype=torch.uint8, device="cuda"), backend="cuda"), x
+
+    outer = measure(lambda: inner(), backend="cuda")
+    assert outer.increment >= 96 * MiB
