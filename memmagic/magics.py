@@ -165,9 +165,9 @@ class MemMagics(Magics):
     def _render(self, report: MemoryReport, *, chart: bool) -> None:
         display(report)
         if chart and getattr(self.shell, "kernel", None) is not None:
-            from .plots import breakdown_figure
+            from .plots import breakdown_chart
 
-            display(breakdown_figure(report))
+            display(breakdown_chart(report))
 
     @staticmethod
     def _after_oom(error: BaseException, report: MemoryReport, *, quiet: bool) -> None:

@@ -9,7 +9,7 @@ from .report import Category, MemoryReport, format_bytes
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["plot_breakdown", "breakdown_figure"]
+__all__ = ["plot_breakdown", "breakdown_figure", "breakdown_chart", "Chart"]
 
 COLORS = {
     Category.PARAMETERS.value: "#4c78a8",
@@ -68,3 +68,25 @@ def breakdown_figure(report: MemoryReport, **kwargs: Any):
     fig = Figure(figsize=(7, 1.8), layout="constrained")
     plot_breakdown(report, fig.add_subplot(), **kwargs)
     return fig
+
+
+class Chart:
+    """A figure shown as PNG, with a stable one-line text repr (what nbval compares)."""
+
+    def __init__(self, figure, text: str) -> None:
+        self.figure, self.text = figure, text
+
+    def _repr_png_(self) -> bytes:
+        import io
+
+        buf = io.BytesIO()
+        self.figure.savefig(buf, format="png", dpi=100, metadata={"Software": None})
+        return buf.getvalue()
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def breakdown_chart(report: MemoryReport) -> Chart:
+    """The breakdown chart of ``report`` as a displayable :class:`Chart`."""
+    return Chart(breakdown_figure(report), f"<memmagic chart: breakdown at peak ({report.backend})>")

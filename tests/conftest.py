@@ -48,3 +48,9 @@ def clean_state():
     before = global_state()
     yield before
     assert global_state() == before
+
+
+def pytest_collection_finish(session):
+    """Collecting no tests is a failure, never a silent green run."""
+    if not session.items:
+        raise pytest.UsageError("no tests were collected: check testpaths in pyproject.toml")
