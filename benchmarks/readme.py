@@ -1,0 +1,82 @@
+"""``python -m benchmarks.readme``: regenerate the benchmark tables in README.md.
+
+Only the text between ``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->`` is
+replaced, from the latest full (non-quick) results file of each kind (cpu, gpu) in
+results/. Each table says the machine, torch version and date it was taken on. Without
+the markers (or without README.md) the tables are printed instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .render import markdown_results
+
+__all__ = ["latest_results", "update_readme", "main", "START", "END"]
+
+ROOT = Path(__file__).resolve().parent.parent
+START = "<!-- benchmarks:start -->"
+END = "<!-- benchmarks:end -->"
+
+
+def latest_results(results_dir: Path, *, include_quick: bool = False) -> list[dict[str, Any]]:
+    """The newest results file of each kind (by the date recorded inside), cpu first."""
+    best: dict[str, dict[str, Any]] = {}
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or "figures" not in data or "date" not in data:
+            continue
+        if data.get("quick") and not include_quick:
+            continue
+        data.setdefault("file", f"results/{path.name}")
+        kind = data.get("kind", "cpu")
+        if kind not in best or data["date"] > best[kind]["date"]:
+            best[kind] = data
+    return [best[k] for k in sorted(best, key=lambda k: (k != "cpu", k))]
+
+
+def update_readme(text: str, tables: str) -> str | None:
+    """``text`` with the block between the markers replaced; None if the markers are absent."""
+    start = text.find(START)
+    end = text.find(END, start + len(START)) if start >= 0 else -1
+    if start < 0 or end < 0:
+        return None
+    return text[: start + len(START)] + "\n" + tables + text[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.readme", description=__doc__)
+    p.add_argument("--results", type=Path, default=ROOT / "results")
+    p.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    p.add_argument("--include-quick", action="store_true",
+                   help="also use quick-mode results (never for the README of a release)")
+    p.add_argument("--print", action="store_true", help="print the tables, change nothing")
+    args = p.parse_args(argv)
+    results = latest_results(args.results, include_quick=args.include_quick)
+    if not results:
+        print(f"no results in {args.results}: run `python -m benchmarks` first", file=sys.stderr)
+        return 1
+    tables = markdown_results(results)
+    text = None if args.print or not args.readme.exists() else args.readme.read_text(encoding="utf-8")
+    new = update_readme(text, tables) if text is not None else None
+    if new is None:
+        if not args.print:
+            print(f"{args.readme.name}: no {START} ... {END} markers; the tables are below",
+                  file=sys.stderr)
+        sys.stdout.write(tables)
+        return 0
+    if new != text:
+        args.readme.write_text(new, encoding="utf-8")
+    print(f"updated {args.readme} from {', '.join(r['file'] for r in results)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""The entry point: ``python -m benchmarks [--quick] [--gpu] [--out DIR] [--only a,b,...]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import Figure, machine_info, now_iso, slug
+
+__all__ = ["main", "write_results", "RESULTS_DIR"]
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
+FIGURES = ("a", "b", "c", "d", "e")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    p.add_argument("--quick", action="store_true",
+                   help="two small cases (test size), checkpointing off, few repetitions")
+    p.add_argument("--gpu", action="store_true",
+                   help="the CUDA figures (skips cleanly without a usable GPU)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the JSON (default: results/)")
+    p.add_argument("--only", default=",".join(FIGURES),
+                   help="comma-separated figures to run, from a,b,c,d,e (default: all)")
+    p.add_argument("--reps", type=int, default=None, help="pairs per timing (default 5, quick 3)")
+    p.add_argument("--whatif-probe", default="sim-rerun", help="what the what-if figure times")
+    return p
+
+
+def write_results(figures: list[Figure], *, kind: str, quick: bool, out: Path,
+                  command: str, started: float, extra: dict[str, Any] | None = None) -> Path:
+    machine = machine_info()
+    ident = slug(machine["gpu"]) if kind == "gpu" and machine["gpu"] else f"{slug(machine['cpu'])}-{machine['cores']}c"
+    name = f"{'quick-' if quick else ''}{kind}-{ident}"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    data = {
+        "name": name, "file": f"results/{path.name}", "kind": kind, "quick": quick,
+        "command": command, "date": now_iso(), "elapsed_s": round(time.perf_counter() - started, 1),
+        "machine": machine, **(extra or {}),
+        "figures": {f.key: f.to_dict() for f in figures},
+    }
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    command = "python -m benchmarks" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
+    if args.gpu:
+        from .gpu import run_gpu
+
+        return run_gpu(args, command)
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    if not only <= set(FIGURES):
+        raise SystemExit(f"--only takes figures from {','.join(FIGURES)}, got {args.only!r}")
+
+    import torch
+
+    from . import figures as F
+    from .cases import ALL_CASES, QUICK_CASES, REAL_CPU_CASES, Config, matrix
+    from .render import text_table
+
+    started = time.perf_counter()
+    torch.manual_seed(0)
+    size = "test" if args.quick else "bench"
+    reps = args.reps or (3 if args.quick else 5)
+    real = matrix(QUICK_CASES if args.quick else REAL_CPU_CASES, size, quick=args.quick)
+    every = real if args.quick else matrix(ALL_CASES, size)
+    figs: list[Figure] = []
+
+    def show(fig: Figure) -> None:
+        figs.append(fig)
+        print(text_table(fig.to_dict()), flush=True)
+        print(flush=True)
+
+    print(f"memmagic benchmarks ({'quick' if args.quick else 'full'}, zoo size {size!r}) on "
+          f"{machine_info()['label']}, torch {torch.__version__}", flush=True)
+    if "a" in only:
+        show(F.overhead(real, reps))
+        show(F.overhead_profile(Config("transformer", False, False, size), reps))
+    if "b" in only:
+        show(F.sim_speed(every, max(1, reps - 2)))
+    truth: dict = {}
+    if "c" in only or "d" in only:
+        fig_c, truth = F.accuracy(real)
+        if "c" in only:
+            show(fig_c)
+    if "d" in only:
+        show(F.peers(every, truth))
+    if "e" in only:
+        show(F.whatif(Config("transformer", False, False, size), 5 if args.quick else 20,
+                      args.whatif_probe))
+    path = write_results(figs, kind="cpu", quick=args.quick, out=args.out, command=command,
+                         started=started, extra={"size": size, "reps": reps})
+    misses = [f.key for f in figs if f.status == "miss"]
+    print(f"wrote {path} in {time.perf_counter() - started:.0f} s; "
+          f"targets missed: {', '.join(misses) if misses else 'none'}", flush=True)
+    return 0
