@@ -116,8 +116,9 @@ class MemMagics(Magics):
         name = args.backend
         if name != "sim" and (args.gpu or args.gpu_memory):
             raise UsageError("--gpu and --gpu-memory pick a target for the simulation: add --backend sim")
-        if args.device is not None and name not in ("cuda", "auto"):
-            raise UsageError("--device picks a CUDA device: use it with --backend cuda")
+        real_cuda = name == "cuda" or (name == "auto" and cuda_usable())
+        if args.device is not None and not real_cuda:
+            raise UsageError("--device picks a CUDA device: use it with --backend cuda on a GPU machine")
         options: dict[str, Any] = {}
         if name == "sim":
             if args.gpu:
@@ -127,7 +128,7 @@ class MemMagics(Magics):
                     options["gpu_memory"] = parse_bytes(args.gpu_memory)
                 except ValueError as exc:
                     raise UsageError(f"--gpu-memory: {exc}") from None
-        if name == "cuda" or (name == "auto" and cuda_usable()):
+        if real_cuda:
             if args.device is not None:
                 options["device"] = args.device
             if args.no_breakdown:
@@ -142,12 +143,7 @@ class MemMagics(Magics):
     def _compile(self, source: str):
         shell = self.shell
         transformed = shell.transform_cell(source)
-        try:
-            tree = shell.compile.ast_parse(transformed)
-        except SyntaxError:
-            # Let IPython show the syntax error the way it shows any cell's.
-            raise
-        tree = shell.transform_ast(tree)
+        tree = shell.transform_ast(shell.compile.ast_parse(transformed))
         filename = shell.compile.cache(transformed, shell.execution_count)
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):

@@ -295,19 +295,17 @@ _KIND_CACHE: dict[type, str | None] = {}
 
 
 def _kind(tp: type) -> str | None:
-    kind = _KIND_CACHE.get(tp, "?")
-    if kind == "?":
-        if issubclass(tp, torch.nn.Parameter):
-            kind = "parameter"
-        elif issubclass(tp, torch.Tensor):
-            kind = "tensor"
-        elif issubclass(tp, torch.nn.Module):
-            kind = "module"
-        elif issubclass(tp, Optimizer):
-            kind = "optimizer"
-        else:
-            kind = None
-        _KIND_CACHE[tp] = kind
+    if issubclass(tp, torch.nn.Parameter):
+        kind = "parameter"
+    elif issubclass(tp, torch.Tensor):
+        kind = "tensor"
+    elif issubclass(tp, torch.nn.Module):
+        kind = "module"
+    elif issubclass(tp, Optimizer):
+        kind = "optimizer"
+    else:
+        kind = None
+    _KIND_CACHE[tp] = kind
     return kind
 
 
@@ -342,10 +340,15 @@ def scan_existing() -> list[tuple[torch.Tensor, Category]]:
     """
     found: list[tuple[torch.Tensor, Category]] = []
     graph_roots = []
-    for obj in gc.get_objects():
-        kind = _kind(type(obj))
+    cache = _KIND_CACHE
+    for obj in gc.get_objects():  # the hot loop of a scan: one dict lookup per object
+        kind = cache.get(type(obj), "?")
         if kind is None:
             continue
+        if kind == "?":
+            kind = _kind(type(obj))
+            if kind is None:
+                continue
         if kind == "parameter":
             found.append((obj, Category.PARAMETERS))
             if obj.grad is not None:

@@ -148,6 +148,7 @@ def test_nested_activations_seen_by_both(ip):
     ("--backend tpu", "invalid choice"),
     ("--backend cpu --gpu T4", "add --backend sim"),
     ("--backend cpu --device 1", "--backend cuda"),
+    ("--backend sim --device 1", "--backend cuda"),
     ("--backend cpu -v 1x", "variable name"),
     ("--backend cpu --no-breakdown", "cuda only"),
 ])
@@ -167,6 +168,11 @@ def test_cuda_backend_without_gpu_is_a_usage_error(ip):
 
     with pytest.raises(UsageError, match="--backend cpu"):
         ip.run_cell_magic("gpumem", "--backend cuda", "x = 1")
+
+
+def test_syntax_error_in_the_cell_is_reported_like_any_cell(ip):
+    res = ip.run_cell("%%gpumem --backend cpu -q\nx = (")
+    assert isinstance(res.error_in_exec, SyntaxError)
 
 
 def test_empty_cell_is_a_usage_error(ip):
