@@ -60,3 +60,119 @@ def global_optimizer_hook_counts() -> dict[str, int]:
 def storage_key(storage: torch.UntypedStorage) -> int:
     """A key for a storage that is unique while the storage lives (its StorageImpl address)."""
     return storage._cdata
+
+
+# --- simulated device ---
+# Private PyTorch APIs the simulated CUDA device (memmagic.backends.sim) relies on.
+# Tested in tests/test_torch_private_sim.py.
+
+import torch.utils._device as _device_mod  # noqa: E402
+from torch._subclasses.fake_tensor import (  # noqa: E402
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+
+__all__ += [
+    "FakeTensor", "FakeTensorMode", "DataDependentOutputException",
+    "DynamicOutputShapeException", "UnsupportedOperatorException", "is_fake", "new_fake_mode",
+    "fake_copy", "forget_fake_memo", "exclude_autocast_cpu", "has_kernel", "parse_to",
+    "device_constructors", "function_mode_depth", "optimizer_modules_with_default_foreach",
+    "single_process_loader_iter", "autocast_cpu_excluded",
+]
+
+
+def is_fake(t: object) -> bool:
+    """Whether ``t`` is a FakeTensor (a tensor with metadata but no data)."""
+    return isinstance(t, FakeTensor)
+
+
+def new_fake_mode() -> FakeTensorMode:
+    """A FakeTensorMode that also accepts real tensors (they are fakeified on use)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_copy(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    """A fake twin of a real tensor (same sizes, strides, dtype, requires_grad, .grad,
+    Parameter-ness). Tensors of at most one element keep their value as a constant, so
+    reading them (an optimizer's step count) gives the real number."""
+    if t.numel() <= 1 and t.device.type == "cpu" and not t.requires_grad and t.layout == torch.strided:
+        return mode.fake_tensor_converter.from_real_tensor(mode, t, make_constant=True)
+    return mode.from_tensor(t)
+
+
+def forget_fake_memo(mode: FakeTensorMode) -> None:
+    """Drop the real->fake memo of ``mode`` so fake copies live only as long as their users
+    (otherwise ``del x`` of a fake copy would never free it in the simulation)."""
+    conv = mode.fake_tensor_converter
+    conv.tensor_memo.clear()
+    conv.meta_converter.tensor_memo.clear()
+    conv.meta_converter.storage_memo.clear()
+
+
+def exclude_autocast_cpu():
+    """Context manager: the AutocastCPU dispatch key is skipped (to call the op below it)."""
+    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU))
+
+
+def autocast_cpu_excluded() -> bool:
+    return torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutocastCPU)
+
+
+def has_kernel(op_name: str, dispatch_key: str) -> bool:
+    """Whether ``op_name`` (``'aten::softmax.int'``) has a kernel for ``dispatch_key``."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op_name, dispatch_key)
+
+
+def parse_to(*args, **kwargs):
+    """``Tensor.to``'s argument parser: (device, dtype, non_blocking, memory_format)."""
+    return torch._C._nn._parse_to(*args, **kwargs)
+
+
+def device_constructors() -> set:
+    """The torch functions that take a ``device=`` and create a tensor (factories)."""
+    return set(_device_mod._device_constructors())
+
+
+def function_mode_depth() -> int:
+    """How many TorchFunctionModes are on this thread's stack."""
+    return torch._C._len_torch_function_stack()
+
+
+def optimizer_modules_with_default_foreach() -> list:
+    """torch.optim modules whose ``_default_to_fused_or_foreach`` decides foreach/fused."""
+    import sys
+
+    import torch.optim  # noqa: F401
+
+    return [m for name, m in sorted(sys.modules.items())
+            if name.startswith("torch.optim") and m is not None
+            and hasattr(m, "_default_to_fused_or_foreach")]
+
+
+def single_process_loader_iter(loader):
+    """The iterator a DataLoader with ``num_workers=0`` uses."""
+    from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
+
+    return _SingleProcessDataLoaderIter(loader)
+
+
+def call_composite(op, *args, **kwargs):
+    """Run ``op``'s C++ CompositeImplicitAutograd kernel (not a Python decomposition that
+    ``OpOverload.decompose`` would prefer): the behaviour the op has on the CPU."""
+    return op._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
+
+
+__all__ += ["call_composite"]
+
+
+def no_python_modes():
+    """Context manager: no dispatch or function modes (to run a real op inside a mode)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+__all__ += ["no_python_modes"]

@@ -1,0 +1,207 @@
+"""A model of the CUDA caching allocator's default configuration ("reserved" memory).
+
+Pure Python, no torch. It replays the allocations and frees a simulated run makes and
+keeps the segments (``cudaMalloc`` calls) the real allocator would hold, following the
+constants and rules of c10's ``CUDACachingAllocator.cpp`` with default settings (no
+``expandable_segments``, no ``max_split_size_mb``, no ``garbage_collection_threshold``):
+
+* a request rounds up to a multiple of 512 B (at least 512 B);
+* requests of at most 1 MiB come from the small pool, whose segments are 2 MiB;
+* larger requests come from the large pool: below 10 MiB a new segment is 20 MiB,
+  from 10 MiB on the request is rounded up to a multiple of 2 MiB;
+* a free block is found best-fit (smallest block that is large enough, then lowest
+  address); it is split when the rest is at least 512 B (small pool) or more than 1 MiB
+  (large pool); freed blocks merge with free neighbours in the same segment;
+* when a new segment would not fit the card, every fully free cached segment is
+  released first (what ``empty_cache`` does) and the allocation is retried.
+
+It does not model streams, CUDA graphs, or memory other processes or the CUDA context
+(hundreds of MiB) take on the card.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+__all__ = ["CachingAllocatorModel", "round_request", "segment_size", "AllocatorFull",
+           "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER", "MIN_LARGE_ALLOC",
+           "ROUND_LARGE"]
+
+MIN_BLOCK = 512                 # kMinBlockSize: every request rounds up to this multiple
+SMALL_SIZE = 1 << 20            # kSmallSize: largest request served by the small pool
+SMALL_BUFFER = 2 << 20          # kSmallBuffer: small-pool segment size
+LARGE_BUFFER = 20 << 20         # kLargeBuffer: segment size for requests below 10 MiB
+MIN_LARGE_ALLOC = 10 << 20      # kMinLargeAlloc
+ROUND_LARGE = 2 << 20           # kRoundLarge: larger segments round up to this
+
+
+def round_request(nbytes: int) -> int:
+    """Bytes the allocator hands out for a request of ``nbytes`` (0 stays 0)."""
+    if nbytes <= 0:
+        return 0
+    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+
+
+def segment_size(size: int) -> int:
+    """Size of the segment ``cudaMalloc``-ed for a (rounded) request that found no block."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+class AllocatorFull(Exception):
+    """A request does not fit on the card even after releasing the cached segments."""
+
+    def __init__(self, size: int, allocated: int, reserved: int, capacity: int) -> None:
+        super().__init__(size)
+        self.size, self.allocated, self.reserved, self.capacity = size, allocated, reserved, capacity
+
+
+@dataclass(eq=False)
+class _Block:
+    addr: int
+    size: int
+    segment: "_Segment"
+    free: bool = True
+    prev: "_Block | None" = None
+    next: "_Block | None" = None
+
+
+@dataclass(eq=False)
+class _Segment:
+    addr: int
+    size: int
+    small: bool
+    blocks_in_use: int = 0
+    head: _Block | None = field(default=None, repr=False)
+
+
+class CachingAllocatorModel:
+    """Replays alloc/free calls; ``reserved`` and ``reserved_peak`` are in bytes.
+
+    ``capacity`` (bytes, or None for no limit) is the card's memory: a request that would
+    need more raises :class:`AllocatorFull` *after* it was recorded (so the peak shows
+    what the program needed when it ran out).
+    """
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.capacity = capacity
+        self._free: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}
+        self._segments: list[_Segment] = []
+        self._live: dict[object, _Block] = {}
+        self._next_addr = 1 << 40
+        self.allocated = 0
+        self.reserved = 0
+        self.allocated_peak = 0
+        self.reserved_peak = 0
+        self.segments_peak = 0
+        self.num_alloc_retries = 0
+
+    # -- free lists ---------------------------------------------------------------------
+    def _insert_free(self, b: _Block) -> None:
+        b.free = True
+        bisect.insort(self._free[b.segment.small], (b.size, b.addr, b))
+
+    def _remove_free(self, b: _Block) -> None:
+        lst = self._free[b.segment.small]
+        i = bisect.bisect_left(lst, (b.size, b.addr))
+        while lst[i][2] is not b:
+            i += 1
+        del lst[i]
+
+    # -- public -------------------------------------------------------------------------
+    def malloc(self, key: object, nbytes: int) -> int:
+        """Allocate ``nbytes`` for ``key``; return the rounded size handed out."""
+        size = round_request(nbytes)
+        if size == 0:
+            return 0
+        small = size <= SMALL_SIZE
+        lst = self._free[small]
+        i = bisect.bisect_left(lst, (size, -1))
+        over = False
+        if i < len(lst):
+            block = lst[i][2]
+            del lst[i]
+        else:
+            seg_size = segment_size(size)
+            if self.capacity is not None and self.reserved + seg_size > self.capacity:
+                self.empty_cache()
+                self.num_alloc_retries += 1
+                over = self.reserved + seg_size > self.capacity
+            block = self._new_segment(seg_size, small)
+        block.free = False
+        rest = block.size - size
+        if (small and rest >= MIN_BLOCK) or (not small and rest > SMALL_SIZE):
+            tail = _Block(block.addr + size, rest, block.segment, True, block, block.next)
+            if block.next is not None:
+                block.next.prev = tail
+            block.next = tail
+            block.size = size
+            self._insert_free(tail)
+        block.segment.blocks_in_use += 1
+        self._live[key] = block
+        self.allocated += block.size
+        self.allocated_peak = max(self.allocated_peak, self.allocated)
+        if over:
+            raise AllocatorFull(size, self.allocated - block.size, self.reserved - segment_size(size),
+                                self.capacity or 0)
+        return block.size
+
+    def free(self, key: object) -> None:
+        """Return ``key``'s block to the cache (no-op for unknown keys)."""
+        block = self._live.pop(key, None)
+        if block is None:
+            return
+        self.allocated -= block.size
+        block.segment.blocks_in_use -= 1
+        for nb in (block.prev, block.next):  # merge with free neighbours
+            if nb is not None and nb.free:
+                self._remove_free(nb)
+                if nb is block.prev:
+                    nb.size += block.size
+                    nb.next = block.next
+                    if block.next is not None:
+                        block.next.prev = nb
+                    block = nb
+                else:
+                    block.size += nb.size
+                    block.next = nb.next
+                    if nb.next is not None:
+                        nb.next.prev = block
+        self._insert_free(block)
+
+    def size_of(self, key: object) -> int:
+        block = self._live.get(key)
+        return 0 if block is None else block.size
+
+    def empty_cache(self) -> int:
+        """Release every segment with no block in use; return the bytes released."""
+        released = 0
+        keep = []
+        for seg in self._segments:
+            if seg.blocks_in_use == 0:
+                self._remove_free(seg.head)
+                released += seg.size
+            else:
+                keep.append(seg)
+        self._segments = keep
+        self.reserved -= released
+        return released
+
+    @property
+    def segments(self) -> int:
+        return len(self._segments)
+
+    def _new_segment(self, seg_size: int, small: bool) -> _Block:
+        seg = _Segment(self._next_addr, seg_size, small)
+        self._next_addr += seg_size + (1 << 21)
+        block = _Block(seg.addr, seg_size, seg, True)
+        seg.head = block
+        self._segments.append(seg)
+        self.reserved += seg_size
+        self.reserved_peak = max(self.reserved_peak, self.reserved)
+        self.segments_peak = max(self.segments_peak, len(self._segments))
+        return block

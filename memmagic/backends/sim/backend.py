@@ -1,0 +1,374 @@
+"""The simulated CUDA backend: runs a cell on fake tensors and reports GPU numbers."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import traceback
+
+from typing import Any, Callable
+
+import torch
+
+from ... import _torch_private as _priv
+from ...report import Category, MemoryReport
+from ...tracking import Tracking, _RoleHooks
+from .. import Backend, Outcome
+from ..cpu import report_from_tracking
+from .allocator import CachingAllocatorModel
+from .autocast import install_cuda_autocast_policy, make_autocast_classes
+from .cuda_api import install_cuda_api
+from .device import CPU, CUDA0, DeviceRewriteMode, SimState, SimTracker, is_cuda_device
+from .errors import (
+    RERUN_HINT,
+    SimulatedOutOfMemoryError,
+    SimulationBudgetExceeded,
+    SimulationError,
+    SimulationUnsupported,
+)
+from .gpus import DEFAULT_CAPABILITY, GPUSpec, resolve_target
+from .kernels import install_cuda_kernels
+from .patching import Patches
+from .sandbox import Sandbox, sanitize_value
+
+__all__ = ["SimBackend", "SIM_NOTES", "KERNELS"]
+
+KERNELS = ("cuda", "cpu")
+SIM_NOTES = (
+    "simulated on fake tensors: no CUDA context (hundreds of MiB on the card), no "
+    "cuBLAS/cuDNN workspaces, no buffers kernels allocate and free inside themselves",
+)
+_CUDA_NOTE = ("CUDA behaviour modeled: 512-byte rounding, flash/memory-efficient attention, "
+              "bool dropout masks, foreach optimizers, the CUDA autocast op policy; RNNs use "
+              "the CPU kernels' memory (cuDNN's RNN buffers are not modeled)")
+_CPU_NOTE = ("kernels='cpu': CPU kernels and defaults, the simulated device behaves like the "
+             "CPU (for checking the simulation against --backend cpu)")
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_MEMMAGIC_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_INTERNAL_READERS = tuple(os.path.join(_TORCH_DIR, d) for d in ("utils", "optim", "amp", "nn"))
+_STDLIB = os.path.dirname(os.__file__)
+
+
+class _SimTracking(Tracking):
+    """Tracking with the simulation's tracker (and no scan of the process's tensors)."""
+
+    def __init__(self, tracker: SimTracker) -> None:
+        super().__init__(tracker._include, tracker._round, seed=False)
+        self.tracker = tracker
+        self._hooks = _RoleHooks(tracker)
+
+
+class SimBackend(Backend):
+    """Simulated CUDA device.
+
+    ``gpu`` names a target card (see :data:`~memmagic.backends.sim.gpus.GPUS`),
+    ``gpu_memory`` its size (``int`` bytes or ``'10GiB'``); with a target, a run whose
+    reserved memory would exceed the card stops with a simulated
+    ``torch.OutOfMemoryError`` at the op where the card would run out.
+    ``kernels="cpu"`` selects the CPU's kernels and defaults instead of CUDA's (the
+    simulated device then behaves like the CPU: used to check the simulation against
+    ``--backend cpu``). ``max_ops`` and ``max_seconds`` bound a run.
+    """
+
+    name = "sim"
+
+    def __init__(self, gpu: str | GPUSpec | None = None, gpu_memory: int | str | None = None,
+                 kernels: str = "cuda", max_ops: int = 2_000_000, max_seconds: float = 120.0,
+                 **options: Any) -> None:
+        if options:
+            raise TypeError(f"the sim backend takes gpu=, gpu_memory=, kernels=, max_ops=, "
+                            f"max_seconds=; got {sorted(options)}")
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, not {kernels!r}")
+        if int(max_ops) <= 0 or float(max_seconds) <= 0:
+            raise ValueError("max_ops and max_seconds must be positive")
+        self.target = resolve_target(gpu, gpu_memory)
+        self.kernels = kernels
+        self.max_ops = int(max_ops)
+        self.max_seconds = float(max_seconds)
+
+    @property
+    def device_name(self) -> str:
+        return f"simulated cuda:0 ({self.target.name if self.target else 'no target'})"
+
+    def measure(self, fn: Callable[[], Any]) -> Outcome:
+        """Measure a zero-argument callable; the globals of a plain function are sandboxed
+        (best effort: objects reached through closures are not)."""
+        ns = getattr(fn, "__globals__", None)
+        if not isinstance(ns, dict) or ns is vars(sys.modules.get("builtins")):
+            ns = {}
+        return self.execute(lambda _ns: fn(), ns)
+
+    # -- the run ----------------------------------------------------------------------------
+    def execute(self, run: Callable[[dict], Any], namespace: dict) -> Outcome:
+        cuda = self.kernels == "cuda"
+        target = self.target
+        capability = target.capability if target else DEFAULT_CAPABILITY
+        state = SimState(cuda)
+        allocator = CachingAllocatorModel(target.total_memory if target else None) if cuda else None
+        tracker = SimTracker(state, allocator=allocator, max_ops=self.max_ops,
+                             max_seconds=self.max_seconds)
+        tracking = _SimTracking(tracker)
+        fake_mode = _priv.new_fake_mode()
+        patches = Patches()
+        libs: list = []
+        notes: list[str] = []
+        autocast = make_autocast_classes(cuda)
+        sandbox = Sandbox(namespace, fake_mode, self._replacements(autocast))
+        saved_globals = _save_globals()
+        value = error = None
+        sdpa = None
+        try:
+            try:
+                self._install(patches, libs, state, tracker, autocast, notes)
+                if cuda:
+                    k = install_cuda_kernels(patches, capability)
+                    libs.append(k["library"])
+                    sdpa = k["sdpa"]
+                    libs.append(install_cuda_autocast_policy())
+                sandbox.enter()
+                _seed(tracker, state, sandbox, namespace)
+                with fake_mode, tracking, DeviceRewriteMode(state):
+                    tracker.start_clock()
+                    value = run(namespace)
+            finally:
+                try:
+                    sandbox.exit()
+                finally:
+                    try:
+                        for lib in reversed(libs):
+                            lib._destroy()
+                    finally:
+                        try:
+                            patches.restore()
+                        finally:
+                            _restore_globals(saved_globals)
+        except BaseException as exc:  # re-raised by the caller after rendering
+            error = _explain(exc)
+        value = sanitize_value(value)
+        return Outcome(self._report(tracking, tracker, state, sandbox, notes, error, sdpa),
+                       None if error else value, error)
+
+    def _replacements(self, autocast: dict[str, Any]) -> dict[int, Any]:
+        import torch.cuda.amp
+
+        return {id(torch.autocast): autocast["autocast"],
+                id(torch.cuda.amp.autocast): autocast["cuda_amp_autocast"]}
+
+    def _install(self, patches: Patches, libs: list, state: SimState, tracker: SimTracker,
+                 autocast: dict[str, Any], notes: list[str]) -> None:
+        import torch.amp.autocast_mode as amp_mode
+        import torch.utils.data as tud
+
+        for mod in (torch, torch.amp, amp_mode):
+            patches.set(mod, "autocast", autocast["autocast"])
+        patches.set(torch, "is_autocast_enabled", autocast["is_autocast_enabled"])
+        patches.set(torch, "get_autocast_dtype", autocast["get_autocast_dtype"])
+        patches.set(torch, "get_autocast_gpu_dtype", autocast["get_autocast_gpu_dtype"])
+
+        def set_default_device(device) -> None:
+            if device is None:
+                state.default_cuda = False
+                return
+            cuda = is_cuda_device(device)
+            if cuda is None or (not cuda and torch.device(device).type != "cpu"):
+                raise SimulationUnsupported(
+                    f"torch.set_default_device({device!r}) cannot be simulated; {RERUN_HINT}")
+            state.default_cuda = bool(cuda)
+
+        def get_default_device() -> torch.device:
+            return CUDA0 if state.default_cuda and state.cuda else CPU
+
+        patches.set(torch, "set_default_device", set_default_device)
+        patches.set(torch, "get_default_device", get_default_device)
+        install_cuda_api(patches, tracker, self.target, autocast)
+
+        swap = torch.utils.swap_tensors
+
+        def swap_tensors(t1, t2):  # nn.Module._apply swaps fake parameters; weakrefs block it
+            try:
+                return swap(t1, t2)
+            except RuntimeError:
+                if not (_priv.is_fake(t1) or _priv.is_fake(t2)):
+                    raise
+                with torch.no_grad():
+                    t1.data = t2.detach()
+
+        patches.set(torch.utils, "swap_tensors", swap_tensors)
+
+        get_iter = tud.DataLoader._get_iterator
+
+        def _get_iterator(loader):
+            n = loader.num_workers
+            if n <= 0:
+                return get_iter(loader)
+            if "workers" not in " ".join(notes):
+                notes.append("DataLoader workers ran in-process (num_workers=0) in the simulation")
+            object.__setattr__(loader, "num_workers", 0)
+            try:
+                return _priv.single_process_loader_iter(loader)
+            finally:
+                object.__setattr__(loader, "num_workers", n)
+
+        patches.set(tud.DataLoader, "_get_iterator", _get_iterator)
+
+    # -- the report -------------------------------------------------------------------------
+    def _report(self, tracking: _SimTracking, tracker: SimTracker, state: SimState,
+                sandbox: Sandbox, notes: list[str], error: BaseException | None,
+                sdpa) -> MemoryReport:
+        target = self.target
+        all_notes = list(SIM_NOTES)
+        all_notes.append(_CUDA_NOTE if state.cuda else _CPU_NOTE)
+        if sdpa is not None and sdpa.counts:
+            kinds = ", ".join(f"{k} {v}x" for k, v in sorted(sdpa.counts.items()))
+            all_notes.append(f"scaled_dot_product_attention ran as CUDA would pick it: {kinds}")
+        all_notes += notes
+        if state.data_reads:
+            all_notes.append(
+                f"the cell read tensor values {state.data_reads} time(s) "
+                f"({', '.join(sorted(state.read_ops))}); a simulation has no values, so it "
+                "read placeholders (1.0 for floats, 0 for ints, False for bools) and code "
+                "that branches on them may take another path than on a GPU")
+        if sandbox.not_isolated:
+            all_notes.append("could not isolate " + ", ".join(sandbox.not_isolated)
+                             + ": Python-level changes the cell made to them are kept")
+        if isinstance(error, SimulatedOutOfMemoryError):
+            all_notes.append(f"out of memory on {target.name if target else 'the GPU'}: "
+                             "the run stopped where the card would run out")
+        if target is not None:
+            all_notes.append("the CUDA context (about 0.3-0.5 GiB) also takes room on the "
+                             "card; a peak within that of the limit may still not fit")
+        extra: dict[str, Any] = {}
+        if state.cuda:
+            a = tracker.allocator
+            extra.update(reserved_peak=a.reserved_peak, reserved_after=a.reserved,
+                         host_peak=tracker.peak["host"])
+        if target is not None:
+            extra.update(gpu_name=target.name, gpu_memory=target.total_memory)
+        return report_from_tracking(tracking, "sim", self.device_name, tuple(all_notes),
+                                    error, **extra)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def _seed(tracker: SimTracker, state: SimState, sandbox: Sandbox, namespace: dict) -> None:
+    """Count the fake copies of the namespace's tensors in ``before`` (on the host: they are
+    CPU tensors of earlier cells), with their roles."""
+    roles: dict[int, Category] = {}
+    for _, fake in sandbox.fakes:
+        roles[id(fake)] = Category.PARAMETERS if isinstance(fake, torch.nn.Parameter) else Category.OTHER
+    for value in namespace.values():
+        if isinstance(value, torch.nn.Module):
+            for m in value.modules():
+                for b in m._buffers.values():
+                    if b is not None:
+                        roles[id(b)] = Category.BUFFERS
+                for p in m._parameters.values():
+                    if p is not None and p.grad is not None:
+                        roles[id(p.grad)] = Category.GRADIENTS
+        elif isinstance(value, torch.optim.Optimizer):
+            for st in value.state.values():
+                for v in st.values() if isinstance(st, dict) else ():
+                    if isinstance(v, torch.Tensor):
+                        roles[id(v)] = Category.OPTIMIZER_STATE
+    tensors = {}
+    for _, fake in sandbox.fakes:
+        tensors[id(fake)] = fake
+        g = fake.grad if isinstance(fake, torch.nn.Parameter) else None
+        if g is not None:
+            tensors[id(g)] = g
+    state.pending = "host" if state.cuda else "device"
+    tracker.seed((t, roles.get(i, Category.OTHER)) for i, t in tensors.items())
+
+
+def _save_globals() -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "rng": torch.get_rng_state(), "py_rng": random.getstate(),
+        "dtype": torch.get_default_dtype(), "grad": torch.is_grad_enabled(),
+        "det": torch.are_deterministic_algorithms_enabled(),
+        "det_warn": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "cudnn": (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
+                  torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32),
+        "sdp": (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+                torch.backends.cuda.math_sdp_enabled()),
+        "autocast": [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu",)],
+        "function_modes": _priv.function_mode_depth(),
+    }
+    np = sys.modules.get("numpy")
+    if np is not None:
+        out["np_rng"] = np.random.get_state()
+    return out
+
+
+def _restore_globals(saved: dict[str, Any]) -> None:
+    torch.set_rng_state(saved["rng"])
+    random.setstate(saved["py_rng"])
+    torch.set_default_dtype(saved["dtype"])
+    torch.set_grad_enabled(saved["grad"])
+    torch.use_deterministic_algorithms(saved["det"], warn_only=saved["det_warn"])
+    torch.set_float32_matmul_precision(saved["matmul_precision"])
+    b = torch.backends
+    (b.cudnn.benchmark, b.cudnn.deterministic, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32) = saved["cudnn"]
+    flash, eff, math = saved["sdp"]
+    b.cuda.enable_flash_sdp(flash)
+    b.cuda.enable_mem_efficient_sdp(eff)
+    b.cuda.enable_math_sdp(math)
+    for d, enabled, dtype in saved["autocast"]:
+        torch.set_autocast_enabled(d, enabled)
+        torch.set_autocast_dtype(d, dtype)
+    if "np_rng" in saved:
+        sys.modules["numpy"].random.set_state(saved["np_rng"])
+
+
+_SMELLS = ("not compiled with CUDA", "NVIDIA driver", "CUDA driver", "Cannot access data pointer",
+           "FakeTensor", "fake tensor", "data-dependent", "data dependent", "Cannot access storage",
+           "accelerator", "CUDA", "cuda")
+
+
+def _explain(exc: BaseException) -> BaseException:
+    """The cell's exception, or a SimulationUnsupported naming the line when the failure
+    comes from what a simulation cannot do."""
+    if isinstance(exc, (SimulationError, SimulatedOutOfMemoryError)) or not isinstance(exc, Exception):
+        if isinstance(exc, SimulationError) and not getattr(exc, "_located", False):
+            where = _cell_line(exc.__traceback__)
+            if where and not isinstance(exc, SimulationBudgetExceeded):
+                try:
+                    exc.args = (f"{where}: {exc.args[0]}",) + tuple(exc.args[1:])
+                except Exception:
+                    pass
+            exc._located = True  # type: ignore[attr-defined]
+        return exc
+    msg = str(exc)
+    fake_error = isinstance(exc, (_priv.UnsupportedOperatorException, _priv.DataDependentOutputException,
+                                  _priv.DynamicOutputShapeException))
+    if not fake_error and not any(s in msg for s in _SMELLS):
+        return exc
+    where = _cell_line(exc.__traceback__) or "the cell"
+    first = msg.strip().splitlines()[0] if msg.strip() else ""
+    if isinstance(exc, _priv.DynamicOutputShapeException):
+        why = "an op whose output size depends on tensor values (nonzero, boolean-mask indexing, unique)"
+    elif isinstance(exc, _priv.UnsupportedOperatorException):
+        why = f"an op with no simulated implementation (a custom or CUDA-only kernel: {first})"
+    else:
+        why = f"{type(exc).__name__}: {first}"
+    new = SimulationUnsupported(f"{where}: cannot be simulated: {why}; {RERUN_HINT}")
+    new.__cause__ = exc
+    new._located = True  # type: ignore[attr-defined]
+    return new
+
+
+def _cell_line(tb) -> str | None:
+    """'line N (`source`)' of the innermost frame that belongs to the user's code."""
+    best = None
+    for fs in traceback.extract_tb(tb):
+        f = fs.filename
+        if f.startswith((_TORCH_DIR, _MEMMAGIC_DIR, _STDLIB)) or "site-packages" in f:
+            continue
+        best = fs
+    if best is None:
+        return None
+    src = (best.line or "").strip()
+    return f"line {best.lineno}" + (f" (`{src}`)" if src else "")
+
+

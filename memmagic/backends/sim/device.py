@@ -1,0 +1,446 @@
+"""Rewriting the CUDA device onto fake CPU tensors, and tracking which storages are on
+the simulated GPU.
+
+A FakeTensor on the CUDA device cannot be used on a CPU-only build (autograd on one
+aborts the process), so every tensor of the simulation is a fake *CPU* tensor, and this
+module keeps the fiction:
+
+* :class:`DeviceRewriteMode` (a TorchFunctionMode) rewrites ``device="cuda"`` arguments,
+  ``.cuda()``, ``.cpu()``, ``.to(...)`` (which copy between "devices", as on a GPU) and the
+  default device, answers ``Tensor.device``/``is_cuda`` with ``cuda:0`` for tensors on the
+  simulated GPU, and returns placeholders for ``.tolist()``/``.numpy()``;
+* :class:`SimTracker` (the StorageTracker's dispatch mode, extended) rewrites ``device=``
+  again at the dispatch level (function modes are off inside ``backward()`` and
+  checkpoint recompute), decides for each new storage whether it lives on the simulated
+  GPU ("device") or on the host, rounds device storages like the CUDA allocator, feeds
+  them to the allocator model (which may raise a simulated out-of-memory), answers
+  ``.item()`` with a placeholder when the value is unknown, and enforces the op/time budget.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ... import _torch_private as _priv
+from ...report import format_bytes
+from ...tracking import StorageTracker, _Entry
+from .allocator import AllocatorFull, CachingAllocatorModel, round_request
+from .kernels import mkldnn_rnn_workspace
+from .errors import (
+    RERUN_HINT,
+    SimulatedOutOfMemoryError,
+    SimulationBudgetExceeded,
+    SimulationUnsupported,
+)
+
+__all__ = ["SimState", "DeviceRewriteMode", "SimTracker", "is_cuda_device", "CUDA0", "CPU"]
+
+CUDA0 = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+_aten = torch.ops.aten
+_LOCAL_SCALAR = _aten._local_scalar_dense.default
+_RNN_LAYER = _aten.mkldnn_rnn_layer.default
+_RNN_LAYER_BACKWARD = _aten.mkldnn_rnn_layer_backward.default
+_BATCH_NORMS = {_aten.native_batch_norm.default, _aten._native_batch_norm_legit.default,
+                _aten._native_batch_norm_legit_functional.default,
+                _aten._native_batch_norm_legit.no_stats}
+_HALF = (torch.float16, torch.bfloat16)
+_FOUND_INF_OPS = {_aten._amp_foreach_non_finite_check_and_unscale_.default}
+
+
+def is_cuda_device(dev: object) -> bool | None:
+    """True for a CUDA device (``'cuda'``, ``'cuda:0'``, ``torch.device('cuda')``, an int
+    index), False for another device, None for "not a device"."""
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.split(":", 1)[0].strip() == "cuda"
+    if isinstance(dev, int) and not isinstance(dev, bool):
+        return True
+    return None
+
+
+class SimState:
+    """What the function mode and the dispatch mode share during one simulated run."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda                  # False: kernels="cpu", the simulated GPU is the CPU
+        self.target: str | None = None    # pool forced for storages created right now
+        self.pending = "host"             # pool of the storages the current op creates
+        self.default_cuda = False         # torch.set_default_device("cuda") was called
+        self.cuda_seen = False
+        self.zero_read_keys: set[int] = set()
+        self.data_reads = 0
+        self.read_ops: dict[str, int] = {}
+        self.tracker: "SimTracker | None" = None
+
+    def note_read(self, what: str) -> None:
+        self.data_reads += 1
+        self.read_ops[what] = self.read_ops.get(what, 0) + 1
+
+    def pool_of(self, t: torch.Tensor) -> str:
+        if not self.cuda:
+            return "device"
+        tr = self.tracker
+        if tr is None:
+            return "host"
+        try:
+            entry = tr._live.get(_priv.storage_key(t.untyped_storage()))
+        except (RuntimeError, NotImplementedError, TypeError):
+            return "host"
+        return "host" if entry is None else entry.pool
+
+
+def placeholder_scalar(dtype: torch.dtype, zero: bool = False) -> Any:
+    """The value a simulated read of a tensor element returns."""
+    if dtype == torch.bool:
+        return False
+    if dtype.is_floating_point:
+        return 0.0 if zero else 1.0
+    if dtype.is_complex:
+        return complex(0.0 if zero else 1.0)
+    return 0
+
+
+_NUMPY_DTYPES = {
+    torch.float64: "float64", torch.float32: "float32", torch.float16: "float16",
+    torch.bfloat16: "float32", torch.int64: "int64", torch.int32: "int32", torch.int16: "int16",
+    torch.int8: "int8", torch.uint8: "uint8", torch.bool: "bool", torch.complex64: "complex64",
+    torch.complex128: "complex128",
+}
+
+
+def _nested(shape: tuple[int, ...], value: Any) -> Any:
+    if not shape:
+        return value
+    return [_nested(shape[1:], value) for _ in range(shape[0])]
+
+
+# -- function level -------------------------------------------------------------------------
+class DeviceRewriteMode(TorchFunctionMode):
+    """See the module docstring. Cheap for ordinary calls: one dict lookup and a kwargs check."""
+
+    def __init__(self, state: SimState) -> None:
+        super().__init__()
+        self.s = state
+        T = torch.Tensor
+        h: dict[Callable, Callable] = {
+            T.cuda: self._cuda, T.cpu: self._cpu, T.to: self._to,
+            T.pin_memory: self._pin_memory, T.is_pinned: lambda f, a, k: False,
+            T.tolist: self._tolist, T.numpy: self._numpy, T.__array__: self._array,
+            T.__repr__: self._repr, T.__str__: self._repr,
+        }
+        if state.cuda:
+            h.update({
+                T.device.__get__: self._device, T.is_cuda.__get__: self._is_cuda,
+                T.is_cpu.__get__: lambda f, a, k: self.s.pool_of(a[0]) != "device",
+                T.get_device: lambda f, a, k: 0 if self.s.pool_of(a[0]) == "device" else -1,
+            })
+        self._handlers = h
+        self._factories = _priv.device_constructors()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        handler = self._handlers.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs or {})
+        if kwargs:
+            dev = kwargs.get("device")
+            if dev is not None:
+                cuda = is_cuda_device(dev)
+                if cuda is not None:
+                    kwargs = dict(kwargs)
+                    kwargs["device"] = CPU
+                    return self._call(func, args, kwargs, "device" if (cuda or not self.s.cuda) else "host")
+            return func(*args, **kwargs)
+        if self.s.default_cuda and func in self._factories:
+            return self._call(func, args, {}, "device")
+        return func(*args)
+
+    def _call(self, func, args, kwargs, pool: str):
+        s = self.s
+        prev, s.target = s.target, pool
+        try:
+            return func(*args, **kwargs)
+        finally:
+            s.target = prev
+
+    # -- properties --------------------------------------------------------------------
+    def _device(self, func, args, kwargs):
+        d = func(*args)
+        if d.type == "cpu" and self.s.pool_of(args[0]) == "device":
+            return CUDA0
+        return d
+
+    def _is_cuda(self, func, args, kwargs):
+        return self.s.pool_of(args[0]) == "device"
+
+    # -- moves ------------------------------------------------------------------------
+    def _move(self, t: torch.Tensor, dst: str, dtype=None, non_blocking=False, copy=False,
+              memory_format=torch.preserve_format) -> torch.Tensor:
+        s = self.s
+        if s.cuda and s.pool_of(t) != dst:
+            copy = True
+        if not s.cuda:
+            dst = "device"
+        return self._call(torch.Tensor.to, (t,), dict(
+            device=CPU, dtype=dtype, non_blocking=non_blocking, copy=copy,
+            memory_format=memory_format), dst)
+
+    def _cuda(self, func, args, kwargs):
+        t = args[0]
+        dev = args[1] if len(args) > 1 else kwargs.get("device")
+        if dev is not None and is_cuda_device(dev) is False:
+            raise SimulationUnsupported(f".cuda({dev!r}) is not a CUDA device; {RERUN_HINT}")
+        return self._move(t, "device", non_blocking=kwargs.get("non_blocking", False),
+                          memory_format=kwargs.get("memory_format", torch.preserve_format))
+
+    def _cpu(self, func, args, kwargs):
+        t = args[0]
+        if self.s.cuda and self.s.pool_of(t) == "device":
+            return self._move(t, "host", memory_format=kwargs.get("memory_format", torch.preserve_format))
+        return t
+
+    def _to(self, func, args, kwargs):
+        t, rest = args[0], args[1:]
+        copy = kwargs.get("copy", False)
+        if rest and isinstance(rest[0], torch.Tensor):  # t.to(other, non_blocking, copy)
+            other = rest[0]
+            device = CUDA0 if self.s.pool_of(other) == "device" and self.s.cuda else CPU
+            dtype, non_blocking = other.dtype, kwargs.get("non_blocking", rest[1] if len(rest) > 1 else False)
+            memory_format = kwargs.get("memory_format", torch.preserve_format)
+        else:
+            pk = {k: v for k, v in kwargs.items() if k != "copy"}
+            device, dtype, non_blocking, memory_format = _priv.parse_to(*rest, **pk)
+            if memory_format is None:
+                memory_format = torch.preserve_format
+        if device is None:
+            dst = self.s.pool_of(t)
+        elif device.type == "cuda":
+            dst = "device"
+        elif device.type == "cpu":
+            dst = "host"
+        else:  # meta and friends: nothing to rewrite
+            return func(*args, **kwargs)
+        return self._move(t, dst, dtype, non_blocking, copy, memory_format)
+
+    def _pin_memory(self, func, args, kwargs):
+        return self._call(torch.Tensor.clone, (args[0],), {}, "host" if self.s.cuda else "device")
+
+    # -- values a simulation does not have ---------------------------------------------------
+    def _tolist(self, func, args, kwargs):
+        t = args[0]
+        self.s.note_read("tolist")
+        return _nested(tuple(t.shape), placeholder_scalar(t.dtype))
+
+    def _numpy(self, func, args, kwargs):
+        import numpy as np
+
+        t = args[0]
+        self.s.note_read("numpy")
+        name = _NUMPY_DTYPES.get(t.dtype, "float32")
+        return np.full(tuple(t.shape), placeholder_scalar(t.dtype), dtype=name)
+
+    def _array(self, func, args, kwargs):
+        arr = self._numpy(func, args[:1], {})
+        dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
+        return arr.astype(dtype) if dtype is not None else arr
+
+    def _repr(self, func, args, kwargs):
+        t = args[0]
+        dev = "cuda:0" if self.s.cuda and self.s.pool_of(t) == "device" else "cpu"
+        grad = ", requires_grad=True" if t.requires_grad else ""
+        return (f"tensor(<simulated: no values>, size={tuple(t.shape)}, dtype={t.dtype}, "
+                f"device='{dev}'{grad})")
+
+
+# -- dispatch level ---------------------------------------------------------------------------
+class SimTracker(StorageTracker):
+    """The StorageTracker of a simulated run (see the module docstring)."""
+
+    def __init__(self, state: SimState, *, allocator: CachingAllocatorModel | None,
+                 max_ops: int, max_seconds: float, gpu_name: str | None = None) -> None:
+        super().__init__(self._include_pending, self._round_pending)
+        self.s = state
+        state.tracker = self
+        self.allocator = allocator
+        self.max_ops = max_ops
+        self.max_seconds = max_seconds
+        self.deadline = float("inf")
+        self.gpu_name = gpu_name
+        self._alloc_bytes: dict[int, int] = {}
+        # torch.cuda.max_memory_* counters (resettable by the cell)
+        self.cuda_peak = 0
+        self.cuda_reserved_peak = 0
+        self.oom: SimulatedOutOfMemoryError | None = None
+
+    def start_clock(self) -> None:
+        self.deadline = time.perf_counter() + self.max_seconds
+
+    def _include_pending(self, t: torch.Tensor) -> str:
+        return self.s.pending
+
+    def _round_pending(self, n: int) -> int:
+        return round_request(n) if (self.s.cuda and self.s.pending == "device") else n
+
+    # -- allocator ------------------------------------------------------------------------
+    def _add(self, entry: _Entry, delta: int) -> None:
+        super()._add(entry, delta)
+        if entry.pool != "device":
+            return
+        cur = self.current["device"]
+        if cur > self.cuda_peak:
+            self.cuda_peak = cur
+        a = self.allocator
+        if a is None:
+            return
+        serial = entry.serial
+        old = self._alloc_bytes.pop(serial, 0)
+        new = old + delta
+        if old > 0:
+            a.free(serial)
+        if new > 0:
+            self._alloc_bytes[serial] = new
+            try:
+                a.malloc(serial, new)
+            except AllocatorFull as full:
+                self.cuda_reserved_peak = max(self.cuda_reserved_peak, a.reserved)
+                if self.oom is None and not self._closed:
+                    self.oom = self._oom_error(full)
+                    raise self.oom
+            if a.reserved > self.cuda_reserved_peak:
+                self.cuda_reserved_peak = a.reserved
+
+    def _oom_error(self, full: AllocatorFull) -> SimulatedOutOfMemoryError:
+        where = "/".join(self.module_stack) if self.module_stack else None
+        phase = "backward" if _priv.in_backward() else None
+        op = self._last_op
+        free = max(full.capacity - full.reserved, 0)
+        cached = max(full.reserved - full.allocated, 0)
+        loc = f"aten.{op}" if op else "an allocation"
+        if where:
+            loc += f" in module {where}"
+        elif phase:
+            loc += " during backward"
+        msg = (f"CUDA out of memory (simulated). Tried to allocate {format_bytes(full.size)}. "
+               f"GPU 0 has a total capacity of {format_bytes(full.capacity)} of which "
+               f"{format_bytes(free)} is free. Of the allocated memory "
+               f"{format_bytes(full.allocated)} is allocated by PyTorch, and "
+               f"{format_bytes(cached)} is reserved by PyTorch but unallocated. "
+               f"Ran out at {loc}.")
+        return SimulatedOutOfMemoryError(msg, op=op, module=where, size=full.size)
+
+    # -- dispatch -------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        s = self.s
+        forced = s.target
+        if kwargs:
+            dev = kwargs.get("device")
+            if dev is not None:
+                cuda = is_cuda_device(dev)
+                if cuda:
+                    kwargs = dict(kwargs)
+                    kwargs["device"] = CPU
+                    forced = "device"
+        else:
+            kwargs = {}
+        n = self.ops + 1
+        if n > self.max_ops:
+            raise SimulationBudgetExceeded(
+                f"the simulation stopped after {self.max_ops} tensor operations (max_ops): "
+                "a loop that depends on tensor values, or more steps than a simulation "
+                "needs; simulate fewer iterations or raise max_ops")
+        if not n & 1023 and time.perf_counter() > self.deadline:
+            raise SimulationBudgetExceeded(
+                f"the simulation stopped after {self.max_seconds:g} s (max_seconds): "
+                "simulate fewer iterations or raise max_seconds")
+        if func is _LOCAL_SCALAR:
+            return self._read_scalar(func, args[0])
+        if forced is not None:
+            pool = forced if s.cuda else "device"
+        else:
+            pool = self._pool_from_inputs(args, kwargs)
+        if pool == "device":
+            s.cuda_seen = True
+        s.pending = pool
+        out = func(*args, **kwargs)
+        if func is _RNN_LAYER and out[3].numel() == 0:
+            ws = mkldnn_rnn_workspace(args, kwargs)
+            if ws:
+                out = (*out[:3], args[0].new_empty((ws,), dtype=torch.uint8))
+        elif func is _RNN_LAYER_BACKWARD and out[3] is out[4]:
+            # the meta kernel returns one bias gradient twice; the real kernel returns two
+            out = (*out[:4], torch.empty_like(out[3]), *out[5:])
+        elif func in _BATCH_NORMS and out[1].dtype in _HALF:
+            # the CPU and CUDA kernels keep the saved mean/invstd in fp32 for half inputs
+            out = (out[0], *(o.new_empty(o.shape, dtype=torch.float32) for o in out[1:3]), *out[3:])
+        self.ops = n
+        self._last_op = func.__name__
+        mutating = self._mutating.get(func)
+        if mutating is None:
+            schema = getattr(func, "_schema", None)
+            mutating = bool(schema is not None and schema.is_mutable)
+            self._mutating[func] = mutating
+            if func in _FOUND_INF_OPS:
+                self._mutating[func] = mutating = True
+        if func in _FOUND_INF_OPS:  # GradScaler's found_inf reads 0 (no inf in a simulation)
+            self.s.zero_read_keys.add(_priv.storage_key(args[1].untyped_storage()))
+        self._visit(out, mutating)
+        if mutating:
+            for a in args:
+                self._visit(a, True)
+            for a in kwargs.values():
+                self._visit(a, True)
+        self._check_device(out, func)
+        return out
+
+    def _pool_from_inputs(self, args, kwargs) -> str:
+        if not self.s.cuda:
+            return "device"
+        live = self._live
+        seen = False
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                seen = True
+                e = live.get(_priv.storage_key(a.untyped_storage()))
+                if e is not None and e.pool == "device":
+                    return "device"
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.Tensor):
+                        seen = True
+                        e = live.get(_priv.storage_key(b.untyped_storage()))
+                        if e is not None and e.pool == "device":
+                            return "device"
+        for a in kwargs.values():
+            if isinstance(a, torch.Tensor):
+                seen = True
+                e = live.get(_priv.storage_key(a.untyped_storage()))
+                if e is not None and e.pool == "device":
+                    return "device"
+        if not seen and self.s.cuda_seen and _priv.in_backward():
+            return "device"  # factories inside backward/recompute run on the GPU
+        return "host"
+
+    def _check_device(self, out, func) -> None:
+        t = out[0] if isinstance(out, (list, tuple)) and out else out
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            raise SimulationUnsupported(
+                f"a CUDA tensor slipped through the simulation at aten.{func.__name__}; {RERUN_HINT}")
+
+    def _read_scalar(self, func, t: torch.Tensor):
+        try:
+            return func(t)  # a constant the fake mode knows (an optimizer's step count)
+        except (_priv.DataDependentOutputException, _priv.UnsupportedOperatorException):
+            pass
+        zero = False
+        try:
+            zero = _priv.storage_key(t.untyped_storage()) in self.s.zero_read_keys
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass
+        if not zero:
+            self.s.note_read("item")
+        return placeholder_scalar(t.dtype, zero)

@@ -1,0 +1,38 @@
+"""Errors the simulated device raises. Each message is one line that says what to do."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["SimulationError", "SimulationUnsupported", "SimulationBudgetExceeded",
+           "SimulatedOutOfMemoryError", "SimulatedValueError", "RERUN_HINT"]
+
+RERUN_HINT = "run the cell with --backend cpu (real run on the CPU) or on a GPU"
+
+
+class SimulationError(RuntimeError):
+    """Base class of the simulator's own errors."""
+
+
+class SimulationUnsupported(SimulationError):
+    """The cell does something a simulation cannot do (custom CUDA kernels, CUDA events
+    and streams, reading a CUDA RNG, a device the rewriting missed)."""
+
+
+class SimulationBudgetExceeded(SimulationError):
+    """The run exceeded ``max_ops`` or ``max_seconds`` (often a loop whose end depends on
+    tensor values, which a simulation does not know)."""
+
+
+class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
+    """The simulated allocator ran out of the target GPU's memory at this op, as
+    ``torch.OutOfMemoryError`` would on the card. ``op``/``module`` say where."""
+
+    def __init__(self, message: str, *, op: str | None = None, module: str | None = None,
+                 size: int = 0) -> None:
+        super().__init__(message)
+        self.op, self.module, self.size = op, module, size
+
+
+class SimulatedValueError(SimulationError):
+    """A value made by a simulated cell was used outside it (it has no data)."""

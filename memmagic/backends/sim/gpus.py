@@ -1,0 +1,100 @@
+"""Target GPUs for the simulated device: a table of common cards, or a bare size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...report import parse_bytes
+
+__all__ = ["GPUSpec", "GPUS", "resolve_target", "DEFAULT_CAPABILITY"]
+
+_GiB = 1 << 30
+_MiB = 1 << 20
+
+# When no card is named, kernels are chosen as on an Ampere-class card (sm_80).
+DEFAULT_CAPABILITY = (8, 0)
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """A card: ``total_memory`` in bytes is what ``torch.cuda.get_device_properties``
+    reports (a little below the nominal size: the driver keeps some); ``capability`` is
+    the compute capability, which decides e.g. whether flash attention can run."""
+
+    name: str
+    total_memory: int
+    capability: tuple[int, int] = DEFAULT_CAPABILITY
+    multi_processor_count: int = 0
+
+    @property
+    def major(self) -> int:
+        return self.capability[0]
+
+    @property
+    def minor(self) -> int:
+        return self.capability[1]
+
+
+# Sizes are the usual torch-reported totals (MiB); laptop parts vary by vendor, so those
+# are the nominal size less the ~5% the driver typically keeps.
+GPUS: dict[str, GPUSpec] = {g.name.lower(): g for g in [
+    GPUSpec("laptop-4GB", 3_910 * _MiB, (8, 6), 16),
+    GPUSpec("laptop-6GB", 5_930 * _MiB, (8, 6), 30),
+    GPUSpec("laptop-8GB", 7_940 * _MiB, (8, 9), 24),
+    GPUSpec("GTX1080Ti", 11_172 * _MiB, (6, 1), 28),
+    GPUSpec("RTX2080Ti", 10_997 * _MiB, (7, 5), 68),
+    GPUSpec("RTX3060", 12_044 * _MiB, (8, 6), 28),
+    GPUSpec("RTX3090", 24_260 * _MiB, (8, 6), 82),
+    GPUSpec("RTX4060", 7_940 * _MiB, (8, 9), 24),
+    GPUSpec("RTX4090", 24_564 * _MiB, (8, 9), 128),
+    GPUSpec("T4", 15_095 * _MiB, (7, 5), 40),
+    GPUSpec("V100-16GB", 16_160 * _MiB, (7, 0), 80),
+    GPUSpec("V100-32GB", 32_501 * _MiB, (7, 0), 80),
+    GPUSpec("P100", 16_280 * _MiB, (6, 0), 56),
+    GPUSpec("L4", 22_478 * _MiB, (8, 9), 58),
+    GPUSpec("A10G", 22_516 * _MiB, (8, 6), 80),
+    GPUSpec("A100-40GB", 40_536 * _MiB, (8, 0), 108),
+    GPUSpec("A100-80GB", 81_051 * _MiB, (8, 0), 108),
+    GPUSpec("H100-80GB", 81_559 * _MiB, (9, 0), 132),
+]}
+_ALIASES = {
+    "a100": "a100-40gb", "h100": "h100-80gb", "v100": "v100-16gb", "tesla-t4": "t4",
+    "rtx-3060": "rtx3060", "rtx-4090": "rtx4090", "3060": "rtx3060", "4090": "rtx4090",
+    "laptop": "laptop-8gb", "laptop-4gb": "laptop-4gb", "laptop-6gb": "laptop-6gb",
+}
+
+
+def _key(name: str) -> str:
+    return str(name).strip().lower().replace(" ", "-").replace("_", "-")
+
+
+def resolve_target(gpu: str | GPUSpec | None = None,
+                   gpu_memory: int | str | None = None) -> GPUSpec | None:
+    """The card to simulate: ``gpu`` names one of :data:`GPUS` (case-insensitive),
+    ``gpu_memory`` is a size (``int`` bytes or ``'10GiB'``) that overrides the card's;
+    both None means no target (nothing can run out)."""
+    spec: GPUSpec | None = None
+    if isinstance(gpu, GPUSpec):
+        spec = gpu
+    elif gpu is not None:
+        k = _key(gpu)
+        k = _ALIASES.get(k, k)
+        spec = GPUS.get(k) or GPUS.get(k.replace("-", ""))
+        if spec is None:
+            raise ValueError(
+                f"unknown GPU {gpu!r}; choose one of {', '.join(g.name for g in GPUS.values())}, "
+                "or give gpu_memory='<size>' instead")
+    if gpu_memory is not None:
+        size = gpu_memory if isinstance(gpu_memory, int) else parse_bytes(gpu_memory)
+        if size <= 0:
+            raise ValueError(f"gpu_memory must be positive, not {gpu_memory!r}")
+        name = spec.name if spec else f"GPU with {_format(size)}"
+        spec = GPUSpec(name, int(size), spec.capability if spec else DEFAULT_CAPABILITY,
+                       spec.multi_processor_count if spec else 0)
+    return spec
+
+
+def _format(n: int) -> str:
+    from ...report import format_bytes
+
+    return format_bytes(n)

@@ -1,0 +1,40 @@
+"""Temporary attribute patches, all undone in reverse order (also after an exception)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["Patches"]
+
+_MISSING = object()
+
+
+class Patches:
+    """``set(obj, name, value)`` remembers the old value; ``restore()`` puts every one back."""
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def set(self, obj: Any, name: str, value: Any) -> None:
+        d = getattr(obj, "__dict__", None)
+        # an inherited attribute (not in the object's own dict) is deleted again on restore
+        old = d.get(name, _MISSING) if d is not None else getattr(obj, name, _MISSING)
+        self._undo.append((obj, name, old))
+        setattr(obj, name, value)
+
+    def restore(self) -> None:
+        errors = []
+        while self._undo:
+            obj, name, old = self._undo.pop()
+            try:
+                if old is _MISSING:
+                    delattr(obj, name)
+                else:
+                    setattr(obj, name, old)
+            except Exception as exc:  # keep restoring the rest
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def __len__(self) -> int:
+        return len(self._undo)
