@@ -180,6 +180,13 @@ class SimBackend(Backend):
         def get_default_device() -> torch.device:
             return CUDA0 if state.default_cuda and state.cuda else CPU
 
+        fake_cls = _priv.FakeTensor
+        real_device = fake_cls.__dict__["device"].fget
+
+        def device(t):
+            return state.fake_device(t, real_device(t))
+
+        patches.set(fake_cls, "device", property(device))
         patches.set(torch, "set_default_device", set_default_device)
         patches.set(torch, "get_default_device", get_default_device)
         install_cuda_api(patches, tracker, self.target, autocast)

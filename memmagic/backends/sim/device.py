@@ -77,6 +77,14 @@ class SimState:
         self.data_reads = 0
         self.read_ops: dict[str, int] = {}
         self.tracker: "SimTracker | None" = None
+        self.in_dispatch = 0              # >0 while torch's own dispatch code runs
+
+    def fake_device(self, t: torch.Tensor, real: torch.device) -> torch.device:
+        """``FakeTensor.device`` during a run: cuda:0 for tensors on the simulated GPU, as
+        seen by user and torch Python code; the real (CPU) device inside dispatch."""
+        if self.in_dispatch or not self.cuda or real.type != "cpu":
+            return real
+        return CUDA0 if self.pool_of(t) == "device" else real
 
     def note_read(self, what: str) -> None:
         self.data_reads += 1
@@ -136,7 +144,7 @@ class DeviceRewriteMode(TorchFunctionMode):
         }
         if state.cuda:
             h.update({
-                T.device.__get__: self._device, T.is_cuda.__get__: self._is_cuda,
+                T.is_cuda.__get__: self._is_cuda,
                 T.is_cpu.__get__: lambda f, a, k: self.s.pool_of(a[0]) != "device",
                 T.get_device: lambda f, a, k: 0 if self.s.pool_of(a[0]) == "device" else -1,
             })
@@ -169,12 +177,6 @@ class DeviceRewriteMode(TorchFunctionMode):
             s.target = prev
 
     # -- properties --------------------------------------------------------------------
-    def _device(self, func, args, kwargs):
-        d = func(*args)
-        if d.type == "cpu" and self.s.pool_of(args[0]) == "device":
-            return CUDA0
-        return d
-
     def _is_cuda(self, func, args, kwargs):
         return self.s.pool_of(args[0]) == "device"
 
@@ -336,6 +338,14 @@ class SimTracker(StorageTracker):
     # -- dispatch -------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         s = self.s
+        s.in_dispatch += 1
+        try:
+            return self._dispatch(func, args, kwargs)
+        finally:
+            s.in_dispatch -= 1
+
+    def _dispatch(self, func, args, kwargs):
+        s = self.s
         forced = s.target
         if kwargs:
             dev = kwargs.get("device")
@@ -367,6 +377,7 @@ class SimTracker(StorageTracker):
             s.cuda_seen = True
         s.pending = pool
         out = func(*args, **kwargs)
+        self._check_device(out, func)
         if func is _RNN_LAYER and out[3].numel() == 0:
             ws = mkldnn_rnn_workspace(args, kwargs)
             if ws:
@@ -394,7 +405,6 @@ class SimTracker(StorageTracker):
                 self._visit(a, True)
             for a in kwargs.values():
                 self._visit(a, True)
-        self._check_device(out, func)
         return out
 
     def _pool_from_inputs(self, args, kwargs) -> str:
