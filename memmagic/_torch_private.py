@@ -99,7 +99,8 @@ def fake_copy(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     Parameter-ness). Tensors of at most one element keep their value as a constant, so
     reading them (an optimizer's step count) gives the real number."""
     if t.numel() <= 1 and t.device.type == "cpu" and not t.requires_grad and t.layout == torch.strided:
-        return mode.fake_tensor_converter.from_real_tensor(mode, t, make_constant=True)
+        # the constant is updated in place by in-place ops: give it a copy, never ``t``
+        return mode.fake_tensor_converter.from_real_tensor(mode, t.clone(), make_constant=True)
     return mode.from_tensor(t)
 
 

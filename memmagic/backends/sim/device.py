@@ -73,7 +73,7 @@ class SimState:
         self.pending = "host"             # pool of the storages the current op creates
         self.default_cuda = False         # torch.set_default_device("cuda") was called
         self.cuda_seen = False
-        self.zero_read_keys: set[int] = set()
+        self.zero_read_serials: set[int] = set()  # storages whose reads are 0 (found_inf)
         self.data_reads = 0
         self.read_ops: dict[str, int] = {}
         self.tracker: "SimTracker | None" = None
@@ -397,14 +397,16 @@ class SimTracker(StorageTracker):
             self._mutating[func] = mutating
             if func in _FOUND_INF_OPS:
                 self._mutating[func] = mutating = True
-        if func in _FOUND_INF_OPS:  # GradScaler's found_inf reads 0 (no inf in a simulation)
-            self.s.zero_read_keys.add(_priv.storage_key(args[1].untyped_storage()))
         self._visit(out, mutating)
         if mutating:
             for a in args:
                 self._visit(a, True)
             for a in kwargs.values():
                 self._visit(a, True)
+        if func in _FOUND_INF_OPS:  # GradScaler's found_inf reads 0 (no inf in a simulation)
+            serial = self.serial_of(args[1])
+            if serial is not None:
+                s.zero_read_serials.add(serial)
         return out
 
     def _pool_from_inputs(self, args, kwargs) -> str:
@@ -446,11 +448,8 @@ class SimTracker(StorageTracker):
             return func(t)  # a constant the fake mode knows (an optimizer's step count)
         except (_priv.DataDependentOutputException, _priv.UnsupportedOperatorException):
             pass
-        zero = False
-        try:
-            zero = _priv.storage_key(t.untyped_storage()) in self.s.zero_read_keys
-        except (RuntimeError, NotImplementedError, TypeError):
-            pass
+        serial = self.serial_of(t)
+        zero = serial is not None and serial in self.s.zero_read_serials
         if not zero:
             self.s.note_read("item")
         return placeholder_scalar(t.dtype, zero)
