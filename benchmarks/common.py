@@ -99,9 +99,13 @@ class Paired:
                 "ratios": [round(x, 4) for x in self.ratios], "median_ratio": round(self.ratio, 4),
                 "median_a_s": round(median(self.a_s), 6), "median_b_s": round(median(self.b_s), 6)}
 
+    def spread(self, invert: bool = False) -> str:
+        """'min-max' of the per-pair ratios (B/A, or A/B with ``invert``): the noise."""
+        rs = [1 / r for r in self.ratios] if invert else self.ratios
+        return f"{min(rs):.2f}-{max(rs):.2f}"
+
 
 def _timed(fn: Callable[[], Any]) -> float:
-    gc.collect()
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
@@ -110,8 +114,9 @@ def _timed(fn: Callable[[], Any]) -> float:
 def paired(a: Callable[[], Any], b: Callable[[], Any], reps: int, warmup: int = 1) -> Paired:
     """Time ``a`` and ``b`` ``reps`` times each, alternating in ABBA order.
 
-    ``warmup`` untimed calls of each come first (allocator, caches, lazy imports).
-    A ``gc.collect()`` precedes every timed call, outside the timing, on both sides.
+    ``warmup`` untimed calls of each come first (allocator, caches, lazy imports); pass 0
+    when the caller warmed them up. A ``gc.collect()`` precedes every pair, outside the
+    timing, so a full collection is not charged at random to one side.
     """
     for _ in range(warmup):
         a()
@@ -119,6 +124,7 @@ def paired(a: Callable[[], Any], b: Callable[[], Any], reps: int, warmup: int = 
     a_s: list[float] = []
     b_s: list[float] = []
     for i in range(reps):
+        gc.collect()
         if i % 2 == 0:
             a_s.append(_timed(a))
             b_s.append(_timed(b))

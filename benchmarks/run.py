@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +30,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=",".join(FIGURES),
                    help="comma-separated figures to run, from a,b,c,d,e (default: all)")
     p.add_argument("--reps", type=int, default=None, help="pairs per timing (default 5, quick 3)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads for the run (default 1; 0 keeps torch's default). "
+                        "On a shared machine a second OpenMP thread stalls whenever another "
+                        "process holds a core, which made paired timings differ by up to 50x")
     p.add_argument("--whatif-probe", default="sim-rerun", help="what the what-if figure times")
     return p
+
+
+def code_version() -> dict[str, Any]:
+    """The commit the numbers were taken at, and the memmagic files that differed from it."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", "memmagic", "benchmarks").splitlines()]
+    return {"commit": git("rev-parse", "HEAD") or None, "uncommitted": dirty}
 
 
 def write_results(figures: list[Figure], *, kind: str, quick: bool, out: Path,
@@ -42,7 +63,7 @@ def write_results(figures: list[Figure], *, kind: str, quick: bool, out: Path,
     data = {
         "name": name, "file": f"results/{path.name}", "kind": kind, "quick": quick,
         "command": command, "date": now_iso(), "elapsed_s": round(time.perf_counter() - started, 1),
-        "machine": machine, **(extra or {}),
+        "machine": machine, "code": code_version(), **(extra or {}),
         "figures": {f.key: f.to_dict() for f in figures},
     }
     tmp = path.with_suffix(".json.tmp")
@@ -70,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     torch.manual_seed(0)
+    # the simulated device asks torch.backends.cudnn about CUDA RNNs on a CPU-only build
+    warnings.filterwarnings("ignore", message="PyTorch was compiled without cuDNN")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     size = "test" if args.quick else "bench"
     reps = args.reps or (3 if args.quick else 5)
     real = matrix(QUICK_CASES if args.quick else REAL_CPU_CASES, size, quick=args.quick)
@@ -82,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         print(flush=True)
 
     print(f"memmagic benchmarks ({'quick' if args.quick else 'full'}, zoo size {size!r}) on "
-          f"{machine_info()['label']}, torch {torch.__version__}", flush=True)
+          f"{machine_info()['label']}, torch {torch.__version__}, {torch.get_num_threads()} torch "
+          f"thread(s)", flush=True)
     if "a" in only:
         show(F.overhead(real, reps))
         show(F.overhead_profile(Config("transformer", False, False, size), reps))

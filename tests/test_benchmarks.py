@@ -70,6 +70,19 @@ def test_sim_rows_never_invent_numbers(quick):
             assert isinstance(row[col], str) and "sim backend not available" in row[col]
 
 
+def test_sim_rows_hold_numbers_once_the_simulator_works(quick):
+    _, data = quick
+    if not _sim_available():
+        pytest.skip("the simulated backend is not there yet")
+    for row in data["figures"]["b_sim_speed"]["rows"]:
+        assert isinstance(row["sim_s"], float) or row["sim_s"].startswith("sim failed"), row
+        if isinstance(row["sim_s"], float):
+            assert row["speedup"] == pytest.approx(
+                sorted(1 / r for r in row["timing"]["ratios"])[len(row["timing"]["ratios"]) // 2], rel=1e-3)
+    for row in data["figures"]["d_peers"]["rows"]:
+        assert isinstance(row["sim"], int) or row["sim"].startswith("sim failed"), row
+
+
 def test_readme_replaces_only_its_block(quick, tmp_path, capsys):
     out, _ = quick
     before, after = "# title\n\nintro\n\n", "\n\n## Layout\nrest\n"
