@@ -145,6 +145,9 @@ def sim_speed(configs: list[Config], reps: int) -> Figure:
          ("real_s", "real CPU", "s"), ("sim_s", "simulated", "s"), ("speedup", "speedup", "x"),
          ("spread", "pair range", "text"), ("status", "target", "text")],
     )
+    fig.notes.append("simulated time grows with the number of ops, not with tensor sizes; "
+                     "real time grows with tensor sizes: the ratio depends on the zoo size "
+                     f"({configs[0].size!r} here)" if configs else "no cases")
     sim, why = sim_backend()
     if sim is None:
         fig.notes.append(why or SIM_MISSING)
@@ -215,6 +218,10 @@ def accuracy(configs: list[Config]) -> tuple[Figure, dict[Config, int]]:
         [("case", "case", "text"), ("precision", "precision", "text"), ("ckpt", "ckpt", "text"),
          ("profiler", "profiler peak", "bytes"), ("tracker", "memmagic cpu", "bytes"),
          ("error", "error", "pct"), ("status", "≤0.1%", "text")],
+        notes=["the profiler also sees buffers a kernel allocates and frees inside itself "
+               "(oneDNN convolution and RNN scratch, e.g. in mkldnn_rnn_layer); a "
+               "dispatch-level tracker cannot, so where they are live at the peak the "
+               "tracker reads low"],
     )
     truth: dict[Config, int] = {}
     cpu = get_backend("cpu")
@@ -295,10 +302,10 @@ def _memtracker_estimate(cfg: Config, device: str = "cpu") -> int | str:
         return f"refused: {type(exc).__name__}: {exc}"[:80]
 
 
-def _sim_estimate(sim, cfg: Config) -> tuple[int | str, int | None]:
+def _sim_estimate(sim, cfg: Config, missing: str = SIM_MISSING) -> tuple[int | str, int | None]:
     """(peak increment, reserved peak) of the simulated cell (build + AdamW + 2 steps)."""
     if sim is None:
-        return SIM_MISSING, None
+        return missing, None
     try:
         out = sim.execute(runner(cell_source(cfg, "cuda", steps=2)), {})
     except Exception as exc:
@@ -327,8 +334,12 @@ def peers(configs: list[Config], truth: dict[Config, int]) -> Figure:
          ("torchinfo", "torchinfo", "bytes"), ("torchinfo_err", "err", "pct"),
          ("rule", "4x params", "bytes"), ("rule_err", "err", "pct"),
          ("memtracker", "MemTracker (fake)", "bytes"), ("memtracker_err", "err", "pct"),
-         ("sim", "memmagic sim", "bytes"), ("sim_err", "err", "pct")],
+         ("sim_cpu", "memmagic sim, CPU kernels", "bytes"), ("sim_cpu_err", "err", "pct"),
+         ("sim", "memmagic sim (CUDA)", "bytes"), ("sim_err", "err", "pct")],
         notes=[
+            "memmagic sim, CPU kernels = the simulated device with kernels='cpu' (CPU "
+            "kernels, CPU autocast policy): the like-for-like estimate of this CPU peak, "
+            "as MemTracker under FakeTensorMode is",
             "torchinfo = its 'Estimated Total Size' (input + forward/backward pass size + "
             "params) from one forward in train mode (under CPU autocast for AMP rows); it does "
             "not model optimizer state or temporaries",
@@ -337,26 +348,29 @@ def peers(configs: list[Config], truth: dict[Config, int]) -> Figure:
             "installed, the rule is applied directly",
             "MemTracker = torch.distributed._tools.mem_tracker (private) under "
             "FakeTensorMode on the CPU, so it follows CPU kernels and CPU autocast",
-            "memmagic sim simulates a CUDA GPU (CUDA autocast policy, CUDA SDPA and dropout "
-            "kernels), so its distance to a CPU peak is not its accuracy: that is measured "
-            "against a real GPU by --gpu",
+            "memmagic sim (CUDA) simulates a CUDA GPU (CUDA autocast policy, CUDA SDPA and "
+            "dropout kernels, the caching allocator's rounding), so its distance to a CPU peak "
+            "is not its accuracy: that is measured against a real GPU by --gpu",
             "gpt2_small is not run for real on this CPU: its estimates are listed without error",
         ],
     )
     sim, why = sim_backend()
     if sim is None:
         fig.notes.append(why or SIM_MISSING)
+    sim_cpu, why_cpu = sim_backend(kernels="cpu") if sim is not None else (None, why)
     for cfg in configs:
         ref = truth.get(cfg)
         ti = _torchinfo_estimate(cfg)
         rule = _rule_of_thumb(cfg)
         mt = _memtracker_estimate(cfg)
         sm, _ = _sim_estimate(sim, cfg)
+        sc, _ = _sim_estimate(sim_cpu, cfg, missing=(why_cpu or SIM_MISSING)[:60])
         fig.rows.append({
             **cfg.row(), "real": ref if ref is not None else "not run",
             "torchinfo": ti, "torchinfo_err": _err(ti, ref),
             "rule": rule, "rule_err": _err(rule, ref),
             "memtracker": mt, "memtracker_err": _err(mt, ref),
+            "sim_cpu": sc, "sim_cpu_err": _err(sc, ref),
             "sim": sm, "sim_err": _err(sm, ref), "status": "n/a",
         })
         gc.collect()
