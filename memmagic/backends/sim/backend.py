@@ -203,6 +203,10 @@ class SimBackend(Backend):
                     t1.data = t2.detach()
 
         patches.set(torch.utils, "swap_tensors", swap_tensors)
+        import torch.backends.cudnn as cudnn
+
+        # nn.RNNBase asks whether cuDNN can take its weights (it warns on a CPU build)
+        patches.set(cudnn, "is_acceptable", lambda tensor: False)
 
         get_iter = tud.DataLoader._get_iterator
 
