@@ -154,6 +154,7 @@ class Figure:
     columns: list[tuple[str, str, str]]
     rows: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    metric: tuple[str, str] | None = None  # (row key, kind) summarised in the README
 
     @property
     def status(self) -> str:
@@ -168,4 +169,4 @@ class Figure:
         return {"key": self.key, "title": self.title, "method": self.method,
                 "target": self.target, "status": self.status,
                 "columns": [list(c) for c in self.columns], "rows": self.rows,
-                "notes": self.notes}
+                "notes": self.notes, "metric": list(self.metric) if self.metric else None}

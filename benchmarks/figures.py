@@ -55,6 +55,7 @@ def overhead(configs: list[Config], reps: int) -> Figure:
          ("plain_s", "plain step", "s"), ("measured_s", "measured", "s"),
          ("added_s", "added", "s"), ("ratio", "overhead", "x"),
          ("spread", "pair range", "text"), ("status", "≤1.05x", "text")],
+        metric=("ratio", "x"),
         notes=[f"torch ran {torch.get_num_threads()} intra-op thread(s); a step on more threads "
                "is faster, so the same added time is a larger ratio there"],
     )
@@ -145,6 +146,7 @@ def sim_speed(configs: list[Config], reps: int) -> Figure:
          ("real_s", "real CPU", "s"), ("sim_s", "simulated", "s"), ("speedup", "speedup", "x"),
          ("spread", "pair range", "text"), ("status", "target", "text")],
     )
+    fig.metric = ("speedup", "x")
     fig.notes.append("simulated time grows with the number of ops, not with tensor sizes; "
                      "real time grows with tensor sizes: the ratio depends on the zoo size "
                      f"({configs[0].size!r} here)" if configs else "no cases")
@@ -218,6 +220,7 @@ def accuracy(configs: list[Config]) -> tuple[Figure, dict[Config, int]]:
         [("case", "case", "text"), ("precision", "precision", "text"), ("ckpt", "ckpt", "text"),
          ("profiler", "profiler peak", "bytes"), ("tracker", "memmagic cpu", "bytes"),
          ("error", "error", "pct"), ("status", "≤0.1%", "text")],
+        metric=("error", "pct"),
         notes=["the profiler also sees buffers a kernel allocates and frees inside itself "
                "(oneDNN convolution and RNN scratch, e.g. in mkldnn_rnn_layer); a "
                "dispatch-level tracker cannot, so where they are live at the peak the "
@@ -336,6 +339,7 @@ def peers(configs: list[Config], truth: dict[Config, int]) -> Figure:
          ("memtracker", "MemTracker (fake)", "bytes"), ("memtracker_err", "err", "pct"),
          ("sim_cpu", "memmagic sim, CPU kernels", "bytes"), ("sim_cpu_err", "err", "pct"),
          ("sim", "memmagic sim (CUDA)", "bytes"), ("sim_err", "err", "pct")],
+        metric=("sim_cpu_err", "pct"),
         notes=[
             "memmagic sim, CPU kernels = the simulated device with kernels='cpu' (CPU "
             "kernels, CPU autocast policy): the like-for-like estimate of this CPU peak, "
@@ -412,6 +416,7 @@ def whatif(cfg: Config, n: int, probe: str = "sim-rerun") -> Figure:
         "none in issue 4 (interactive feel: well under 1 s)",
         [("case", "case", "text"), ("probe", "probe", "text"), ("latency_s", "median latency", "s"),
          ("p90_s", "p90", "s"), ("what", "what is timed", "text")],
+        metric=("latency_s", "s"),
     )
     if probe not in WHATIF_PROBES:
         raise ValueError(f"what-if probe must be one of {', '.join(WHATIF_PROBES)}, not {probe!r}")

@@ -52,6 +52,7 @@ def overhead(configs: list[Config], reps: int) -> Figure:
          ("plain_s", "plain step", "s"), ("ratio_nobd", "no breakdown", "x"),
          ("status_nobd", "≤1.02x", "text"), ("ratio_bd", "breakdown", "x"),
          ("status_bd", "≤1.25x", "text")],
+        metric=("ratio_bd", "x"),
     )
     fast = get_backend("cuda", breakdown=False)
     full = get_backend("cuda", breakdown=True)
@@ -112,6 +113,7 @@ def accuracy_and_peers(configs: list[Config]) -> tuple[Figure, Figure]:
          ("alloc_err", "err", "pct"), ("real_reserved", "real reserved", "bytes"),
          ("sim_reserved", "sim reserved", "bytes"), ("reserved_err", "err", "pct"),
          ("status", "target", "text")],
+        metric=("alloc_err", "pct"),
     )
     peers = Figure(
         "d_gpu_peers", "3d (GPU). Peers: estimates of the same peak, error against the real GPU",
@@ -124,6 +126,7 @@ def accuracy_and_peers(configs: list[Config]) -> tuple[Figure, Figure]:
          ("rule", "4x params", "bytes"), ("rule_err", "err", "pct"),
          ("memtracker", "MemTracker (fake cuda)", "bytes"), ("memtracker_err", "err", "pct"),
          ("sim", "memmagic sim", "bytes"), ("sim_err", "err", "pct")],
+        metric=("sim_err", "pct"),
         notes=["torchinfo runs one real forward on cuda (under CUDA autocast for AMP rows); "
                "4x params is accelerate's Adam rule with fp32 weights; MemTracker runs under "
                "FakeTensorMode on device cuda"],

@@ -92,7 +92,7 @@ def test_readme_replaces_only_its_block(quick, tmp_path, capsys):
     assert readme.main(args) == 0
     text = md.read_text()
     assert text.startswith(before + readme.START) and text.endswith(readme.END + after)
-    assert "old table" not in text and "| case |" in text
+    assert "old table" not in text and "| case |" in text and "| figure | result |" in text
     assert "torch " + torch.__version__ in text and "Taken on" in text
     # without markers: printed, file untouched
     md.write_text("no markers here\n")
