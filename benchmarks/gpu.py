@@ -63,8 +63,14 @@ def overhead(configs: list[Config], reps: int) -> Figure:
             opt = torch.optim.AdamW(model.parameters())
             step = _sync_step(model, opt, batch, cfg.amp)
             step()
-            p1 = paired(step, lambda: fast.measure(step), reps)
-            p2 = paired(step, lambda: full.measure(step), reps)
+
+            def measured(backend) -> None:
+                out = backend.measure(step)
+                if out.error is not None:
+                    raise out.error
+
+            p1 = paired(step, lambda: measured(fast), reps)
+            p2 = paired(step, lambda: measured(full), reps)
             row.update(plain_s=median(p1.a_s + p2.a_s), ratio_nobd=p1.ratio, ratio_bd=p2.ratio,
                        status_nobd=status_of(p1.ratio <= NO_BREAKDOWN_TARGET),
                        status_bd=status_of(p2.ratio <= BREAKDOWN_TARGET),
