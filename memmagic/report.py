@@ -125,11 +125,14 @@ class MemoryReport:
     notes: tuple[str, ...] = ()
     # (op index, live device bytes) through the run, thinned; empty where not tracked
     timeline: tuple[tuple[int, int], ...] = field(default=(), repr=False, compare=False)
+    # bytes per category at the start (tensors made before the cell); empty where unknown
+    breakdown_before: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, not {self.backend!r}")
         object.__setattr__(self, "breakdown", _frozen_breakdown(self.breakdown))
+        object.__setattr__(self, "breakdown_before", _frozen_breakdown(self.breakdown_before))
         object.__setattr__(self, "notes", tuple(self.notes))
         object.__setattr__(self, "timeline", tuple(tuple(p) for p in self.timeline))
 
@@ -143,6 +146,11 @@ class MemoryReport:
     def retained(self) -> int:
         """Memory the cell left allocated (after - before); negative if it freed some."""
         return self.after - self.before
+
+    @property
+    def breakdown_increment(self) -> dict[str, int]:
+        """Per category, the peak's bytes above those at the start: what the cell added."""
+        return {k: v - self.breakdown_before[k] for k, v in self.breakdown.items()}
 
     @property
     def unattributed(self) -> int:
@@ -169,7 +177,8 @@ class MemoryReport:
             "peak": self.peak, "after": self.after, "increment": self.increment,
             "retained": self.retained, "reserved_peak": self.reserved_peak,
             "reserved_after": self.reserved_after, "wall_s": self.wall_s,
-            "breakdown": dict(self.breakdown), "peak_op": self.peak_op,
+            "breakdown": dict(self.breakdown), "breakdown_before": dict(self.breakdown_before),
+            "peak_op": self.peak_op,
             "peak_module": self.peak_module, "host_peak": self.host_peak,
             "gpu_name": self.gpu_name, "gpu_memory": self.gpu_memory,
             "error": self.error, "notes": list(self.notes),

@@ -76,6 +76,7 @@ class TrackResult:
     host_after: int
     ops: int
     timeline: list[tuple[int, int]] = field(default_factory=list)  # (op index, live device bytes)
+    breakdown_before: dict[str, int] = field(default_factory=dict)
 
 
 class StorageTracker(TorchDispatchMode):
@@ -575,4 +576,5 @@ class Tracking:
             host_after=t.current["host"],
             ops=t.ops,
             timeline=t.timeline(),
+            breakdown_before=t.breakdown_at(-1),
         )

@@ -8,6 +8,11 @@ import torch
 
 @pytest.fixture(scope="session")
 def _shell():
+    """The one IPython shell of this test process (IPython allows a single instance)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    if InteractiveShell.initialized():
+        return InteractiveShell.instance()
     from IPython.testing.globalipapp import start_ipython
 
     return start_ipython()

@@ -39,7 +39,7 @@ def test_help_is_generated_from_the_options(ip):
 def test_parameters_exact(ip):
     r = gpumem(ip, "model = torch.nn.Linear(256, 128)")
     assert isinstance(r, MemoryReport) and r.backend == "cpu"
-    assert r.breakdown["parameters"] == P_LINEAR
+    assert r.breakdown_increment["parameters"] == P_LINEAR
     assert r.retained == P_LINEAR == r.increment
     assert sum(r.breakdown.values()) == r.peak
 
@@ -49,9 +49,9 @@ def test_gradients_and_adam_state_exact(ip):
     r = gpumem(ip, "opt = torch.optim.Adam(model.parameters())\n"
                    "model(x).sum().backward()\nopt.step()")
     # exp_avg and exp_avg_sq: 2 x parameters; plus one 4-byte fp32 step counter per tensor
-    assert r.breakdown["optimizer_state"] == 2 * P_LINEAR + 2 * 4
-    assert r.breakdown["gradients"] == P_LINEAR
-    assert r.breakdown["parameters"] == P_LINEAR  # made in an earlier cell: counted in before
+    assert r.breakdown_increment["optimizer_state"] == 2 * P_LINEAR + 2 * 4
+    assert r.breakdown_increment["gradients"] == P_LINEAR
+    assert r.breakdown_increment["parameters"] == 0  # made in an earlier cell: counted in before
     assert r.before >= P_LINEAR + 32 * 256 * 4
     assert r.retained == P_LINEAR + 2 * P_LINEAR + 8  # grads + Adam state stay
     assert sum(r.breakdown.values()) == r.peak
@@ -59,23 +59,24 @@ def test_gradients_and_adam_state_exact(ip):
 
 def test_saved_activation_of_known_shape(ip):
     r = gpumem(ip, "x = torch.randn(100, 50, requires_grad=True)\ny = x.exp()\nz = y.sum()")
-    assert r.breakdown["activations"] == 100 * 50 * 4  # exp saves its result
-    assert r.breakdown["other"] == 100 * 50 * 4 + 4  # x and the scalar z
+    assert r.breakdown_increment["activations"] == 100 * 50 * 4  # exp saves its result
+    assert r.breakdown_increment["other"] == 100 * 50 * 4 + 4  # x and the scalar z
     ip.run_cell("z.backward()")
 
 
-def test_activations_released_by_backward_leave_the_category(ip):
+def test_activations_of_an_earlier_graph_count_before(ip):
+    base = gpumem(ip, "pass").breakdown_before["activations"]  # whatever else is alive
     ip.run_cell("x = torch.randn(100, 50, requires_grad=True)\ny = x.exp()\nz = y.sum()")
     r = gpumem(ip, "z.backward()")
     # y was saved by a graph made in an earlier cell: found through the graph, counted before
-    assert r.breakdown["activations"] == 100 * 50 * 4
+    assert r.breakdown_before["activations"] - base == 100 * 50 * 4
     assert r.retained == 100 * 50 * 4  # x.grad
 
 
 def test_buffers_exact(ip):
     r = gpumem(ip, "bn = torch.nn.BatchNorm1d(100)")
-    assert r.breakdown["buffers"] == 100 * 4 * 2 + 8  # running mean/var + int64 counter
-    assert r.breakdown["parameters"] == 100 * 4 * 2
+    assert r.breakdown_increment["buffers"] == 100 * 4 * 2 + 8  # running mean/var + int64 counter
+    assert r.breakdown_increment["parameters"] == 100 * 4 * 2
 
 
 def test_existing_tensors_count_in_before_not_increment(ip):
@@ -139,8 +140,8 @@ def test_nested_activations_seen_by_both(ip):
     outer = gpumem(ip, "x = torch.randn(100, 50, requires_grad=True)\n"
                        "%gpumem -q --backend cpu -v inner y = x.exp()\n"
                        "z = y.sum()")
-    assert ip.user_ns["inner"].breakdown["activations"] == 20000
-    assert outer.breakdown["activations"] == 20000
+    assert ip.user_ns["inner"].breakdown_increment["activations"] == 20000
+    assert outer.breakdown_increment["activations"] == 20000
 
 
 @pytest.mark.parametrize("line,expect", [

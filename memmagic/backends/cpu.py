@@ -74,7 +74,8 @@ def report_from_tracking(tracking: Tracking, backend: str, device: str,
         notes += (f"peak reached during {r.peak_phase}",)
     return MemoryReport(
         backend=backend, device=device, before=r.before, peak=r.peak, after=r.after,
-        wall_s=tracking.wall_s, breakdown=r.breakdown, peak_op=r.peak_op,
+        wall_s=tracking.wall_s, breakdown=r.breakdown, breakdown_before=r.breakdown_before,
+        peak_op=r.peak_op,
         peak_module=r.peak_module,
         error=error_text(error), notes=notes, timeline=tuple(r.timeline), **extra,
     )

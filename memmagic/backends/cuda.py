@@ -183,6 +183,7 @@ class CUDABackend(Backend):
             reserved = replay_peak(r0, events, _SEG_UP, _SEG_DOWN)
         else:
             reserved = max(r0, r1)
+        breakdown_before = tr.breakdown_before if tr is not None else {}
         if tr is not None:
             breakdown = tr.breakdown
             notes.append("breakdown from tensor tracking at its own peak; "
@@ -192,7 +193,8 @@ class CUDABackend(Backend):
             notes.append("no breakdown (breakdown=False)")
         return MemoryReport(
             backend="cuda", device=f"cuda:{self.device} ({probe.name()})", before=a0,
-            peak=peak, after=a1, wall_s=wall_s, breakdown=breakdown, reserved_peak=reserved,
+            peak=peak, after=a1, wall_s=wall_s, breakdown=breakdown,
+            breakdown_before=breakdown_before, reserved_peak=reserved,
             reserved_after=r1, peak_op=tr.peak_op if tr else None,
             peak_module=tr.peak_module if tr else None, error=error_text(error),
             notes=tuple(notes), timeline=tuple(tr.timeline) if tr else (),
