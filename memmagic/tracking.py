@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import time
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
@@ -393,6 +394,77 @@ class _Saved:
 _ACTIVE: list["_RoleHooks"] = []
 
 
+_ATOMIC = (str, bytes, bytearray, int, float, complex, bool, type(None), range, slice,
+           type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+           types.MethodType, types.CodeType, torch.dtype, torch.device)
+# Objects of these packages reach the whole interpreter (the shell, the kernel): never walk them.
+_SKIP_MODULES = ("IPython", "ipykernel", "traitlets", "zmq", "jupyter_client", "tornado",
+                 "asyncio", "matplotlib", "ipywidgets", "comm", "memmagic")
+MAX_WALK = 200_000
+
+
+def reachable_existing(roots: Iterable[object], max_objects: int = MAX_WALK
+                       ) -> list[tuple[torch.Tensor, Category]] | None:
+    """Tensors reachable from ``roots`` (a notebook's namespace), with their categories.
+
+    Walks containers, modules, optimizers and plain objects' ``__dict__``; skips modules,
+    functions, classes and the objects of IPython/Jupyter/matplotlib. Much faster than
+    :func:`scan_existing` in a big process. Returns None when the walk exceeds
+    ``max_objects`` (the caller then scans everything).
+    """
+    found: list[tuple[torch.Tensor, Category]] = []
+    graph_roots = []
+    cache = _KIND_CACHE
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _ATOMIC):
+            continue
+        seen.add(id(obj))
+        if len(seen) > max_objects:
+            return None
+        tp = type(obj)
+        kind = cache.get(tp, "?")
+        if kind == "?":
+            kind = _kind(tp)
+        if kind == "parameter":
+            found.append((obj, Category.PARAMETERS))
+            if obj.grad is not None:
+                found.append((obj.grad, Category.GRADIENTS))
+            continue
+        if kind == "tensor":
+            found.append((obj, Category.OTHER))
+            if obj.is_leaf and obj.grad is not None:
+                found.append((obj.grad, Category.GRADIENTS))
+            if obj.grad_fn is not None:
+                graph_roots.append(obj.grad_fn)
+            continue
+        if kind == "module":
+            for b in obj._buffers.values():
+                if b is not None:
+                    found.append((b, Category.BUFFERS))
+        elif kind == "optimizer":
+            for state in obj.state.values():
+                for v in state.values() if isinstance(state, dict) else ():
+                    if isinstance(v, torch.Tensor):
+                        found.append((v, Category.OPTIMIZER_STATE))
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+            stack.extend(k for k in obj if not isinstance(k, _ATOMIC))
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif (tp.__module__ or "").split(".", 1)[0] not in _SKIP_MODULES:
+            d = getattr(obj, "__dict__", None)
+            if isinstance(d, dict):
+                stack.append(d)
+    seen_nodes: set[int] = set()
+    for root in graph_roots:
+        for t in _saved_tensors(root, seen_nodes):
+            found.append((t, Category.ACTIVATIONS))
+    return found
+
+
 # -- role hooks ---------------------------------------------------------------------------
 class _RoleHooks:
     """Global module / optimizer / saved-tensor hooks that tell the tracker what storages are."""
@@ -526,8 +598,12 @@ class Tracking:
     """
 
     def __init__(self, include: IncludeFn, round_bytes: Callable[[int], int] = _identity,
-                 *, seed: bool = True) -> None:
+                 *, seed: bool = True, roots: Iterable[object] | None = None) -> None:
+        """``seed``: count the tensors that exist already in ``before``. They are found by
+        walking from ``roots`` (e.g. a notebook's namespace) when given, else, or when
+        that walk is too large, through the garbage collector (complete but slower)."""
         self.tracker = StorageTracker(include, round_bytes)
+        self._roots = roots
         self._hooks = _RoleHooks(self.tracker)
         self._seed = seed
         self.result: TrackResult | None = None
@@ -536,7 +612,8 @@ class Tracking:
 
     def __enter__(self) -> "Tracking":
         if self._seed:
-            self.tracker.seed(scan_existing())
+            found = reachable_existing(self._roots) if self._roots is not None else None
+            self.tracker.seed(scan_existing() if found is None else found)
         self._hooks.install()
         try:
             self.tracker.__enter__()

@@ -102,3 +102,55 @@ def test_timeline_reaches_the_peak():
     tl = tr.result.timeline
     assert max(v for _, v in tl) == tr.result.peak == 8000
     assert tl[-1][1] == 0
+
+
+class Holder:
+    def __init__(self, t):
+        self.t = t
+        self.more = {"nested": [t * 2]}
+
+
+def _keys(found, cat=None):
+    return {t.untyped_storage()._cdata for t, c in found if cat is None or c == cat}
+
+
+def test_namespace_walk_finds_what_the_full_scan_finds():
+    from memmagic.tracking import reachable_existing
+
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    opt = torch.optim.Adam(m.parameters())
+    m(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    x = torch.randn(4, 8, requires_grad=True)
+    loss = torch.sigmoid(x).sum()  # sigmoid saves its output: only the graph holds it
+    ns = {"m": m, "opt": opt, "loss": loss, "x": x, "h": Holder(torch.ones(3)),
+          "batches": [(torch.zeros(2), torch.ones(2))], "torch": torch, "n": 3}
+    walked = reachable_existing([ns])
+    full = [(t, c) for t, c in scan_existing()]
+    for cat in Category:
+        assert _keys(walked, cat) <= _keys(full, cat), cat
+    expect = {t.untyped_storage()._cdata for t in
+              [*m.parameters(), *m.buffers(), *(p.grad for p in m.parameters()), x,
+               ns["h"].t, ns["h"].more["nested"][0], *ns["batches"][0],
+               *(v for s in opt.state.values() for v in s.values())]}
+    assert expect <= _keys(walked)
+    saved = _keys(walked, Category.ACTIVATIONS)
+    assert len(saved) == 1 and saved <= _keys(full, Category.ACTIVATIONS)
+    loss.backward()
+
+
+def test_namespace_walk_gives_up_when_too_large():
+    from memmagic.tracking import reachable_existing
+
+    assert reachable_existing([{"xs": [[i] for i in range(100)]}], max_objects=50) is None
+
+
+def test_namespace_walk_skips_the_shell():
+    from memmagic.tracking import reachable_existing
+
+    class FakeShell:  # anything from IPython is skipped by its module
+        pass
+    FakeShell.__module__ = "IPython.core.interactiveshell"
+    sh = FakeShell()
+    sh.secret = torch.ones(5)
+    assert reachable_existing([{"get_ipython": sh}]) == []

@@ -43,8 +43,11 @@ class Backend(ABC):
 
     name: str
 
-    def measuring(self) -> AbstractContextManager[Measurement]:
-        """A context manager measuring its body; the report is set on exit, also on error."""
+    def measuring(self, roots: list | None = None) -> AbstractContextManager[Measurement]:
+        """A context manager measuring its body; the report is set on exit, also on error.
+
+        ``roots``: where the tensors that exist already can be found (a notebook's
+        namespace); None looks through every object of the process."""
         raise NotImplementedError(
             f"the {self.name} backend cannot measure a with-block; "
             "pass a function to memmagic.measure() instead")
@@ -55,7 +58,7 @@ class Backend(ABC):
         value = error = None
         holder = Measurement()
         try:
-            with self.measuring() as holder:
+            with self.measuring([namespace] if namespace else None) as holder:
                 value = run(namespace)
         except BaseException as exc:  # handed back to the caller, who re-raises it
             error = exc

@@ -39,10 +39,10 @@ class CPUBackend(Backend):
             raise TypeError(f"the cpu backend takes no options, got {sorted(options)}")
 
     @contextmanager
-    def measuring(self) -> Iterator[Measurement]:
+    def measuring(self, roots: list | None = None) -> Iterator[Measurement]:
         __tracebackhide__ = True
         holder = Measurement()
-        tracking = Tracking(_on_cpu)
+        tracking = Tracking(_on_cpu, roots=roots)
         error = None
         try:
             with tracking:

@@ -135,13 +135,13 @@ class CUDABackend(Backend):
         return "device" if d.type == "cuda" and (d.index or 0) == self.device else None
 
     @contextmanager
-    def measuring(self) -> Iterator[Measurement]:
+    def measuring(self, roots: list | None = None) -> Iterator[Measurement]:
         __tracebackhide__ = True
         probe = self.probe
         holder = Measurement()
         probe.synchronize()
         a0, m0, r0, mr0 = probe.counters()
-        tracking = (Tracking(self._include, round_512) if self.breakdown else None)
+        tracking = Tracking(self._include, round_512, roots=roots) if self.breakdown else None
         error: BaseException | None = None
         events = None
         t0 = time.perf_counter()
