@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the JSON (default: results/)")
     p.add_argument("--only", default=",".join(FIGURES),
                    help="comma-separated figures to run, from a,b,c,d,e (default: all)")
-    p.add_argument("--reps", type=int, default=None, help="pairs per timing (default 5, quick 3)")
+    p.add_argument("--reps", type=int, default=None, help="pairs per timing (default 3)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for the run (default 1; 0 keeps torch's default). "
                         "On a shared machine a second OpenMP thread stalls whenever another "
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     size = "test" if args.quick else "bench"
-    reps = args.reps or (3 if args.quick else 5)
+    reps = args.reps or 3
     real = matrix(QUICK_CASES if args.quick else REAL_CPU_CASES, size, quick=args.quick)
     every = real if args.quick else matrix(ALL_CASES, size)
     figs: list[Figure] = []

@@ -194,23 +194,25 @@ def _images(batch: int, shape: tuple[int, ...], classes: int):
     return make
 
 
-# size "test": a real CPU step well under a second (tests); "bench": heavier, for timing.
+# size "test": a real CPU step well under a second (tests). "bench": twice the width and a
+# realistic training batch (8x the test batch): the same ops on bigger tensors, so a real
+# CPU step takes seconds while a simulated one (whose cost is per op) does not grow.
 CASES: dict[str, dict[str, Case]] = {"test": {}, "bench": {}}
-for _size, _k in (("test", 1), ("bench", 2)):
+for _size, _k, _b in (("test", 1, 1), ("bench", 2, 8)):
     for _c in [
-        Case("mlp", f"5-layer MLP, 784-{1024 * _k}x4-10, batch {64 * _k}",
-             lambda k=_k: _mlp(1024 * k), _images(64 * _k, (1, 28, 28), 10), (64 * _k, 1, 28, 28)),
-        Case("cnn", f"4 conv+BatchNorm blocks (width {64 * _k // 2 if _k > 1 else 64}) on 32x32 images, batch {32 * _k}",
-             lambda k=_k: _cnn(64 * k // 2 if k > 1 else 64), _images(32 * _k, (3, 32, 32), 10),
-             (32 * _k, 3, 32, 32)),
-        Case("transformer", f"2-layer transformer, SDPA attention with dropout, d=256, seq {128 * _k}, batch 8",
-             lambda k=_k: _gpt("sdpa", 1000, 256, 4, 2, 128 * k), _tokens(8, 128 * _k, 1000),
-             (8, 128 * _k), torch.long),
-        Case("nanogpt", f"2-layer nanoGPT-style hand-written attention, d=256, seq {128 * _k}, batch 8",
-             lambda k=_k: _gpt("manual", 1000, 256, 4, 2, 128 * k), _tokens(8, 128 * _k, 1000),
-             (8, 128 * _k), torch.long),
-        Case("lstm", f"embedding + 2 LSTM layers ({256 * _k}), seq 64, batch {16 * _k}",
-             lambda k=_k: _lstm(256 * k), _tokens(16 * _k, 64, 1000), (16 * _k, 64), torch.long),
+        Case("mlp", f"5-layer MLP, 784-{1024 * _k}x4-10, batch {64 * _b}",
+             lambda k=_k: _mlp(1024 * k), _images(64 * _b, (1, 28, 28), 10), (64 * _b, 1, 28, 28)),
+        Case("cnn", f"4 conv+BatchNorm blocks (width {32 * (_k + 1)}) on 32x32 images, batch {32 * _b}",
+             lambda k=_k: _cnn(32 * (k + 1)), _images(32 * _b, (3, 32, 32), 10),
+             (32 * _b, 3, 32, 32)),
+        Case("transformer", f"2-layer transformer, SDPA attention with dropout, d=256, seq {128 * _k}, batch {8 * _b}",
+             lambda k=_k: _gpt("sdpa", 1000, 256, 4, 2, 128 * k), _tokens(8 * _b, 128 * _k, 1000),
+             (8 * _b, 128 * _k), torch.long),
+        Case("nanogpt", f"2-layer nanoGPT-style hand-written attention, d=256, seq {128 * _k}, batch {8 * _b}",
+             lambda k=_k: _gpt("manual", 1000, 256, 4, 2, 128 * k), _tokens(8 * _b, 128 * _k, 1000),
+             (8 * _b, 128 * _k), torch.long),
+        Case("lstm", f"embedding + 2 LSTM layers ({256 * _k}), seq 64, batch {16 * _b}",
+             lambda k=_k: _lstm(256 * k), _tokens(16 * _b, 64, 1000), (16 * _b, 64), torch.long),
         Case("gpt2_small", "GPT-2 small shape: 124M parameters, seq 1024, batch 8 (simulate it)",
              lambda: _gpt("sdpa", 50257, 768, 12, 12, 1024), _tokens(8, 1024, 50257), (8, 1024),
              torch.long),
