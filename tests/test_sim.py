@@ -243,6 +243,9 @@ def test_earlier_objects_stay_bit_identical():
     out, ns = run("""
         model.cuda().half()
         model.float()
+        for state in opt.state.values():  # a GPU needs the optimizer state moved too
+            for k, v in state.items():
+                state[k] = v.cuda()
         for _ in range(2):
             loss = model(x.cuda()).sum()
             loss.backward()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .backend import KERNELS, SIM_NOTES, SimBackend
 from .errors import (
+    SimulatedDeviceMismatchError,
     SimulatedOutOfMemoryError,
     SimulatedValueError,
     SimulationBudgetExceeded,
@@ -24,5 +25,6 @@ from .sandbox import SimulatedValue
 __all__ = [
     "SimBackend", "KERNELS", "SIM_NOTES", "GPUS", "GPUSpec", "resolve_target",
     "SimulationError", "SimulationUnsupported", "SimulationBudgetExceeded",
-    "SimulatedOutOfMemoryError", "SimulatedValueError", "SimulatedValue",
+    "SimulatedOutOfMemoryError", "SimulatedValueError", "SimulatedDeviceMismatchError",
+    "SimulatedValue",
 ]

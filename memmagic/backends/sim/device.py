@@ -14,7 +14,15 @@ module keeps the fiction:
   checkpoint recompute), decides for each new storage whether it lives on the simulated
   GPU ("device") or on the host, rounds device storages like the CUDA allocator, feeds
   them to the allocator model (which may raise a simulated out-of-memory), answers
-  ``.item()`` with a placeholder when the value is unknown, and enforces the op/time budget.
+  ``.item()`` with a placeholder when the value is unknown, and enforces the op/time budget;
+* the same dispatch step raises :class:`SimulatedDeviceMismatchError` where CUDA would
+  raise "Expected all tensors to be on the same device": an op mixing a tensor on the
+  simulated GPU with a CPU tensor that is not a 0-dim scalar (indexing with CPU indices,
+  copies and the other ops CUDA lets cross devices are allowed). Only devices the
+  simulation knows count: a factory called from C++ (a composite op, a backward formula)
+  takes the device of some tensor's options, which the simulation cannot see, so such
+  storages and what is computed from them are "unsure" and never reported. Backward is
+  not checked (its ops follow a forward that passed the check).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from .allocator import AllocatorFull, CachingAllocatorModel, round_request
 from .kernels import mkldnn_rnn_workspace
 from .errors import (
     RERUN_HINT,
+    SimulatedDeviceMismatchError,
     SimulatedOutOfMemoryError,
     SimulationBudgetExceeded,
     SimulationUnsupported,
@@ -128,6 +137,34 @@ def _nested(shape: tuple[int, ...], value: Any) -> Any:
     return [_nested(shape[1:], value) for _ in range(shape[0])]
 
 
+# Ops that take tensors on different devices on CUDA (device_check: NoCheck in
+# native_functions.yaml, not TensorIterator-based): copies, views of another tensor's
+# shape, storage swaps, the CTC losses (targets and lengths may stay on the CPU).
+_ANY_DEVICE = {"copy_", "copy", "_copy_from", "_copy_from_and_resize", "_to_copy", "to",
+               "lift", "lift_fresh", "lift_fresh_copy", "set_", "is_set_to", "is_same_size",
+               "_has_same_storage_numel", "expand_as", "view_as", "reshape_as",
+               "broadcast_tensors", "empty_like", "resize_as_", "_foreach_copy_", "_foreach_copy",
+               "ctc_loss", "_ctc_loss", "_ctc_loss_backward", "_cudnn_ctc_loss",
+               "_use_cudnn_ctc_loss", "record_stream", "_resize_output_"}
+_INDEX_OPS = {"index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_",
+              "_unsafe_index_put"}
+
+
+def _device_rule(func) -> str:
+    """How CUDA checks the devices of ``func``'s inputs: "any" (no check), "index" (indices
+    on the CPU or on the indexed tensor's device), "lists" (foreach and fused optimizer
+    ops: the tensor lists agree; scalar and lr tensors may stay on the CPU) or "same"."""
+    packet = getattr(func, "overloadpacket", None)
+    name = getattr(packet, "__name__", "") or str(func)
+    if getattr(func, "namespace", "aten") != "aten" or name in _ANY_DEVICE:
+        return "any"
+    if name in _INDEX_OPS:
+        return "index"
+    if name.startswith(("_foreach_", "_fused_")):
+        return "lists"
+    return "same"
+
+
 # -- function level -------------------------------------------------------------------------
 class DeviceRewriteMode(TorchFunctionMode):
     """See the module docstring. Cheap for ordinary calls: one dict lookup and a kwargs check."""
@@ -139,6 +176,8 @@ class DeviceRewriteMode(TorchFunctionMode):
         h: dict[Callable, Callable] = {
             T.cuda: self._cuda, T.cpu: self._cpu, T.to: self._to,
             T.pin_memory: self._pin_memory, T.is_pinned: lambda f, a, k: False,
+            T.type_as: lambda f, a, k: self._to(T.to, (a[0], a[1]), {}),
+            T.new_tensor: self._new, T.new: self._new,
             T.tolist: self._tolist, T.numpy: self._numpy, T.__array__: self._array,
             T.__repr__: self._repr, T.__str__: self._repr,
         }
@@ -163,10 +202,15 @@ class DeviceRewriteMode(TorchFunctionMode):
                     kwargs = dict(kwargs)
                     kwargs["device"] = CPU
                     return self._call(func, args, kwargs, "device" if (cuda or not self.s.cuda) else "host")
-            return func(*args, **kwargs)
-        if self.s.default_cuda and func in self._factories:
-            return self._call(func, args, {}, "device")
-        return func(*args)
+        if func in self._factories:
+            # a factory with no device: on the CPU, or on the GPU after
+            # set_default_device("cuda") (which also moves ``torch.tensor(t)``); a tensor
+            # argument (``torch.tensor(t)``, ``as_tensor(t)``) keeps its own device
+            if self.s.default_cuda:
+                return self._call(func, args, kwargs or {}, "device")
+            if self.s.cuda and not (args and isinstance(args[0], torch.Tensor)):
+                return self._call(func, args, kwargs or {}, "host")
+        return func(*args, **kwargs) if kwargs else func(*args)
 
     def _call(self, func, args, kwargs, pool: str):
         s = self.s
@@ -229,6 +273,13 @@ class DeviceRewriteMode(TorchFunctionMode):
             return func(*args, **kwargs)
         return self._move(t, dst, dtype, non_blocking, copy, memory_format)
 
+    def _new(self, func, args, kwargs):  # t.new_tensor(data): on t's device
+        if "device" in kwargs and kwargs["device"] is not None:
+            cuda = is_cuda_device(kwargs["device"])
+            kwargs = {**kwargs, "device": CPU}
+            return self._call(func, args, kwargs, "device" if (cuda or not self.s.cuda) else "host")
+        return self._call(func, args, kwargs, self.s.pool_of(args[0]) if self.s.cuda else "device")
+
     def _pin_memory(self, func, args, kwargs):
         return self._call(torch.Tensor.clone, (args[0],), {}, "host" if self.s.cuda else "device")
 
@@ -278,6 +329,11 @@ class SimTracker(StorageTracker):
         self.cuda_peak = 0
         self.cuda_reserved_peak = 0
         self.oom: SimulatedOutOfMemoryError | None = None
+        # serials of storages whose device the simulation guessed (factories called from
+        # C++ code, and what is computed from them): never used to report a device mismatch
+        self._unsure: set[int] = set()
+        self._out_unsure = False
+        self._device_rules: dict[object, str] = {}
 
     def start_clock(self) -> None:
         self.deadline = time.perf_counter() + self.max_seconds
@@ -371,8 +427,9 @@ class SimTracker(StorageTracker):
             return self._read_scalar(func, args[0])
         if forced is not None:
             pool = forced if s.cuda else "device"
+            self._out_unsure = False
         else:
-            pool = self._pool_from_inputs(args, kwargs)
+            pool = self._pool_from_inputs(func, args, kwargs)
         if pool == "device":
             s.cuda_seen = True
         s.pending = pool
@@ -397,45 +454,120 @@ class SimTracker(StorageTracker):
             self._mutating[func] = mutating
             if func in _FOUND_INF_OPS:
                 self._mutating[func] = mutating = True
+        first = self._serial
         self._visit(out, mutating)
         if mutating:
             for a in args:
                 self._visit(a, True)
             for a in kwargs.values():
                 self._visit(a, True)
+        if self._out_unsure and self._serial > first:
+            self._unsure.update(range(first + 1, self._serial + 1))
         if func in _FOUND_INF_OPS:  # GradScaler's found_inf reads 0 (no inf in a simulation)
             serial = self.serial_of(args[1])
             if serial is not None:
                 s.zero_read_serials.add(serial)
         return out
 
-    def _pool_from_inputs(self, args, kwargs) -> str:
+    def _pool_from_inputs(self, func, args, kwargs) -> str:
+        """The pool of the op's outputs: "device" when any input tensor is on the simulated
+        GPU. Also decides whether the outputs' device is *known* (``self._out_unsure``) and
+        checks that the inputs' devices could meet in one op on a GPU."""
         if not self.s.cuda:
             return "device"
-        live = self._live
-        seen = False
-        for a in args:
+        live, key = self._live, _priv.storage_key
+        unsure = self._unsure
+        dev_sure = dev_unsure = host_sure = host_unsure = seen = False
+        for a in (*args, *kwargs.values()) if kwargs else args:
             if isinstance(a, torch.Tensor):
-                seen = True
-                e = live.get(_priv.storage_key(a.untyped_storage()))
-                if e is not None and e.pool == "device":
-                    return "device"
+                ts = (a,)
             elif isinstance(a, (list, tuple)):
-                for b in a:
-                    if isinstance(b, torch.Tensor):
-                        seen = True
-                        e = live.get(_priv.storage_key(b.untyped_storage()))
-                        if e is not None and e.pool == "device":
-                            return "device"
-        for a in kwargs.values():
-            if isinstance(a, torch.Tensor):
+                ts = a
+            else:
+                continue
+            for t in ts:
+                if not isinstance(t, torch.Tensor):
+                    continue
                 seen = True
-                e = live.get(_priv.storage_key(a.untyped_storage()))
-                if e is not None and e.pool == "device":
-                    return "device"
-        if not seen and self.s.cuda_seen and _priv.in_backward():
-            return "device"  # factories inside backward/recompute run on the GPU
+                e = live.get(key(t.untyped_storage()))
+                if e is None:
+                    host_unsure = True  # made where the simulation did not see: device unknown
+                elif e.pool == "device":
+                    if unsure and e.serial in unsure:
+                        dev_unsure = True
+                    else:
+                        dev_sure = True
+                elif unsure and e.serial in unsure:
+                    host_unsure = True
+                else:
+                    host_sure = True
+        if dev_sure or dev_unsure:
+            if dev_sure and host_sure:
+                self._check_same_device(func, args, kwargs)
+            self._out_unsure = not dev_sure
+            return "device"
+        if not seen:
+            # a factory called from C++ (a composite op, a backward formula) takes the
+            # device of some tensor's options, which the simulation cannot see
+            self._out_unsure = True
+            if self.s.cuda_seen and _priv.in_backward():
+                return "device"  # factories inside backward/recompute run on the GPU
+            return "host"
+        self._out_unsure = host_unsure
         return "host"
+
+    def _check_same_device(self, func, args, kwargs) -> None:
+        """Raise what CUDA raises when an op gets a CPU tensor and a CUDA tensor (a 0-dim
+        CPU tensor is a scalar CUDA accepts). Only tensors whose device the simulation
+        knows count; ops that move tensors between devices, and backward (whose ops
+        follow a forward that passed this check), are not checked."""
+        rule = self._device_rules.get(func)
+        if rule is None:
+            rule = self._device_rules[func] = _device_rule(func)
+        if rule == "any" or _priv.in_backward():
+            return
+        schema = getattr(func, "_schema", None)
+        names = [a.name for a in schema.arguments] if schema is not None else []
+        live, unsure = self._live, self._unsure
+
+        def device_of(t) -> str | None:
+            e = live.get(_priv.storage_key(t.untyped_storage()))
+            if e is None or e.serial in unsure:
+                return None
+            if e.pool == "host" and (t.dim() == 0 or t.numel() == 0):
+                return None  # a CPU scalar (and an empty placeholder)
+            return e.pool
+
+        found: list[tuple[str, str]] = []  # (pool, argument) in argument order
+        items = list(zip(names, args)) + list(kwargs.items())
+        if rule == "index":  # indices may be on the CPU or on the indexed tensor's device
+            if len(args) > 1 and isinstance(args[0], torch.Tensor) and device_of(args[0]) == "host":
+                for t in args[1] if isinstance(args[1], (list, tuple)) else ():
+                    if isinstance(t, torch.Tensor) and device_of(t) == "device":
+                        raise SimulatedDeviceMismatchError(
+                            "would fail on a GPU: indices should be either on cpu or on the same "
+                            "device as the indexed tensor (cpu); move the indexed tensor or the "
+                            "indices with .cuda() or .to(device)", op=func.__name__, argument="indices")
+            return
+        for name, a in items:
+            if rule == "lists" and not isinstance(a, (list, tuple)):
+                continue  # foreach/fused scalars and lr tensors may stay on the CPU
+            for t in (a,) if isinstance(a, torch.Tensor) else a if isinstance(a, (list, tuple)) else ():
+                if isinstance(t, torch.Tensor):
+                    pool = device_of(t)
+                    if pool is not None:
+                        found.append((pool, name))
+        pools = {p for p, _ in found}
+        if len(pools) < 2:
+            return
+        first = found[0][0]
+        other = next(n for p, n in found if p != first)
+        devs = ("cuda:0", "cpu") if first == "device" else ("cpu", "cuda:0")
+        raise SimulatedDeviceMismatchError(
+            f"would fail on a GPU: Expected all tensors to be on the same device, but found at "
+            f"least two devices, {devs[0]} and {devs[1]}! (argument '{other}' of "
+            f"aten.{func.__name__}); move the CPU tensor with .cuda() or .to(device)",
+            op=func.__name__, argument=other)
 
     def _check_device(self, out, func) -> None:
         t = out[0] if isinstance(out, (list, tuple)) and out else out

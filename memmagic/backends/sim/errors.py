@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["SimulationError", "SimulationUnsupported", "SimulationBudgetExceeded",
-           "SimulatedOutOfMemoryError", "SimulatedValueError", "RERUN_HINT"]
+           "SimulatedOutOfMemoryError", "SimulatedValueError", "SimulatedDeviceMismatchError",
+           "RERUN_HINT"]
 
 RERUN_HINT = "run the cell with --backend cpu (real run on the CPU) or on a GPU"
 
@@ -32,6 +33,17 @@ class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
                  size: int = 0) -> None:
         super().__init__(message)
         self.op, self.module, self.size = op, module, size
+
+
+class SimulatedDeviceMismatchError(SimulationError):
+    """The cell mixes a CPU tensor and a CUDA tensor in one op, which raises on a GPU (a
+    0-dim CPU tensor is accepted, as CUDA does). The message is CUDA's, after the user's
+    line and "would fail on a GPU"; ``op`` names the aten op, ``argument`` the argument
+    on the other device."""
+
+    def __init__(self, message: str, *, op: str | None = None, argument: str | None = None) -> None:
+        super().__init__(message)
+        self.op, self.argument = op, argument
 
 
 class SimulatedValueError(SimulationError):
