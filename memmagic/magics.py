@@ -32,6 +32,33 @@ def is_out_of_memory(error: BaseException) -> bool:
         isinstance(error, RuntimeError) and bool(_OOM_TEXT.search(str(error))))
 
 
+_OWN_DIR = __file__.rsplit("/", 1)[0] if "/" in __file__ else ""
+
+
+def _own(tb) -> bool:
+    return tb.tb_frame.f_code.co_filename.startswith(_OWN_DIR)
+
+
+def strip_own_frames(tb, error: BaseException):
+    """The traceback without memmagic's frames, so the user sees their code and torch's.
+
+    Frames after the last frame of the user's (where memmagic itself raised) are kept,
+    except for the simulator's own errors, which stand for an error of the code being run.
+    """
+    frames = []
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    from .backends import simulated_error_types
+
+    keep_tail = not isinstance(error, simulated_error_types())
+    last_user = max((i for i, t in enumerate(frames) if not _own(t)), default=-1)
+    kept = [t for i, t in enumerate(frames) if not _own(t) or (keep_tail and i > last_user)]
+    for a, b in zip(kept, kept[1:] + [None]):
+        a.tb_next = b
+    return kept[0] if kept else None
+
+
 @magics_class
 class MemMagics(Magics):
     """Holds the magic; the measuring happens in :mod:`memmagic.backends`."""
@@ -108,7 +135,7 @@ class MemMagics(Magics):
             error = outcome.error
             if is_out_of_memory(error):
                 self._after_oom(error, report, quiet=args.quiet)
-            raise error
+            raise error.with_traceback(strip_own_frames(error.__traceback__, error))
         return report if args.output else None
 
     # -- helpers -------------------------------------------------------------------------

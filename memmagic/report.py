@@ -197,7 +197,8 @@ class MemoryReport:
             verdict = "fits" if self.fits else "DOES NOT FIT"
             line += f" {verdict} {self.gpu_name or 'GPU'} ({format_bytes(self.gpu_memory)})"
         if self.error:
-            line += f" (cell failed: {self.error})"
+            err = self.error if len(self.error) <= 90 else self.error[:89] + "…"
+            line += f" (cell failed: {err})"
         return line
 
     def _rows(self) -> list[tuple[str, str]]:

@@ -241,3 +241,28 @@ def test_out_of_memory_releases_the_failed_frames(ip, clean_state, capsys):
 def test_state_restored_after_successful_cell(ip, clean_state):
     gpumem(ip, "m = torch.nn.Linear(8, 8)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
                "m(torch.ones(2, 8)).sum().backward()\nopt.step()")
+
+
+def _visible_frames(tb):
+    """Files of the frames IPython shows (it hides those with __tracebackhide__)."""
+    out = []
+    while tb is not None:
+        if not tb.tb_frame.f_locals.get("__tracebackhide__"):
+            out.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    return out
+
+
+@pytest.mark.parametrize("opts,cell", [
+    ("--backend cpu -q", "def f():\n    raise ValueError('deep')\nf()"),
+    ("--backend sim -q --gpu-memory 1MiB", "x = torch.ones(1 << 20, device='cuda')"),
+])
+def test_tracebacks_show_the_users_code_not_memmagic(ip, opts, cell):
+    import memmagic
+
+    own = memmagic.__file__.rsplit("/", 1)[0]
+    res = ip.run_cell(f"%%gpumem {opts}\n{cell}")
+    assert res.error_in_exec is not None
+    files = _visible_frames(res.error_in_exec.__traceback__)
+    assert not any(f.startswith(own) for f in files), files
+    assert sum(f.startswith("<ipython-input") for f in files) >= 2, files  # the cell's own lines

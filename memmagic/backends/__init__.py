@@ -79,6 +79,15 @@ def cuda_usable() -> bool:
         return False
 
 
+def simulated_error_types() -> tuple[type[BaseException], ...]:
+    """Exception types the simulator raises in place of an error of the simulated code."""
+    try:
+        from .sim import SimulatedOutOfMemoryError, SimulationError
+    except ImportError:  # pragma: no cover
+        return ()
+    return (SimulationError, SimulatedOutOfMemoryError)
+
+
 def get_backend(name: str = "auto", **options: Any) -> Backend:
     """The backend called ``name``; ``auto`` is ``cuda`` when a GPU is usable, else ``cpu``.
 
