@@ -5,6 +5,8 @@ If a torch upgrade breaks memmagic, this is the module to look at first.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.modules.module as _module_mod
 import torch.optim.optimizer as _optim_mod
@@ -57,9 +59,10 @@ def global_optimizer_hook_counts() -> dict[str, int]:
     }
 
 
-def storage_key(storage: torch.UntypedStorage) -> int:
-    """A key for a storage that is unique while the storage lives (its StorageImpl address)."""
-    return storage._cdata
+# storage_key(storage) -> int: a key for a storage that is unique while the storage lives
+# (its StorageImpl address). An attrgetter, not a def: it runs for every tensor of every
+# tracked op, and a C-level getter costs a fraction of a Python call.
+storage_key = operator.attrgetter("_cdata")
 
 
 # --- simulated device ---
@@ -142,15 +145,23 @@ def function_mode_depth() -> int:
     return torch._C._len_torch_function_stack()
 
 
+_OPTIM_MODULES: tuple[int, list] = (-1, [])
+
+
 def optimizer_modules_with_default_foreach() -> list:
-    """torch.optim modules whose ``_default_to_fused_or_foreach`` decides foreach/fused."""
+    """torch.optim modules whose ``_default_to_fused_or_foreach`` decides foreach/fused
+    (the scan of ``sys.modules`` is redone only when modules were imported since)."""
     import sys
 
     import torch.optim  # noqa: F401
 
-    return [m for name, m in sorted(sys.modules.items())
-            if name.startswith("torch.optim") and m is not None
-            and hasattr(m, "_default_to_fused_or_foreach")]
+    global _OPTIM_MODULES
+    n = len(sys.modules)
+    if _OPTIM_MODULES[0] != n:
+        _OPTIM_MODULES = (n, [m for name, m in sorted(sys.modules.items())
+                              if name.startswith("torch.optim") and m is not None
+                              and hasattr(m, "_default_to_fused_or_foreach")])
+    return list(_OPTIM_MODULES[1])
 
 
 def single_process_loader_iter(loader):
@@ -177,3 +188,18 @@ def no_python_modes():
 
 
 __all__ += ["no_python_modes"]
+
+
+def fake_device(t: torch.Tensor) -> torch.device | None:
+    """The device a FakeTensor stands for (None for other tensors), without going through
+    the ``device`` property."""
+    return getattr(t, "fake_device", None)
+
+
+def fake_constant(t: torch.Tensor) -> torch.Tensor | None:
+    """The real value a FakeTensor carries when the fake mode knows it (a tensor made from a
+    constant and changed only by ops on constants), else None."""
+    return getattr(t, "constant", None)
+
+
+__all__ += ["fake_device", "fake_constant"]

@@ -20,6 +20,8 @@ def test_fake_mode_and_copies():
         c.add_(1)
         assert c.item() == 6.0
     assert step.item() == 5.0  # the real tensor is untouched
+    assert priv.fake_constant(c).item() == 6.0 and priv.fake_device(c) == torch.device("cpu")
+    assert priv.fake_constant(f) is None and priv.fake_device(p) is None
     priv.forget_fake_memo(mode)
     assert len(mode.fake_tensor_converter.tensor_memo) == 0
 

@@ -183,37 +183,53 @@ def _bce_banned(*args, **kwargs):
         "safe to autocast.")
 
 
+_POLICY_KERNELS: list[tuple[str, Callable]] | None = None
+
+
+def _policy_kernels() -> list[tuple[str, Callable]]:
+    """(op name, AutocastCPU kernel) pairs of the CUDA policy, resolved once per process."""
+    global _POLICY_KERNELS
+    if _POLICY_KERNELS is not None:
+        return _POLICY_KERNELS
+    kernels: list[tuple[str, Callable]] = []
+    for name, policy in CUDA_POLICY.items():
+        if not _schema_exists(name):
+            continue
+        op = _op(name)
+        if policy == "lower_precision_fp":
+            if name in _CPU_LOWER:
+                continue  # same policy: keep the native kernel (and its weight cache)
+            kernel = _lower(op)
+        elif policy == "fp32":
+            kernel = _fp32(op)
+        elif policy == "fp32_set_opt_dtype":
+            kernel = _set_opt_dtype(op)
+        elif policy == "fp32_append_dtype":
+            kernel = _append_dtype(op, _op(_FP32_APPEND_DTYPE[name]))
+        else:
+            kernel = _promote(op)
+        kernels.append((name, kernel))
+    for name in _CPU_ONLY:
+        if name in CUDA_POLICY or not _schema_exists(name):
+            continue
+        if name == "binary_cross_entropy":
+            kernels.append((name, _bce_banned))
+        elif _priv.has_kernel(f"aten::{name}", "AutocastCPU"):
+            kernels.append((name, torch.library.fallthrough_kernel))
+    _POLICY_KERNELS = kernels
+    return kernels
+
+
 def install_cuda_autocast_policy() -> torch.library.Library:
     """Register the CUDA autocast policy on the AutocastCPU key; ``_destroy()`` the returned
     library to put the CPU policy back."""
+    kernels = _policy_kernels()
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for name, policy in CUDA_POLICY.items():
-                if not _schema_exists(name):
-                    continue
-                op = _op(name)
-                if policy == "lower_precision_fp":
-                    if name in _CPU_LOWER:
-                        continue  # same policy: keep the native kernel (and its weight cache)
-                    kernel = _lower(op)
-                elif policy == "fp32":
-                    kernel = _fp32(op)
-                elif policy == "fp32_set_opt_dtype":
-                    kernel = _set_opt_dtype(op)
-                elif policy == "fp32_append_dtype":
-                    kernel = _append_dtype(op, _op(_FP32_APPEND_DTYPE[name]))
-                else:
-                    kernel = _promote(op)
+            for name, kernel in kernels:
                 lib.impl(name, kernel, "AutocastCPU")
-            for name in _CPU_ONLY:
-                if name in CUDA_POLICY or not _schema_exists(name):
-                    continue
-                if name == "binary_cross_entropy":
-                    lib.impl(name, _bce_banned, "AutocastCPU")
-                elif _priv.has_kernel(f"aten::{name}", "AutocastCPU"):
-                    lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
     except BaseException:
         lib._destroy()
         raise

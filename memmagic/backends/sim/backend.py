@@ -184,7 +184,10 @@ class SimBackend(Backend):
         real_device = fake_cls.__dict__["device"].fget
 
         def device(t):
-            return state.fake_device(t, real_device(t))
+            real = real_device(t)
+            if state.in_dispatch:  # torch's own dispatch code: the real (CPU) device
+                return real
+            return state.fake_device(t, real)
 
         patches.set(fake_cls, "device", property(device))
         patches.set(torch, "set_default_device", set_default_device)

@@ -28,6 +28,7 @@ module keeps the fiction:
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -163,6 +164,31 @@ def _device_rule(func) -> str:
     if name.startswith(("_foreach_", "_fused_")):
         return "lists"
     return "same"
+
+
+def _op_info(func) -> tuple[bool, str, bool]:
+    """(mutates its inputs, name, outputs need a fix-up) of an op, computed once."""
+    schema = getattr(func, "_schema", None)
+    mutating = bool(schema is not None and schema.is_mutable) or func in _FOUND_INF_OPS
+    fixup = func is _RNN_LAYER or func is _RNN_LAYER_BACKWARD or func in _BATCH_NORMS
+    return mutating, func.__name__, fixup
+
+
+def _fix_outputs(func, args, kwargs, out):
+    """Outputs where the fake (meta) kernel differs from the real kernel's memory."""
+    if func is _RNN_LAYER:
+        if out[3].numel() == 0:
+            ws = mkldnn_rnn_workspace(args, kwargs)
+            if ws:
+                out = (*out[:3], args[0].new_empty((ws,), dtype=torch.uint8))
+    elif func is _RNN_LAYER_BACKWARD:
+        if out[3] is out[4]:
+            # the meta kernel returns one bias gradient twice; the real kernel returns two
+            out = (*out[:4], torch.empty_like(out[3]), *out[5:])
+    elif out[1].dtype in _HALF:  # batch norms
+        # the CPU and CUDA kernels keep the saved mean/invstd in fp32 for half inputs
+        out = (out[0], *(o.new_empty(o.shape, dtype=torch.float32) for o in out[1:3]), *out[3:])
+    return out
 
 
 # -- function level -------------------------------------------------------------------------
@@ -334,6 +360,7 @@ class SimTracker(StorageTracker):
         self._unsure: set[int] = set()
         self._out_unsure = False
         self._device_rules: dict[object, str] = {}
+        self._op_info: dict[object, tuple[bool, str, bool]] = {}
 
     def start_clock(self) -> None:
         self.deadline = time.perf_counter() + self.max_seconds
@@ -393,81 +420,102 @@ class SimTracker(StorageTracker):
 
     # -- dispatch -------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # the per-op path of every simulated op: kept flat (one call for the pool, one per
+        # new output storage) because its cost adds to every op FakeTensorMode runs
         s = self.s
         s.in_dispatch += 1
         try:
-            return self._dispatch(func, args, kwargs)
+            forced = s.target
+            if kwargs:
+                dev = kwargs.get("device")
+                if dev is not None and is_cuda_device(dev):
+                    kwargs = {**kwargs, "device": CPU}
+                    forced = "device"
+            else:
+                kwargs = {}
+            n = self.ops + 1
+            if n > self.max_ops:
+                raise SimulationBudgetExceeded(
+                    f"the simulation stopped after {self.max_ops} tensor operations (max_ops): "
+                    "a loop that depends on tensor values, or more steps than a simulation "
+                    "needs; simulate fewer iterations or raise max_ops")
+            if not n & 1023 and time.perf_counter() > self.deadline:
+                raise SimulationBudgetExceeded(
+                    f"the simulation stopped after {self.max_seconds:g} s (max_seconds): "
+                    "simulate fewer iterations or raise max_seconds")
+            if func is _LOCAL_SCALAR:
+                return self._read_scalar(func, args[0])
+            if forced is not None:
+                pool = forced if s.cuda else "device"
+                self._out_unsure = False
+            else:
+                pool = self._pool_from_inputs(func, args, kwargs)
+            if pool == "device":
+                s.cuda_seen = True
+            s.pending = pool
+            out = func(*args, **kwargs)
+            info = self._op_info.get(func)
+            if info is None:
+                info = self._op_info[func] = _op_info(func)
+            mutating, name, fixup = info
+            if fixup:
+                out = _fix_outputs(func, args, kwargs, out)
+            seq = isinstance(out, (tuple, list))
+            first = (out[0] if out else None) if seq else out
+            dev = _priv.fake_device(first) if isinstance(first, torch.Tensor) else None
+            if dev is not None and dev.type == "cuda":
+                raise SimulationUnsupported(
+                    f"a CUDA tensor slipped through the simulation at aten.{name}; {RERUN_HINT}")
+            self.ops = n
+            self._last_op = name
+            serial0 = self._serial
+            if mutating:
+                self._visit(out, True)
+                for a in args:
+                    self._visit(a, True)
+                for a in kwargs.values():
+                    self._visit(a, True)
+                if func in _FOUND_INF_OPS:  # GradScaler's found_inf reads 0 (no inf here)
+                    serial = self.serial_of(args[1])
+                    if serial is not None:
+                        s.zero_read_serials.add(serial)
+            elif isinstance(out, torch.Tensor):
+                self._track_output(out, pool)
+            elif seq:
+                for o in out:
+                    if isinstance(o, torch.Tensor):
+                        self._track_output(o, pool)
+                    elif isinstance(o, (list, tuple)):
+                        self._visit(o, False)
+            if self._out_unsure and self._serial > serial0:
+                self._unsure.update(range(serial0 + 1, self._serial + 1))
+            return out
         finally:
             s.in_dispatch -= 1
 
-    def _dispatch(self, func, args, kwargs):
-        s = self.s
-        forced = s.target
-        if kwargs:
-            dev = kwargs.get("device")
-            if dev is not None:
-                cuda = is_cuda_device(dev)
-                if cuda:
-                    kwargs = dict(kwargs)
-                    kwargs["device"] = CPU
-                    forced = "device"
-        else:
-            kwargs = {}
-        n = self.ops + 1
-        if n > self.max_ops:
-            raise SimulationBudgetExceeded(
-                f"the simulation stopped after {self.max_ops} tensor operations (max_ops): "
-                "a loop that depends on tensor values, or more steps than a simulation "
-                "needs; simulate fewer iterations or raise max_ops")
-        if not n & 1023 and time.perf_counter() > self.deadline:
-            raise SimulationBudgetExceeded(
-                f"the simulation stopped after {self.max_seconds:g} s (max_seconds): "
-                "simulate fewer iterations or raise max_seconds")
-        if func is _LOCAL_SCALAR:
-            return self._read_scalar(func, args[0])
-        if forced is not None:
-            pool = forced if s.cuda else "device"
-            self._out_unsure = False
-        else:
-            pool = self._pool_from_inputs(func, args, kwargs)
-        if pool == "device":
-            s.cuda_seen = True
-        s.pending = pool
-        out = func(*args, **kwargs)
-        self._check_device(out, func)
-        if func is _RNN_LAYER and out[3].numel() == 0:
-            ws = mkldnn_rnn_workspace(args, kwargs)
-            if ws:
-                out = (*out[:3], args[0].new_empty((ws,), dtype=torch.uint8))
-        elif func is _RNN_LAYER_BACKWARD and out[3] is out[4]:
-            # the meta kernel returns one bias gradient twice; the real kernel returns two
-            out = (*out[:4], torch.empty_like(out[3]), *out[5:])
-        elif func in _BATCH_NORMS and out[1].dtype in _HALF:
-            # the CPU and CUDA kernels keep the saved mean/invstd in fp32 for half inputs
-            out = (out[0], *(o.new_empty(o.shape, dtype=torch.float32) for o in out[1:3]), *out[3:])
-        self.ops = n
-        self._last_op = func.__name__
-        mutating = self._mutating.get(func)
-        if mutating is None:
-            schema = getattr(func, "_schema", None)
-            mutating = bool(schema is not None and schema.is_mutable)
-            self._mutating[func] = mutating
-            if func in _FOUND_INF_OPS:
-                self._mutating[func] = mutating = True
-        first = self._serial
-        self._visit(out, mutating)
-        if mutating:
-            for a in args:
-                self._visit(a, True)
-            for a in kwargs.values():
-                self._visit(a, True)
-        if self._out_unsure and self._serial > first:
-            self._unsure.update(range(first + 1, self._serial + 1))
-        if func in _FOUND_INF_OPS:  # GradScaler's found_inf reads 0 (no inf in a simulation)
-            serial = self.serial_of(args[1])
-            if serial is not None:
-                s.zero_read_serials.add(serial)
-        return out
+    def _track_output(self, t: torch.Tensor, pool: str) -> None:
+        """``track(t)`` for an op's output (what StorageTracker.track does, with the pool
+        and rounding of the current op known)."""
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return  # sparse and other storage-less tensors
+        key = _priv.storage_key(st)
+        if key in self._live:
+            return  # a view of a storage already tracked
+        self._serial += 1
+        serial = self._serial
+        nbytes = st.nbytes()
+        if pool == "device" and self.s.cuda:
+            nbytes = round_request(nbytes)
+        entry = _Entry(serial, nbytes, pool)
+        self.pool_of[serial] = pool
+        try:
+            entry.ref = weakref.ref(st, lambda _r, k=key, s=serial: self._on_free(k, s))
+        except TypeError:
+            return
+        self._live[key] = entry
+        self._add(entry, nbytes)
 
     def _pool_from_inputs(self, func, args, kwargs) -> str:
         """The pool of the op's outputs: "device" when any input tensor is on the simulated
@@ -569,15 +617,13 @@ class SimTracker(StorageTracker):
             f"aten.{func.__name__}); move the CPU tensor with .cuda() or .to(device)",
             op=func.__name__, argument=other)
 
-    def _check_device(self, out, func) -> None:
-        t = out[0] if isinstance(out, (list, tuple)) and out else out
-        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
-            raise SimulationUnsupported(
-                f"a CUDA tensor slipped through the simulation at aten.{func.__name__}; {RERUN_HINT}")
-
     def _read_scalar(self, func, t: torch.Tensor):
+        const = _priv.fake_constant(t)
+        if const is not None:  # a value the fake mode knows (an optimizer's step count)
+            with _priv.no_python_modes():
+                return const.item()
         try:
-            return func(t)  # a constant the fake mode knows (an optimizer's step count)
+            return func(t)
         except (_priv.DataDependentOutputException, _priv.UnsupportedOperatorException):
             pass
         serial = self.serial_of(t)
