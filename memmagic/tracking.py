@@ -333,6 +333,38 @@ def _saved_tensors(fn: object, seen: set[int]) -> Iterator[torch.Tensor]:
             stack.append(nxt)
 
 
+def _collect(obj: object, kind: str, found: list, graph_roots: list) -> None:
+    """Add ``obj``'s tensors (a tensor, a module's buffers, an optimizer's state) to ``found``."""
+    if kind == "parameter":
+        found.append((obj, Category.PARAMETERS))
+        if obj.grad is not None:
+            found.append((obj.grad, Category.GRADIENTS))
+    elif kind == "tensor":
+        found.append((obj, Category.OTHER))
+        if obj.is_leaf and obj.grad is not None:
+            found.append((obj.grad, Category.GRADIENTS))
+        if obj.grad_fn is not None:
+            graph_roots.append(obj.grad_fn)
+    elif kind == "module":
+        for b in obj._buffers.values():
+            if b is not None:
+                found.append((b, Category.BUFFERS))
+    elif kind == "optimizer":
+        for state in obj.state.values():
+            for v in state.values() if isinstance(state, dict) else ():
+                if isinstance(v, torch.Tensor):
+                    found.append((v, Category.OPTIMIZER_STATE))
+
+
+def _with_saved(found: list, graph_roots: list) -> list[tuple[torch.Tensor, Category]]:
+    """``found`` plus the tensors the autograd graphs at ``graph_roots`` saved."""
+    seen: set[int] = set()
+    for root in graph_roots:
+        for t in _saved_tensors(root, seen):
+            found.append((t, Category.ACTIVATIONS))
+    return found
+
+
 def scan_existing() -> list[tuple[torch.Tensor, Category]]:
     """Every tensor reachable from Python objects now, with its category.
 
@@ -341,7 +373,7 @@ def scan_existing() -> list[tuple[torch.Tensor, Category]]:
     Tensors held only by C++ code other than autograd graphs are not found.
     """
     found: list[tuple[torch.Tensor, Category]] = []
-    graph_roots = []
+    graph_roots: list = []
     cache = _KIND_CACHE
     for obj in gc.get_objects():  # the hot loop of a scan: one dict lookup per object
         kind = cache.get(type(obj), "?")
@@ -351,28 +383,8 @@ def scan_existing() -> list[tuple[torch.Tensor, Category]]:
             kind = _kind(type(obj))
             if kind is None:
                 continue
-        if kind == "parameter":
-            found.append((obj, Category.PARAMETERS))
-            if obj.grad is not None:
-                found.append((obj.grad, Category.GRADIENTS))
-        elif kind == "tensor":
-            found.append((obj, Category.OTHER))
-            if obj.grad_fn is not None:
-                graph_roots.append(obj.grad_fn)
-        elif kind == "module":
-            for b in obj._buffers.values():
-                if b is not None:
-                    found.append((b, Category.BUFFERS))
-        elif kind == "optimizer":
-            for state in obj.state.values():
-                for v in state.values() if isinstance(state, dict) else ():
-                    if isinstance(v, torch.Tensor):
-                        found.append((v, Category.OPTIMIZER_STATE))
-    seen: set[int] = set()
-    for root in graph_roots:
-        for t in _saved_tensors(root, seen):
-            found.append((t, Category.ACTIVATIONS))
-    return found
+        _collect(obj, kind, found, graph_roots)
+    return _with_saved(found, graph_roots)
 
 
 class _Saved:
@@ -428,27 +440,10 @@ def reachable_existing(roots: Iterable[object], max_objects: int = MAX_WALK
         kind = cache.get(tp, "?")
         if kind == "?":
             kind = _kind(tp)
-        if kind == "parameter":
-            found.append((obj, Category.PARAMETERS))
-            if obj.grad is not None:
-                found.append((obj.grad, Category.GRADIENTS))
-            continue
-        if kind == "tensor":
-            found.append((obj, Category.OTHER))
-            if obj.is_leaf and obj.grad is not None:
-                found.append((obj.grad, Category.GRADIENTS))
-            if obj.grad_fn is not None:
-                graph_roots.append(obj.grad_fn)
-            continue
-        if kind == "module":
-            for b in obj._buffers.values():
-                if b is not None:
-                    found.append((b, Category.BUFFERS))
-        elif kind == "optimizer":
-            for state in obj.state.values():
-                for v in state.values() if isinstance(state, dict) else ():
-                    if isinstance(v, torch.Tensor):
-                        found.append((v, Category.OPTIMIZER_STATE))
+        if kind is not None:
+            _collect(obj, kind, found, graph_roots)
+            if kind in ("parameter", "tensor"):
+                continue
         if isinstance(obj, dict):
             stack.extend(obj.values())
             stack.extend(k for k in obj if not isinstance(k, _ATOMIC))
@@ -458,11 +453,7 @@ def reachable_existing(roots: Iterable[object], max_objects: int = MAX_WALK
             d = getattr(obj, "__dict__", None)
             if isinstance(d, dict):
                 stack.append(d)
-    seen_nodes: set[int] = set()
-    for root in graph_roots:
-        for t in _saved_tensors(root, seen_nodes):
-            found.append((t, Category.ACTIVATIONS))
-    return found
+    return _with_saved(found, graph_roots)
 
 
 # -- role hooks ---------------------------------------------------------------------------
