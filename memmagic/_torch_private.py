@@ -203,3 +203,19 @@ def fake_constant(t: torch.Tensor) -> torch.Tensor | None:
 
 
 __all__ += ["fake_device", "fake_constant"]
+
+
+def fake_mode_deepcopy(mode: FakeTensorMode, memo: dict) -> FakeTensorMode:
+    """``FakeTensorMode.__deepcopy__`` for a simulated run: the mode itself.
+
+    ``Tensor.__deepcopy__`` copies a FakeTensor's ``__dict__``, and with it its
+    ``fake_mode`` (torch 2.13; pytorch issue 104465). The copied mode holds copies of the
+    ``StorageWeakRef`` keys of its ``constant_storage_mapping``: objects that own a raw
+    c10 weak reference (an int), so the original and the copy both release it. After a
+    fake constant (``torch.tensor(0)``, BatchNorm's ``num_batches_tracked``) and a
+    ``copy.deepcopy`` of a fake tensor (``nn.TransformerEncoder`` clones its layer) the
+    heap is corrupted and the process dies at exit (SIGSEGV/SIGABRT)."""
+    return mode
+
+
+__all__ += ["fake_mode_deepcopy"]

@@ -44,6 +44,7 @@ def sim_state() -> dict:
         "autocast": torch.autocast, "cuda_amp_autocast": torch.cuda.amp.autocast,
         "set_default_device": torch.set_default_device,
         "fake_device": FakeTensor.__dict__["device"],
+        "fake_mode_deepcopy": priv.FakeTensorMode.__dict__.get("__deepcopy__"),
         "foreach_default": adam._default_to_fused_or_foreach,
         "swap_tensors": torch.utils.swap_tensors,
         "loader_iter": tud.DataLoader.__dict__["_get_iterator"],

@@ -79,3 +79,11 @@ def test_mkldnn_rnn_layer_signature():
     # the workspace fix reads hidden_size (10) and train (15) by position
     args = [a.name for a in torch.ops.aten.mkldnn_rnn_layer.default._schema.arguments]
     assert args[10] == "hidden_size" and args[15] == "train"
+
+
+def test_fake_mode_deepcopy_is_patchable():
+    # the simulation sets FakeTensorMode.__deepcopy__ for a run and deletes it afterwards:
+    # torch must not define its own (if it does, the copied-mode crash may be fixed upstream)
+    assert "__deepcopy__" not in priv.FakeTensorMode.__dict__
+    mode = priv.new_fake_mode()
+    assert priv.fake_mode_deepcopy(mode, {}) is mode

@@ -190,6 +190,9 @@ class SimBackend(Backend):
             return state.fake_device(t, real)
 
         patches.set(fake_cls, "device", property(device))
+        # deepcopy of a fake tensor (nn.TransformerEncoder's layer clones) keeps its fake
+        # mode: a copied mode frees torch's storage weakrefs twice and crashes the process
+        patches.set(_priv.FakeTensorMode, "__deepcopy__", _priv.fake_mode_deepcopy)
         patches.set(torch, "set_default_device", set_default_device)
         patches.set(torch, "get_default_device", get_default_device)
         install_cuda_api(patches, tracker, self.target, autocast)
