@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import gc
-import time
 
 import pytest
 import torch
@@ -179,17 +178,15 @@ def test_transformer_activations_smaller_on_cuda():
     assert cuda.breakdown["activations"] < 0.85 * cpu.breakdown["activations"]
 
 
-# -- speed ---------------------------------------------------------------------------------------
+# -- GPT-2 small ------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_gpt2_small_amp_step_under_a_second():
-    backend = SimBackend()
-    src = zoo.step_source("gpt2_small", device="cuda", amp=True)
-    _run(backend, zoo.step_source("mlp", device="cuda", amp=True))  # warm-up of torch's caches
-    elapsed = []
-    for _ in range(3):  # best of three: the machine is shared
-        gc.collect()
-        t0 = time.perf_counter()
-        report = _run(backend, src)
-        elapsed.append(time.perf_counter() - t0)
-    assert report.peak > 4 << 30
-    assert min(elapsed) < 1.0, f"{elapsed} s"
+def test_gpt2_small_amp_step_simulates():
+    # a 124M-parameter AMP step (B=8, S=1024) simulates on a CPU-only machine. How fast is
+    # measured in benchmarks/ (side by side with the other cases), never timed here.
+    report = _run(SimBackend(), zoo.step_source("gpt2_small", device="cuda", amp=True))
+    params = report.breakdown["parameters"]
+    assert params > 4 * 124_000_000  # fp32 weights (the LM head is not tied)
+    assert report.before == 0
+    assert 6 << 30 < report.peak < 9 << 30  # the notes: 7.5 GiB
+    assert report.peak <= report.reserved_peak < 1.25 * report.peak
+    assert report.after >= 3 * params  # weights and AdamW's two moments stay
