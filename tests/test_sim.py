@@ -211,6 +211,30 @@ def test_out_of_memory_names_op_and_module():
     assert "OutOfMemoryError" in r.error
 
 
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_out_of_memory_is_one_clean_error(where):
+    # raised as on a GPU: no "During handling of the above exception" with the simulated
+    # allocator's internal AllocatorFull in front of it
+    import traceback
+
+    out, _ = run(f"""
+        import torch
+        w = torch.randn(2048, 2048, device="cuda", requires_grad=True)
+        x = torch.randn(2048, 2048, device="cuda")
+        y = (x @ w).relu() @ w
+        if {where == "backward"!r}:
+            y.sum().backward()
+        else:
+            z = torch.empty(16 << 20, device="cuda")
+    """, gpu_memory="80MiB")
+    err = out.error
+    assert isinstance(err, SimulatedOutOfMemoryError), err
+    assert err.__cause__ is None and (err.__context__ is None or err.__suppress_context__)
+    text = "".join(traceback.format_exception(err))
+    assert "During handling" not in text and "AllocatorFull" not in text
+    assert text.count("Traceback (most recent call last)") == 1
+
 def test_gpu_table_and_sizes():
     for name in ("laptop-4GB", "laptop-6GB", "laptop-8GB", "RTX3060", "T4", "RTX4090",
                  "A100-40GB", "A100-80GB", "H100"):

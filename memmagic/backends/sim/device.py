@@ -395,7 +395,8 @@ class SimTracker(StorageTracker):
                 self.cuda_reserved_peak = max(self.cuda_reserved_peak, a.reserved)
                 if self.oom is None and not self._closed:
                     self.oom = self._oom_error(full)
-                    raise self.oom
+                    # from None: the user sees CUDA's error alone, not our AllocatorFull
+                    raise self.oom from None
             if a.reserved > self.cuda_reserved_peak:
                 self.cuda_reserved_peak = a.reserved
 
