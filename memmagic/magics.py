@@ -171,7 +171,8 @@ class MemMagics(Magics):
         shell = self.shell
         transformed = shell.transform_cell(source)
         tree = shell.transform_ast(shell.compile.ast_parse(transformed))
-        filename = shell.compile.cache(transformed, shell.execution_count)
+        # IPython counts the running cell already: its number is one less
+        filename = shell.compile.cache(transformed, max(shell.execution_count - 1, 0))
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)

@@ -52,6 +52,32 @@ NOTEBOOKS = {
           "print('activations under no_grad:', format_bytes(without_grad.breakdown['activations']))\n"
           "print('activations with grad:   ', format_bytes(with_grad.breakdown['activations']))\n"
           "print('4 layers x 256 x 4096 fp32 inputs + the relu output:', format_bytes(5 * 256 * 4096 * 4))"),
+        M("## No GPU? Simulate one\n\n`--backend sim` runs code written for a GPU (`device=\"cuda\"`, "
+          "`.cuda()`, `torch.autocast(\"cuda\")`) on *fake* tensors: shapes and dtypes, no data, so it "
+          "is fast and needs no memory. It predicts what the CUDA caching allocator would hold, "
+          "including **reserved** memory (what `nvidia-smi` shows, minus the CUDA context). "
+          "`--gpu NAME` checks the prediction against a card. Nothing real is touched: `model` and "
+          "`opt` from the cells above are exactly as they were afterwards."),
+        C("%%gpumem --backend sim --gpu T4 --no-chart\n"
+          "model = torch.nn.Linear(4096, 4096, device=\"cuda\")\n"
+          "opt = torch.optim.Adam(model.parameters())\n"
+          "loss = model(torch.randn(64, 4096, device=\"cuda\")).sum()\n"
+          "loss.backward(); opt.step()"),
+        C("print(model.weight.device, model.weight.dtype)  # still the real CPU model from above"),
+        M("A GPT-2-small training step (124 M parameters, batch 8, 1024 tokens, mixed precision) "
+          "simulates in about a second. On a 6 GB laptop GPU it stops where a real run would, "
+          "with the same kind of error, naming the op and the module:"),
+        C("%%gpumem --backend sim --gpu laptop-6GB -v gpt2_laptop --no-chart\n"
+          "from memmagic import zoo\n"
+          "gpt, batch = zoo.build(\"gpt2_small\", device=\"cuda\")\n"
+          "gpt_opt = torch.optim.AdamW(gpt.parameters())\n"
+          "zoo.train_step(gpt, gpt_opt, batch, amp=True)",
+          metadata={"tags": ["raises-exception"]}),
+        C("%%gpumem --backend sim --gpu T4 -q -v gpt2_t4\n"
+          "gpt, batch = zoo.build(\"gpt2_small\", device=\"cuda\")\n"
+          "gpt_opt = torch.optim.AdamW(gpt.parameters())\n"
+          "zoo.train_step(gpt, gpt_opt, batch, amp=True)"),
+        C("print(gpt2_t4.summary())"),
         M("## In a script\n\n`memmagic.measure(fn)` and `with memmagic.track():` return the same report."),
         C("import memmagic\nr = memmagic.measure(lambda: deep(x).sum().backward(), backend=\"cpu\")\nr"),
     ],
