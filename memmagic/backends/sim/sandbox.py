@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -88,8 +88,8 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def contains_fake(value: Any, limit: int = 10_000) -> bool:
-    """Whether ``value`` reaches a FakeTensor (bounded walk over containers and __dict__)."""
+def _reachable_tensors(value: Any, limit: int = 10_000) -> Iterator[torch.Tensor]:
+    """Tensors ``value`` reaches (bounded walk over containers, dict keys and __dict__)."""
     seen: set[int] = set()
     stack = [value]
     while stack and len(seen) < limit:
@@ -97,11 +97,9 @@ def contains_fake(value: Any, limit: int = 10_000) -> bool:
         if id(v) in seen or isinstance(v, _ATOMIC):
             continue
         seen.add(id(v))
-        if _priv.is_fake(v):
-            return True
         if isinstance(v, torch.Tensor):
-            continue
-        if isinstance(v, dict):
+            yield v
+        elif isinstance(v, dict):
             stack.extend(v.keys())
             stack.extend(v.values())
         elif isinstance(v, (list, tuple, set, frozenset)):
@@ -110,7 +108,11 @@ def contains_fake(value: Any, limit: int = 10_000) -> bool:
             d = getattr(v, "__dict__", None)
             if isinstance(d, dict):
                 stack.extend(d.values())
-    return False
+
+
+def contains_fake(value: Any, limit: int = 10_000) -> bool:
+    """Whether ``value`` reaches a FakeTensor."""
+    return any(_priv.is_fake(t) for t in _reachable_tensors(value, limit))
 
 
 def sanitize_value(value: Any, name: str = "the cell's value") -> Any:
@@ -215,23 +217,7 @@ class Sandbox:
 
 
 def contains_real_tensor(value: Any, limit: int = 10_000) -> bool:
-    seen: set[int] = set()
-    stack = [value]
-    while stack and len(seen) < limit:
-        v = stack.pop()
-        if id(v) in seen or isinstance(v, _ATOMIC):
-            continue
-        seen.add(id(v))
-        if isinstance(v, torch.Tensor):
-            return not _priv.is_fake(v)
-        if isinstance(v, dict):
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            stack.extend(v)
-        else:
-            d = getattr(v, "__dict__", None)
-            if isinstance(d, dict):
-                stack.extend(d.values())
-    return False
+    """Whether ``value`` reaches a real (not fake) tensor."""
+    return any(not _priv.is_fake(t) for t in _reachable_tensors(value, limit))
 
 
