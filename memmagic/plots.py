@@ -4,21 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .report import Category, MemoryReport, format_bytes
+from .report import COLORS, MemoryReport, format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
 __all__ = ["plot_breakdown", "breakdown_figure", "breakdown_chart", "Chart"]
 
-COLORS = {
-    Category.PARAMETERS.value: "#4c78a8",
-    Category.BUFFERS.value: "#9ecae9",
-    Category.GRADIENTS.value: "#f58518",
-    Category.OPTIMIZER_STATE.value: "#e45756",
-    Category.ACTIVATIONS.value: "#54a24b",
-    Category.OTHER.value: "#bab0ac",
-}
 
 
 def _unit(n: int) -> tuple[float, str]:

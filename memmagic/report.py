@@ -74,6 +74,16 @@ class Category(str, Enum):
         return self.value
 
 
+# One colour per category, shared by the HTML table and the matplotlib chart.
+COLORS = {
+    Category.PARAMETERS.value: "#4c78a8",
+    Category.BUFFERS.value: "#9ecae9",
+    Category.GRADIENTS.value: "#f58518",
+    Category.OPTIMIZER_STATE.value: "#e45756",
+    Category.ACTIVATIONS.value: "#54a24b",
+    Category.OTHER.value: "#bab0ac",
+}
+
 BACKENDS = ("cuda", "cpu", "sim")
 
 _SOURCE = {
@@ -258,7 +268,7 @@ class MemoryReport:
             bars.append(
                 f"<tr><td>{esc(name)}</td><td style='text-align:right'>{esc(format_bytes(value))}</td>"
                 f"<td style='text-align:right'>{share:.1%}</td>"
-                f"<td style='width:12em'><div style='background:#4c78a8;height:0.8em;width:{pct:.1f}%'></div></td></tr>"
+                f"<td style='width:12em'><div style='background:{COLORS[name]};height:0.8em;width:{pct:.1f}%'></div></td></tr>"
             )
         notes = "".join(f"<li>{esc(n)}</li>" for n in self.notes)
         err = f"<p style='color:#b00'>cell failed: {esc(self.error)}</p>" if self.error else ""
