@@ -105,6 +105,7 @@ class StorageTracker(TorchDispatchMode):
         self.before = {"device": 0, "host": 0}
         self.peak_event = -1
         self.peak_op: str | None = None
+        self._last_op: str | None = None
         self.peak_module: str | None = None
         self.peak_phase: str | None = None
         self.ops = 0
@@ -139,8 +140,6 @@ class StorageTracker(TorchDispatchMode):
             self.peak_phase = self.phase_override
         else:
             self.peak_phase = "backward" if _priv.in_backward() else "forward"
-
-    _last_op: str | None = None
 
     def track(self, t: torch.Tensor, role: Category = Category.OTHER) -> int | None:
         """Start tracking ``t``'s storage (if not yet tracked); return its serial or None."""
@@ -465,6 +464,7 @@ class _RoleHooks:
         self.params: dict[int, weakref.ref] = {}  # tensors hash by id but compare elementwise
         self._names: dict[int, str] = {}
         self._handles: list = []
+        self._parents: list = []  # modules whose forward runs, beside tracker.module_stack
         self._saved_ctx = None
 
     def _pre_forward(self, module, args):
@@ -544,7 +544,6 @@ class _RoleHooks:
         return packed.tensor if type(packed) is _Saved else packed
 
     def install(self) -> None:
-        self._parents: list = []
         reg = self._handles.append
         reg(_module_mod.register_module_parameter_registration_hook(self._param_registered))
         reg(_module_mod.register_module_buffer_registration_hook(self._buffer_registered))

@@ -143,7 +143,6 @@ class CUDABackend(Backend):
         a0, m0, r0, mr0 = probe.counters()
         tracking = Tracking(self._include, round_512, roots=roots) if self.breakdown else None
         error: BaseException | None = None
-        events = None
         t0 = time.perf_counter()
         probe.start_trace()
         try:
