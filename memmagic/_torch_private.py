@@ -219,3 +219,279 @@ def fake_mode_deepcopy(mode: FakeTensorMode, memo: dict) -> FakeTensorMode:
 
 
 __all__ += ["fake_mode_deepcopy"]
+
+
+class FakeOutputCache:
+    """Outputs of fake ops from their inputs' metadata, without FakeTensorMode's dispatch.
+
+    FakeTensorMode spends ~70 us on every op, even on a hit of its own dispatch cache
+    (two thirds of it building that cache's key). This cache sits in front of it, in the
+    simulation's dispatch mode: the key is the op, the default dtype and, for each
+    argument, a tensor's dtype/sizes/strides/offset/device or a plain value; the entry is
+    what FakeTensorMode returned: the metadata of fresh outputs, or which argument an
+    in-place op returns. On a hit the outputs are made directly (``empty_strided`` on meta
+    wrapped in a FakeTensor), as FakeTensorMode's own cache does. Everything else falls
+    through to FakeTensorMode: views, ops whose output sizes depend on values, ops that
+    resize or restride their arguments, tensors carrying a constant (their values matter),
+    SymInts and any argument the key does not know.
+    """
+
+    __slots__ = ("mode", "entries", "rules", "hits", "misses", "template")
+
+    def __init__(self, mode: FakeTensorMode, entries: dict | None = None) -> None:
+        """``entries``: a dict to share between runs of one configuration (the entries
+        depend on the op implementations installed, not on the fake mode)."""
+        self.mode = mode
+        self.entries: dict = {} if entries is None else entries
+        if len(self.entries) > FAKE_CACHE_MAX_ENTRIES:
+            self.entries.clear()
+        self.rules = _FAKE_CACHE_RULES  # func -> None (bypass) | "fresh" | "self" | "void"
+        self.hits = 0
+        self.misses = 0
+        self.template = _fake_template(mode)
+
+    def __call__(self, func, args, kwargs):
+        rule = self.rules.get(func, 0)
+        if rule == 0:
+            rule = self.rules[func] = _fake_cache_rule(func)
+        if rule is None:
+            return func(*args, **kwargs)
+        key = _fake_cache_key(func, args, kwargs)
+        if key is None:
+            return func(*args, **kwargs)
+        entry = self.entries.get(key)
+        if entry is None:
+            self.misses += 1
+            out = func(*args, **kwargs)
+            self.entries[key] = _fake_cache_entry(rule, args, kwargs, out)
+            return out
+        kind = entry[0]
+        if kind == "bypass":
+            return func(*args, **kwargs)
+        self.hits += 1
+        if kind == "one":
+            return _fake_from_meta(self.mode, entry[1], self.template)
+        if kind == "self":
+            return args[0]
+        if kind == "view":
+            return _fake_view(self.mode, args[0], entry[1], self.template)
+        if kind == "void":
+            return None
+        mode, template = self.mode, self.template
+        outs = [_fake_from_meta(mode, m, template) for m in entry[1]]
+        return outs if kind == "list" else tuple(outs)
+
+
+FAKE_CACHE_MAX_ENTRIES = 200_000
+_FAKE_CACHE_RULES: dict = {}
+_NO_CACHE_TAGS = frozenset({torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output,
+                            torch.Tag.inplace_view})
+_NO_CACHE_NAMES = frozenset({"resize_", "resize_as_", "set_", "_resize_output_", "as_strided_",
+                             "_local_scalar_dense", "item", "lift_fresh", "lift_fresh_copy"})
+
+
+def _alias_set(x) -> frozenset | None:
+    info = x.alias_info
+    return None if info is None else frozenset(info.before_set)
+
+
+def _fake_cache_rule(func):
+    """How FakeOutputCache treats ``func``: None (never cached), "fresh" (returns new
+    tensors), "view" (returns one view of its first argument), "self" (in place: returns
+    its first argument) or "void" (in place, returns nothing)."""
+    if not isinstance(func, torch._ops.OpOverload):
+        return None
+    if _NO_CACHE_TAGS.intersection(func.tags):
+        return None
+    schema = func._schema
+    if schema.name.split("::")[-1] in _NO_CACHE_NAMES:
+        return None
+    rets, params = schema.returns, schema.arguments
+    if not params or not rets and not schema.is_mutable:
+        return None
+    first = _alias_set(params[0]) if params else None
+    if func.is_view:
+        # one tensor aliasing the first argument (t, view, detach, transpose, ...)
+        if (len(rets) == 1 and str(rets[0].type) == "Tensor" and first is not None
+                and _alias_set(rets[0]) == first and not rets[0].alias_info.is_write
+                and sum(_alias_set(p) is not None for p in params) == 1):
+            return "view"
+        return None
+    if schema.is_mutable:
+        # in place on the first argument only (``add_``, ``_foreach_mul_``): an ``out=``
+        # argument may be resized, other mutated arguments are not ours to reason about
+        mutated = [p for p in params if p.alias_info is not None and p.alias_info.is_write]
+        if len(mutated) != 1 or mutated[0] is not params[0] or params[0].kwarg_only:
+            return None
+        if not rets:
+            return "void"
+        if (len(rets) == 1 and _alias_set(rets[0]) == first
+                and str(rets[0].type) == str(params[0].type) == "Tensor"):
+            return "self"
+        return None
+    for r in rets:
+        if r.alias_info is not None or str(r.type) not in ("Tensor", "List[Tensor]"):
+            return None
+    return "fresh"
+
+
+def _fake_cache_part(a):
+    if isinstance(a, FakeTensor):
+        dtype = a.dtype
+        if a.constant is not None or dtype.is_complex or a.layout is not torch.strided:
+            return None  # a value that matters, or conj/neg bits: not keyed
+        return (dtype, a.shape, a.stride(), a.storage_offset(), a.fake_device)
+    cls = a.__class__
+    if cls is int or cls is float or cls is bool or cls is str or a is None:
+        return (cls, a)  # 1, 1.0 and True hash alike but promote differently
+    if cls is list or cls is tuple:
+        parts = []
+        for x in a:
+            p = _fake_cache_part(x)
+            if p is None:
+                return None
+            parts.append(p)
+        return (cls, tuple(parts))
+    if cls is torch.dtype or cls is torch.device or cls is torch.layout or cls is torch.memory_format:
+        return a
+    return None  # a real tensor, a SymInt, a generator, anything else: not keyed
+
+
+def _fake_cache_key(func, args, kwargs):
+    parts = [func, torch.get_default_dtype(), torch.is_inference_mode_enabled()]
+    append = parts.append
+    for a in args:
+        p = _fake_cache_part(a)
+        if p is None:
+            return None
+        append(p)
+    if kwargs:
+        for k, a in kwargs.items():
+            p = _fake_cache_part(a)
+            if p is None:
+                return None
+            append(k)
+            append(p)
+    return tuple(parts)
+
+
+def _fake_meta(t, seen: set):
+    """(sizes, strides, dtype, device) of a fresh fake output, or None when it cannot be
+    rebuilt from metadata (not fake, a constant, a view into a larger or shared storage)."""
+    if not isinstance(t, FakeTensor) or t.constant is not None or t.layout is not torch.strided:
+        return None
+    if t.storage_offset() != 0 or t.dtype.is_complex or t.requires_grad:
+        return None
+    st = t.untyped_storage()
+    key = st._cdata
+    if key in seen:
+        return None
+    seen.add(key)
+    shape, stride = tuple(t.shape), t.stride()
+    need = 0 if 0 in shape else (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * t.element_size()
+    if st.nbytes() != need:
+        return None
+    return (shape, stride, t.dtype, t.fake_device)
+
+
+def _fake_cache_entry(rule, args, kwargs, out) -> tuple:
+    """What FakeOutputCache stores for one key: ("one", meta), ("list"|"tuple", metas),
+    ("self",), ("void",) or ("bypass",) when the output cannot be rebuilt from metadata."""
+    bypass = ("bypass",)
+    if rule == "view":
+        base = args[0]
+        if (not isinstance(out, FakeTensor) or not isinstance(base, FakeTensor)
+                or out.constant is not None or out.layout is not torch.strided
+                or out.dtype.is_complex or out.requires_grad
+                or out.untyped_storage()._cdata != base.untyped_storage()._cdata):
+            return bypass
+        return ("view", (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype,
+                         out.fake_device))
+    if rule == "self":
+        return ("self",) if out is args[0] else bypass
+    if rule == "void":
+        return ("void",) if out is None else bypass
+    seen: set = set()  # storages of the inputs and of earlier outputs: a fresh output owns its own
+    for a in (*args, *kwargs.values()):
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor):
+                try:
+                    seen.add(t.untyped_storage()._cdata)
+                except (RuntimeError, NotImplementedError, TypeError):
+                    return bypass
+    if isinstance(out, torch.Tensor):
+        m = _fake_meta(out, seen)
+        return bypass if m is None else ("one", m)
+    if isinstance(out, (list, tuple)):
+        metas = []
+        for o in out:
+            m = _fake_meta(o, seen)
+            if m is None:
+                return bypass
+            metas.append(m)
+        return ("list" if isinstance(out, list) else "tuple", tuple(metas))
+    return bypass
+
+
+def _fake_from_meta(mode: FakeTensorMode, meta, template: dict | None) -> FakeTensor:
+    """A fresh FakeTensor of ``meta``'s sizes, strides, dtype and device. With a
+    ``template`` (the ``__dict__`` of a FakeTensor made by its constructor), the
+    constructor's Python work is replaced by copying that dict: see _fake_template."""
+    shape, stride, dtype, device = meta
+    with torch._C._DisableTorchDispatch():
+        empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    return _wrap_fake(mode, empty, device, template)
+
+
+def _wrap_fake(mode: FakeTensorMode, empty: torch.Tensor, device, template: dict | None) -> FakeTensor:
+    if template is None:
+        return FakeTensor(mode, empty, device)
+    t = torch.Tensor._make_subclass(FakeTensor, empty, False, dispatch_device=True,
+                                    device_for_backend_keys=device)
+    if mode._allow_unsafe_data_ptr_access:  # what FakeTensor.__new__ does
+        torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
+    else:
+        torch._C._set_throw_on_mutable_data_ptr(t)
+    t.__dict__.update(template)
+    if device != template["_fake_device"]:
+        t.fake_device = device
+    return t
+
+
+def _fake_view(mode: FakeTensorMode, base: FakeTensor, meta, template: dict | None) -> FakeTensor:
+    """A FakeTensor viewing ``base``'s storage with ``meta``'s geometry (what
+    FakeTensorMode's cache does for a view op)."""
+    shape, stride, offset, dtype, device = meta
+    with torch._C._DisableTorchDispatch():
+        empty = torch.empty((0,), dtype=dtype, device="meta")
+        empty.set_(base.untyped_storage(), offset, shape, stride)
+    return _wrap_fake(mode, empty, device, template)
+
+
+def _fake_template(mode: FakeTensorMode) -> dict | None:
+    """The attributes FakeTensor's constructor gives a fresh CPU fake tensor, or None when
+    a tensor made by the fast path would differ from one made by the constructor (then
+    FakeOutputCache uses the constructor)."""
+    if _fake_debug():
+        return None
+    cpu = torch.device("cpu")
+    with torch._C._DisableTorchDispatch():
+        e1 = torch.empty_strided((2, 3), (3, 1), dtype=torch.float32, device="meta")
+    ref = FakeTensor(mode, e1, cpu)
+    template = dict(ref.__dict__)
+    if template.get("_fake_device") != cpu:  # where FakeTensor keeps its device
+        return None
+    fast = _fake_from_meta(mode, ((2, 3), (3, 1), torch.float32, cpu), template)
+    same = (type(fast) is type(ref) and fast.__dict__ == ref.__dict__
+            and torch._C._dispatch_keys(fast) == torch._C._dispatch_keys(ref)
+            and fast.device == ref.device and fast.requires_grad == ref.requires_grad)
+    return template if same else None
+
+
+def _fake_debug() -> bool:
+    from torch._subclasses.fake_tensor import FakeTensorConfig
+
+    return bool(FakeTensorConfig.debug)
+
+
+__all__ += ["FakeOutputCache"]

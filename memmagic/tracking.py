@@ -275,20 +275,36 @@ class StorageTracker(TorchDispatchMode):
         return out
 
     def timeline(self, max_points: int = 2000) -> list[tuple[int, int]]:
-        """(op index, live device bytes) after each device event, thinned to ``max_points``
-        (the peak is always kept)."""
+        """(op index, live device bytes) at the end of each op that allocated or freed on
+        the device, preceded by the op's own high-water mark where that is higher; thinned
+        to ``max_points`` (the peak is always kept). One op's frees (a graph released at
+        once) come in an order that can change from run to run; their sum cannot."""
         cur = self.before["device"]
         points: list[tuple[int, int]] = [(0, cur)]
+        op_now, high = 0, cur
         for serial, delta, op in self.events:
-            if self.pool_of[serial] == "device":
-                cur += delta
-                points.append((op, cur))
+            if self.pool_of[serial] != "device":
+                continue
+            if op != op_now:
+                self._close_op(points, op_now, high, cur)
+                op_now, high = op, cur
+            cur += delta
+            if cur > high:
+                high = cur
+        self._close_op(points, op_now, high, cur)
         if len(points) > max_points:
             peak_i = max(range(len(points)), key=lambda i: points[i][1])
             step = len(points) / max_points
             keep = {int(i * step) for i in range(max_points)} | {len(points) - 1, peak_i}
             points = [p for i, p in enumerate(points) if i in keep]
         return points
+
+    @staticmethod
+    def _close_op(points: list[tuple[int, int]], op: int, high: int, end: int) -> None:
+        if high > end and points[-1] != (op, high):
+            points.append((op, high))
+        if points[-1] != (op, end):
+            points.append((op, end))
 
 
 # -- tensors that exist before a run --------------------------------------------------------

@@ -190,3 +190,38 @@ def test_gpt2_small_amp_step_simulates():
     assert 6 << 30 < report.peak < 9 << 30  # the notes: 7.5 GiB
     assert report.peak <= report.reserved_peak < 1.25 * report.peak
     assert report.after >= 3 * params  # weights and AdamW's two moments stay
+
+
+# -- the op cache changes speed, never a byte ---------------------------------------------------
+def _facts(r):
+    return (r.peak, r.before, r.after, r.reserved_peak, r.reserved_after, r.peak_op,
+            r.peak_module, r.host_peak, dict(r.breakdown), r.timeline)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", ["cuda", "cpu"])
+@pytest.mark.parametrize("name", zoo.SMALL)
+def test_op_cache_gives_the_same_report_cold_warm_and_off(name, kernels):
+    from memmagic.backends.sim import backend as sim_backend_mod
+
+    src = zoo.step_source(name, device="cuda", amp=True, checkpointing=name != "lstm")
+    off = SimBackend(kernels=kernels, op_cache=False)
+    on = SimBackend(kernels=kernels)
+    saved = dict(sim_backend_mod._FAST_ENTRIES)
+    sim_backend_mod._FAST_ENTRIES.clear()
+    try:
+        reference = _facts(_run(off, src))
+        assert off.last_run_stats["cache_hits"] == 0
+        cold = _facts(_run(on, src))
+        cold_stats = on.last_run_stats
+        warm = _facts(_run(on, src))
+        warm_stats = on.last_run_stats
+    finally:
+        sim_backend_mod._FAST_ENTRIES.clear()
+        sim_backend_mod._FAST_ENTRIES.update(saved)
+    assert cold == reference
+    assert warm == reference
+    assert cold_stats["cache_misses"] > 0
+    # the second run finds what the first stored: most ops are answered from metadata
+    assert warm_stats["cache_misses"] == 0
+    assert warm_stats["cache_hits"] > warm_stats["ops"] // 2

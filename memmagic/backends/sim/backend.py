@@ -48,6 +48,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _MEMMAGIC_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _INTERNAL_READERS = tuple(os.path.join(_TORCH_DIR, d) for d in ("utils", "optim", "amp", "nn"))
 _STDLIB = os.path.dirname(os.__file__)
+_FAST_ENTRIES: dict[tuple, dict] = {}  # FakeOutputCache entries per kernel configuration
 
 
 class _SimTracking(Tracking):
@@ -66,6 +67,8 @@ class SimBackend(Backend):
     ``gpu_memory`` its size (``int`` bytes or ``'10GiB'``); with a target, a run whose
     reserved memory would exceed the card stops with a simulated
     ``torch.OutOfMemoryError`` at the op where the card would run out.
+    ``op_cache=False`` makes FakeTensorMode compute every op's outputs (the op cache
+    builds them from the inputs' metadata; it changes speed, never a byte).
     ``kernels="cpu"`` selects the CPU's kernels and defaults instead of CUDA's (the
     simulated device then behaves like the CPU: used to check the simulation against
     ``--backend cpu``). ``max_ops`` and ``max_seconds`` bound a run.
@@ -75,10 +78,10 @@ class SimBackend(Backend):
 
     def __init__(self, gpu: str | GPUSpec | None = None, gpu_memory: int | str | None = None,
                  kernels: str = "cuda", max_ops: int = 2_000_000, max_seconds: float = 120.0,
-                 **options: Any) -> None:
+                 op_cache: bool = True, **options: Any) -> None:
         if options:
             raise TypeError(f"the sim backend takes gpu=, gpu_memory=, kernels=, max_ops=, "
-                            f"max_seconds=; got {sorted(options)}")
+                            f"max_seconds=, op_cache=; got {sorted(options)}")
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, not {kernels!r}")
         if int(max_ops) <= 0 or float(max_seconds) <= 0:
@@ -87,6 +90,9 @@ class SimBackend(Backend):
         self.kernels = kernels
         self.max_ops = int(max_ops)
         self.max_seconds = float(max_seconds)
+        self.op_cache = bool(op_cache)
+        # ops, op-cache hits and misses of the last run (for tests and benchmarks)
+        self.last_run_stats: dict[str, int] = {}
 
     @property
     def device_name(self) -> str:
@@ -111,6 +117,11 @@ class SimBackend(Backend):
                              max_seconds=self.max_seconds)
         tracking = _SimTracking(tracker)
         fake_mode = _priv.new_fake_mode()
+        # op outputs from metadata, shared by every run with the same kernels (cuda kernels
+        # differ with the GPU's compute capability)
+        fast = _priv.FakeOutputCache(
+            fake_mode, _FAST_ENTRIES.setdefault((self.kernels, capability if cuda else None), {}))
+        tracker.fast = fast if self.op_cache else None
         patches = Patches()
         libs: list = []
         notes: list[str] = []
@@ -147,6 +158,8 @@ class SimBackend(Backend):
         except BaseException as exc:  # re-raised by the caller after rendering
             error = _explain(exc)
         value = sanitize_value(value)
+        self.last_run_stats = {"ops": tracker.ops, "cache_hits": fast.hits,
+                               "cache_misses": fast.misses}
         return Outcome(self._report(tracking, tracker, state, sandbox, notes, error, sdpa),
                        None if error else value, error)
 

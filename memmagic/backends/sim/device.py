@@ -51,8 +51,10 @@ __all__ = ["SimState", "DeviceRewriteMode", "SimTracker", "is_cuda_device", "CUD
 
 CUDA0 = torch.device("cuda", 0)
 CPU = torch.device("cpu")
+META = torch.device("meta")
 _aten = torch.ops.aten
 _LOCAL_SCALAR = _aten._local_scalar_dense.default
+_PRIM_DEVICE = torch.ops.prim.device.default
 _RNN_LAYER = _aten.mkldnn_rnn_layer.default
 _RNN_LAYER_BACKWARD = _aten.mkldnn_rnn_layer_backward.default
 _BATCH_NORMS = {_aten.native_batch_norm.default, _aten._native_batch_norm_legit.default,
@@ -361,6 +363,8 @@ class SimTracker(StorageTracker):
         self._out_unsure = False
         self._device_rules: dict[object, str] = {}
         self._op_info: dict[object, tuple[bool, str, bool]] = {}
+        # FakeOutputCache of the run (set by the backend): outputs from metadata
+        self.fast: Callable[[Any, tuple, dict], Any] | None = None
 
     def start_clock(self) -> None:
         self.deadline = time.perf_counter() + self.max_seconds
@@ -423,6 +427,13 @@ class SimTracker(StorageTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # the per-op path of every simulated op: kept flat (one call for the pool, one per
         # new output storage) because its cost adds to every op FakeTensorMode runs
+        if func is _PRIM_DEVICE:
+            # C++ asking a fake tensor its device (FakeTensor.__torch_dispatch__'s answer,
+            # without FakeTensorMode's dispatch): not an op, not counted
+            t = args[0]
+            mode = getattr(t, "fake_mode", None)
+            if mode is not None:
+                return META if mode.in_kernel_invocation else t.fake_device
         s = self.s
         s.in_dispatch += 1
         try:
@@ -454,7 +465,8 @@ class SimTracker(StorageTracker):
             if pool == "device":
                 s.cuda_seen = True
             s.pending = pool
-            out = func(*args, **kwargs)
+            fast = self.fast
+            out = func(*args, **kwargs) if fast is None else fast(func, args, kwargs)
             info = self._op_info.get(func)
             if info is None:
                 info = self._op_info[func] = _op_info(func)
