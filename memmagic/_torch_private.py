@@ -226,14 +226,17 @@ class FakeOutputCache:
 
     FakeTensorMode spends ~70 us on every op, even on a hit of its own dispatch cache
     (two thirds of it building that cache's key). This cache sits in front of it, in the
-    simulation's dispatch mode: the key is the op, the default dtype and, for each
-    argument, a tensor's dtype/sizes/strides/offset/device or a plain value; the entry is
-    what FakeTensorMode returned: the metadata of fresh outputs, or which argument an
-    in-place op returns. On a hit the outputs are made directly (``empty_strided`` on meta
-    wrapped in a FakeTensor), as FakeTensorMode's own cache does. Everything else falls
-    through to FakeTensorMode: views, ops whose output sizes depend on values, ops that
-    resize or restride their arguments, tensors carrying a constant (their values matter),
-    SymInts and any argument the key does not know.
+    simulation's dispatch mode: the key is the op, the default dtype, inference mode and,
+    for each argument, a tensor's dtype/sizes/strides/offset/device or a plain value with
+    its type; the entry is what FakeTensorMode returned: the metadata of fresh outputs, the
+    geometry of a view of the first argument, or that an in-place op returns its first
+    argument (or nothing). On a hit the outputs are made directly (``empty_strided`` on
+    meta wrapped in a FakeTensor), as FakeTensorMode's own cache does. Errors are never
+    stored (a key is stored only after FakeTensorMode ran the op). Everything else falls
+    through to FakeTensorMode: ops whose output sizes depend on values, ops that resize or
+    restride their arguments or mutate more than their first argument, several views,
+    tensors carrying a constant (their values matter), complex tensors (conj/neg bits),
+    SymInts, real tensors and any argument the key does not know.
     """
 
     __slots__ = ("mode", "entries", "rules", "hits", "misses", "template")
@@ -245,7 +248,7 @@ class FakeOutputCache:
         self.entries: dict = {} if entries is None else entries
         if len(self.entries) > FAKE_CACHE_MAX_ENTRIES:
             self.entries.clear()
-        self.rules = _FAKE_CACHE_RULES  # func -> None (bypass) | "fresh" | "self" | "void"
+        self.rules = _FAKE_CACHE_RULES  # func -> _fake_cache_rule(func)
         self.hits = 0
         self.misses = 0
         self.template = _fake_template(mode)
@@ -394,16 +397,26 @@ def _fake_meta(t, seen: set):
     return (shape, stride, t.dtype, t.fake_device)
 
 
+def _same_storage(a, b) -> bool:
+    if not (isinstance(a, FakeTensor) and isinstance(b, FakeTensor)):
+        return False
+    try:
+        return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
 def _fake_cache_entry(rule, args, kwargs, out) -> tuple:
     """What FakeOutputCache stores for one key: ("one", meta), ("list"|"tuple", metas),
     ("self",), ("void",) or ("bypass",) when the output cannot be rebuilt from metadata."""
     bypass = ("bypass",)
-    if rule == "view":
+    if rule == "view" or (rule == "fresh" and args and _same_storage(out, args[0])):
+        # a view of the first argument (also an op that says it returns a new tensor but
+        # returns its input's storage, like _unsafe_view)
         base = args[0]
         if (not isinstance(out, FakeTensor) or not isinstance(base, FakeTensor)
                 or out.constant is not None or out.layout is not torch.strided
-                or out.dtype.is_complex or out.requires_grad
-                or out.untyped_storage()._cdata != base.untyped_storage()._cdata):
+                or out.dtype.is_complex or out.requires_grad or not _same_storage(out, base)):
             return bypass
         return ("view", (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype,
                          out.fake_device))

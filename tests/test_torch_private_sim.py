@@ -87,3 +87,103 @@ def test_fake_mode_deepcopy_is_patchable():
     assert "__deepcopy__" not in priv.FakeTensorMode.__dict__
     mode = priv.new_fake_mode()
     assert priv.fake_mode_deepcopy(mode, {}) is mode
+
+
+# -- FakeOutputCache ------------------------------------------------------------------------------
+aten = torch.ops.aten
+
+
+class _Front(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode above FakeTensorMode that sends every op through a FakeOutputCache,
+    the way the simulation's tracker does."""
+
+    def __init__(self, cache):
+        super().__init__()
+        self.cache = cache
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.cache(func, args, kwargs or {})
+
+
+def _geometry(t):
+    return (type(t), tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device,
+            t.untyped_storage().nbytes())
+
+
+def test_op_cache_rules():
+    rule = priv._fake_cache_rule
+    assert rule(aten.add.Tensor) == "fresh"
+    assert rule(aten._foreach_sqrt.default) == "fresh"  # returns a list
+    assert rule(aten.add_.Tensor) == "self"
+    assert rule(aten._foreach_mul_.Scalar) == "void"
+    assert rule(aten.t.default) == rule(aten.detach.default) == "view"
+    assert rule(aten.split.Tensor) is None            # several views
+    assert rule(aten.nonzero.default) is None         # sizes depend on values
+    assert rule(aten.resize_.default) is None         # restrides its argument
+    assert rule(aten.add.out) is None                 # an out= argument may be resized
+    assert rule(aten._local_scalar_dense.default) is None
+
+
+def test_op_cache_builds_what_fake_tensor_mode_builds():
+    mode = priv.new_fake_mode()
+    cache = priv.FakeOutputCache(mode, {})
+    assert cache.template is not None  # the fast constructor matches FakeTensor's own
+    with mode:
+        x = torch.empty(4, 6)
+        y = torch.empty(6, 3)
+    ops = [lambda: x @ y, lambda: x.t(), lambda: x.t().contiguous(), lambda: x[1:, 2:],
+           lambda: torch.cat([x, x]), lambda: x.to(torch.bfloat16),
+           lambda: torch.ops.aten.native_layer_norm.default(x, [6], None, None, 1e-5)]
+    for op in ops:
+        with mode:
+            ref = op()                     # FakeTensorMode alone
+        with mode, _Front(cache):
+            first = op()                   # a miss: stored
+            second = op()                  # a hit: built from metadata
+        for a, b, c in zip(*(r if isinstance(r, tuple) else (r,) for r in (ref, first, second))):
+            assert _geometry(a) == _geometry(b) == _geometry(c)
+            assert (c.untyped_storage()._cdata == x.untyped_storage()._cdata) == (
+                a.untyped_storage()._cdata == x.untyped_storage()._cdata)
+            assert c.fake_mode is mode and priv.is_fake(c)
+    assert cache.hits >= len(ops) and cache.misses >= len(ops)
+
+
+def test_op_cache_keys_tell_int_float_and_bool_scalars_apart():
+    mode = priv.new_fake_mode()
+    cache = priv.FakeOutputCache(mode, {})
+    with mode:
+        i = torch.empty(3, dtype=torch.int64)
+    with mode, _Front(cache):
+        for _ in range(2):
+            assert (i + 1).dtype == torch.int64
+            assert (i + 1.0).dtype == torch.float32
+            assert (i + True).dtype == torch.int64
+            assert torch.ops.aten.add.Scalar(i, 1.0).dtype == torch.float32
+
+
+def test_op_cache_never_gives_an_aliasing_op_a_fresh_storage():
+    # _unsafe_view says it returns a new tensor but shares its input's storage: a hit
+    # must not invent memory
+    mode = priv.new_fake_mode()
+    cache = priv.FakeOutputCache(mode, {})
+    with mode:
+        x = torch.empty(4, 6)
+    with mode, _Front(cache):
+        for _ in range(2):
+            v = aten._unsafe_view.default(x, [24])
+            assert v.untyped_storage()._cdata == x.untyped_storage()._cdata
+            c = x.clone()
+            assert c.untyped_storage()._cdata != x.untyped_storage()._cdata
+
+
+def test_op_cache_leaves_constants_and_in_place_ops_to_fake_tensor_mode():
+    mode = priv.new_fake_mode()
+    cache = priv.FakeOutputCache(mode, {})
+    step = priv.fake_copy(mode, torch.tensor(3.0))  # a fake tensor that knows its value
+    with mode, _Front(cache):
+        for _ in range(2):
+            s = step + 1
+            assert priv.fake_constant(s) is not None and s.item() == 4.0
+            x = torch.zeros(5)
+            assert x.add_(1) is x and x.shape == (5,)
+    assert step.item() == 3.0
