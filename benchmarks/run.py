@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         show(F.overhead(real, reps))
         show(F.overhead_profile(Config("transformer", False, False, size), reps))
     if "b" in only:
-        show(F.sim_speed(every, max(1, reps - 2)))
+        show(F.sim_speed(every, reps))
     truth: dict = {}
     if "c" in only or "d" in only:
         fig_c, truth = F.accuracy(real)

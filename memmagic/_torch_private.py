@@ -507,4 +507,9 @@ def _fake_debug() -> bool:
     return bool(FakeTensorConfig.debug)
 
 
-__all__ += ["FakeOutputCache"]
+def clear_fake_dispatch_cache() -> None:
+    """Empty FakeTensorMode's own (class-wide) dispatch cache."""
+    FakeTensorMode.cache_clear()
+
+
+__all__ += ["FakeOutputCache", "clear_fake_dispatch_cache"]

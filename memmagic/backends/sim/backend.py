@@ -32,7 +32,7 @@ from .kernels import install_cuda_kernels
 from .patching import Patches
 from .sandbox import Sandbox, sanitize_value
 
-__all__ = ["SimBackend", "SIM_NOTES", "KERNELS"]
+__all__ = ["SimBackend", "SIM_NOTES", "KERNELS", "clear_op_cache"]
 
 KERNELS = ("cuda", "cpu")
 SIM_NOTES = (
@@ -49,6 +49,13 @@ _MEMMAGIC_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 _INTERNAL_READERS = tuple(os.path.join(_TORCH_DIR, d) for d in ("utils", "optim", "amp", "nn"))
 _STDLIB = os.path.dirname(os.__file__)
 _FAST_ENTRIES: dict[tuple, dict] = {}  # FakeOutputCache entries per kernel configuration
+
+
+def clear_op_cache() -> None:
+    """Forget every op-cache entry, and FakeTensorMode's own dispatch cache: the next run
+    of any cell starts cold, as in a fresh session."""
+    _FAST_ENTRIES.clear()
+    _priv.clear_fake_dispatch_cache()
 
 
 class _SimTracking(Tracking):
