@@ -71,6 +71,7 @@ storage_key = operator.attrgetter("_cdata")
 
 import torch.utils._device as _device_mod  # noqa: E402
 from torch._subclasses.fake_tensor import (  # noqa: E402
+    CONSTANT_NUMEL_LIMIT as _CONSTANT_NUMEL_LIMIT,
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensor,
@@ -259,6 +260,12 @@ class FakeOutputCache:
             rule = self.rules[func] = _fake_cache_rule(func)
         if rule is None:
             return func(*args, **kwargs)
+        if rule == "lift":
+            out = _fast_lift(self.mode, func, args, kwargs)
+            if out is None:
+                return func(*args, **kwargs)
+            self.hits += 1
+            return out
         key = _fake_cache_key(func, args, kwargs)
         if key is None:
             return func(*args, **kwargs)
@@ -293,6 +300,34 @@ _NO_CACHE_NAMES = frozenset({"resize_", "resize_as_", "set_", "_resize_output_",
                              "_local_scalar_dense", "item", "lift_fresh", "lift_fresh_copy"})
 
 
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
+def _fast_lift(mode: FakeTensorMode, func, args, kwargs) -> FakeTensor | None:
+    """``torch.tensor(0.0)`` under FakeTensorMode without its meta converter (~200 us): a
+    real tensor of at most one element becomes a fake tensor carrying a copy of it as its
+    constant, registered as FakeTensorMode registers constants (writes to an alias make it
+    forget the value) and memoized as it memoizes them. None for anything else
+    (FakeTensorMode then converts it)."""
+    if kwargs or len(args) != 1:
+        return None
+    t = args[0]
+    if (type(t) is not torch.Tensor or t.numel() > _CONSTANT_NUMEL_LIMIT or t.requires_grad
+            or t.layout is not torch.strided or t.device.type != "cpu" or t.is_quantized
+            or t.dtype.is_complex or t.is_neg() or t.is_conj()):
+        return None
+    with torch._C._DisableTorchDispatch():
+        const = func(t).clone()
+        meta = torch.empty_strided(const.shape, const.stride(), dtype=const.dtype, device="meta")
+    out = FakeTensor(mode, meta, const.device, constant=const)
+    conv = mode.fake_tensor_converter
+    conv.add_constant_storage_mapping(out)
+    # memoized like from_real_tensor: an in-place op on the constant (``step += 1``) then
+    # finds this fake tensor again instead of making a new one
+    conv.set_tensor_memo(const, out)
+    return out
+
+
 def _alias_set(x) -> frozenset | None:
     info = x.alias_info
     return None if info is None else frozenset(info.before_set)
@@ -306,6 +341,8 @@ def _fake_cache_rule(func):
         return None
     if _NO_CACHE_TAGS.intersection(func.tags):
         return None
+    if func in _LIFTS:
+        return "lift"
     schema = func._schema
     if schema.name.split("::")[-1] in _NO_CACHE_NAMES:
         return None
@@ -357,7 +394,9 @@ def _fake_cache_part(a):
         return (cls, tuple(parts))
     if cls is torch.dtype or cls is torch.device or cls is torch.layout or cls is torch.memory_format:
         return a
-    return None  # a real tensor, a SymInt, a generator, anything else: not keyed
+    if cls is torch.Generator:
+        return cls  # which generator does not change an output's sizes (fake ops draw nothing)
+    return None  # a real tensor, a SymInt, anything else: not keyed
 
 
 def _fake_cache_key(func, args, kwargs):

@@ -415,3 +415,60 @@ def test_options_are_checked():
         SimBackend(device=0)
     with pytest.raises(ValueError):
         SimBackend(kernels="tpu")
+
+
+def test_cuda_autocast_policy_lives_only_inside_autocast_of_a_run():
+    from memmagic.backends.sim import autocast as sim_autocast
+
+    def policy_on() -> bool:  # CUDA keeps softmax in fp32 under autocast; the CPU does not
+        return priv.has_kernel("aten::softmax.int", "AutocastCPU")
+
+    installs = []
+    real_install = sim_autocast.install_cuda_autocast_policy
+
+    def counting_install():
+        installs.append(1)
+        return real_install()
+
+    seen: list[bool] = []
+    ns = {"probe": lambda: seen.append(policy_on())}
+    assert not policy_on()
+    import memmagic.backends.sim.backend as sim_backend_mod
+    orig = sim_backend_mod.install_cuda_autocast_policy
+    sim_backend_mod.install_cuda_autocast_policy = counting_install
+    try:
+        out, _ = run("""
+            import torch
+            probe()
+            x = torch.randn(4, 4, device="cuda")
+            """, ns)
+        assert out.error is None and installs == [] and seen == [False]  # no autocast: never
+        out, ns2 = run("""
+            import torch
+            x = torch.randn(4, 4, device="cuda")
+            with torch.autocast("cuda"):
+                probe()
+                y = x.softmax(-1)
+            leaked = torch.autocast("cuda")
+            """, ns)
+        assert out.error is None and installs == [1] and seen == [False, True]
+        assert not policy_on()                      # taken away after the run
+        with torch.autocast("cpu"):                # an autocast object made in the run,
+            pass
+        leaked = ns2.get("leaked")
+        if leaked is not None and not isinstance(leaked, SimulatedValue):
+            with leaked:                            # ... entered afterwards, installs nothing
+                pass
+        assert installs == [1] and not policy_on()
+    finally:
+        sim_backend_mod.install_cuda_autocast_policy = orig
+
+
+def test_a_fresh_namespace_can_be_simulated_twice():
+    # exec() adds __builtins__ to a fresh dict during the run: it is not a name the cell
+    # created, and must not become a placeholder (the next exec would fail in CPython)
+    ns: dict = {}
+    for _ in range(2):
+        out, ns = run("import torch\nx = torch.randn(4, 4, device='cuda')\n", ns)
+        assert out.error is None
+        assert isinstance(ns["__builtins__"], dict) and isinstance(ns["x"], SimulatedValue)

@@ -187,3 +187,38 @@ def test_op_cache_leaves_constants_and_in_place_ops_to_fake_tensor_mode():
             x = torch.zeros(5)
             assert x.add_(1) is x and x.shape == (5,)
     assert step.item() == 3.0
+
+
+def test_fast_lift_makes_the_constant_fake_tensor_mode_makes():
+    mode = priv.new_fake_mode()
+    cache = priv.FakeOutputCache(mode, {})
+    with mode:
+        slow = torch.tensor(2.5, dtype=torch.float64)
+    with mode, _Front(cache):
+        fast = torch.tensor(2.5, dtype=torch.float64)
+        assert cache.hits == 1                     # made by the fast path
+        other = torch.tensor([1.0, 2.0])          # two elements: no constant, as in FakeTensorMode
+        assert priv.fake_constant(other) is None and priv.is_fake(other)
+        assert _geometry(fast) == _geometry(slow)
+        first = fast.item()
+        fast.add_(1)                               # constant propagation goes on
+        second = fast.item()
+        alias = fast.view(1)
+        alias.add_(torch.rand(1))                  # an unknown value written through an alias
+    assert first == 2.5 and second == 3.5
+    assert priv.fake_constant(fast) is None        # ... makes the constant unknown
+    assert priv.fake_constant(slow).item() == 2.5
+
+
+def test_op_cache_keys_generators_by_kind():
+    mode = priv.new_fake_mode()
+    cache = priv.FakeOutputCache(mode, {})
+    g = torch.Generator().manual_seed(0)
+    state = g.get_state()
+    with mode, _Front(cache):
+        a = torch.randn(4, 3, generator=g)
+        b = torch.randn(4, 3, generator=torch.Generator())
+        c = torch.randint(10, (5,), generator=g)
+    assert _geometry(a) == _geometry(b) and c.dtype == torch.int64 and c.shape == (5,)
+    assert cache.hits >= 1
+    assert torch.equal(g.get_state(), state)  # a fake draw leaves the real generator alone

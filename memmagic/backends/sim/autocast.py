@@ -244,10 +244,12 @@ def _schema_exists(name: str) -> bool:
         return False
 
 
-def make_autocast_classes(cuda: bool) -> dict[str, Any]:
+def make_autocast_classes(cuda: bool, on_enter: Callable[[], None] | None = None) -> dict[str, Any]:
     """Replacements for ``torch.autocast`` / ``torch.cuda.amp.autocast`` and the autocast
     queries, mapping the "cuda" device type onto CPU autocast. With ``cuda=True`` the
-    default dtype is CUDA's (fp16); with ``cuda=False`` (kernels="cpu") the CPU's."""
+    default dtype is CUDA's (fp16); with ``cuda=False`` (kernels="cpu") the CPU's.
+    ``on_enter()`` runs before an autocast region is entered (the simulation installs the
+    CUDA policy then, so cells without autocast do not pay for it)."""
     base = _amp_mode.autocast
 
     class autocast(base):  # noqa: N801 - same name as torch's
@@ -260,6 +262,11 @@ def make_autocast_classes(cuda: bool) -> dict[str, Any]:
                 if dtype is None:
                     dtype = torch.float16 if cuda else torch.get_autocast_dtype("cpu")
             super().__init__(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+        def __enter__(self):
+            if on_enter is not None:
+                on_enter()
+            return super().__enter__()
 
     class cuda_amp_autocast(autocast):  # noqa: N801
         def __init__(self, enabled: bool = True, dtype: torch.dtype = torch.float16,

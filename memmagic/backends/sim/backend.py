@@ -132,7 +132,15 @@ class SimBackend(Backend):
         patches = Patches()
         libs: list = []
         notes: list[str] = []
-        autocast = make_autocast_classes(cuda)
+        policy: list = []  # the CUDA autocast policy, installed when autocast is first entered
+        running = [True]   # never install it after the run (nothing would take it away)
+
+        def install_policy() -> None:
+            if cuda and not policy and running[0]:
+                policy.append(install_cuda_autocast_policy())
+                libs.append(policy[0])
+
+        autocast = make_autocast_classes(cuda, install_policy)
         sandbox = Sandbox(namespace, fake_mode, self._replacements(autocast))
         saved_globals = _save_globals()
         value = error = None
@@ -144,13 +152,15 @@ class SimBackend(Backend):
                     k = install_cuda_kernels(patches, capability)
                     libs.append(k["library"])
                     sdpa = k["sdpa"]
-                    libs.append(install_cuda_autocast_policy())
+                    if torch.is_autocast_enabled("cpu"):  # autocast already on: now
+                        install_policy()
                 sandbox.enter()
                 _seed(tracker, state, sandbox, namespace)
                 with fake_mode, tracking, DeviceRewriteMode(state):
                     tracker.start_clock()
                     value = run(namespace)
             finally:
+                running[0] = False
                 try:
                     sandbox.exit()
                 finally:

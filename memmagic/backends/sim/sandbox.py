@@ -208,6 +208,8 @@ class Sandbox:
             v = ns[k]
             if isinstance(v, (types.ModuleType, types.FunctionType, type, types.BuiltinFunctionType)):
                 continue
+            if k.startswith("__") and k.endswith("__"):
+                continue  # what exec() adds (__builtins__) and module-level dunders
             ns[k] = SimulatedValue(k, _describe(v))
         for k, v in saved.items():
             if k not in ns or ns[k] is not v:
