@@ -288,7 +288,10 @@ class FakeOutputCache:
         if kind == "void":
             return None
         mode, template = self.mode, self.template
-        outs = [_fake_from_meta(mode, m, template) for m in entry[1]]
+        if kind == "views":
+            base = args[0]
+            return [_fake_view(mode, base, g, template) for g in entry[1]]
+        outs = [None if m is None else _fake_from_meta(mode, m, template) for m in entry[1]]
         return outs if kind == "list" else tuple(outs)
 
 
@@ -335,8 +338,9 @@ def _alias_set(x) -> frozenset | None:
 
 def _fake_cache_rule(func):
     """How FakeOutputCache treats ``func``: None (never cached), "fresh" (returns new
-    tensors), "view" (returns one view of its first argument), "self" (in place: returns
-    its first argument) or "void" (in place, returns nothing)."""
+    tensors), "view" (returns one view of its first argument), "views" (a list of them),
+    "self" (in place: returns its first argument), "void" (in place, returns nothing) or
+    "lift" (``torch.tensor``'s lift of a real tensor)."""
     if not isinstance(func, torch._ops.OpOverload):
         return None
     if _NO_CACHE_TAGS.intersection(func.tags):
@@ -351,11 +355,16 @@ def _fake_cache_rule(func):
         return None
     first = _alias_set(params[0]) if params else None
     if func.is_view:
-        # one tensor aliasing the first argument (t, view, detach, transpose, ...)
-        if (len(rets) == 1 and str(rets[0].type) == "Tensor" and first is not None
-                and _alias_set(rets[0]) == first and not rets[0].alias_info.is_write
+        # views of the first argument: one (t, view, detach, transpose, ...) or a list of
+        # them (split, chunk, unbind)
+        if (len(rets) == 1 and first is not None
                 and sum(_alias_set(p) is not None for p in params) == 1):
-            return "view"
+            kind = str(rets[0].type)
+            if (kind == "Tensor" and _alias_set(rets[0]) == first
+                    and not rets[0].alias_info.is_write):
+                return "view"
+            if kind == "List[Tensor]":  # Tensor(a)[]: the alias is on the elements
+                return "views"
         return None
     if schema.is_mutable:
         # in place on the first argument only (``add_``, ``_foreach_mul_``): an ``out=``
@@ -446,8 +455,9 @@ def _same_storage(a, b) -> bool:
 
 
 def _fake_cache_entry(rule, args, kwargs, out) -> tuple:
-    """What FakeOutputCache stores for one key: ("one", meta), ("list"|"tuple", metas),
-    ("self",), ("void",) or ("bypass",) when the output cannot be rebuilt from metadata."""
+    """What FakeOutputCache stores for one key: ("one", meta), ("list"|"tuple", metas with
+    None for outputs not computed), ("view", geometry), ("views", geometries), ("self",),
+    ("void",) or ("bypass",) when the output cannot be rebuilt from metadata."""
     bypass = ("bypass",)
     if rule == "view" or (rule == "fresh" and args and _same_storage(out, args[0])):
         # a view of the first argument (also an op that says it returns a new tensor but
@@ -459,6 +469,18 @@ def _fake_cache_entry(rule, args, kwargs, out) -> tuple:
             return bypass
         return ("view", (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype,
                          out.fake_device))
+    if rule == "views":
+        base = args[0]
+        if not isinstance(out, list) or not isinstance(base, FakeTensor):
+            return bypass
+        geoms = []
+        for o in out:
+            if (not isinstance(o, FakeTensor) or o.constant is not None
+                    or o.layout is not torch.strided or o.dtype.is_complex or o.requires_grad
+                    or not _same_storage(o, base)):
+                return bypass
+            geoms.append((tuple(o.shape), o.stride(), o.storage_offset(), o.dtype, o.fake_device))
+        return ("views", tuple(geoms))
     if rule == "self":
         return ("self",) if out is args[0] else bypass
     if rule == "void":
@@ -477,6 +499,9 @@ def _fake_cache_entry(rule, args, kwargs, out) -> tuple:
     if isinstance(out, (list, tuple)):
         metas = []
         for o in out:
+            if o is None:  # an output not asked for (convolution_backward's output_mask)
+                metas.append(None)
+                continue
             m = _fake_meta(o, seen)
             if m is None:
                 return bypass
