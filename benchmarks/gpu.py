@@ -171,13 +171,14 @@ def run_gpu(args, command: str) -> int:
     import time
 
     from .render import text_table
-    from .run import write_results
+    from .run import code_version, write_results
 
     if not cuda_usable():
         print("benchmarks --gpu: skipped, no usable CUDA GPU here (torch "
               f"{torch.__version__}, cuda {torch.version.cuda}); nothing written")
         return 0
     started = time.perf_counter()
+    code = code_version()
     torch.manual_seed(0)
     size = "test" if args.quick else "bench"
     reps = args.reps or (3 if args.quick else 7)
@@ -190,8 +191,8 @@ def run_gpu(args, command: str) -> int:
         figs.append(fig)
         print(text_table(fig.to_dict()), "\n", flush=True)
     path = write_results(figs, kind="gpu", quick=args.quick, out=args.out, command=command,
-                         started=started, extra={"size": size, "reps": reps,
-                                                 "device": torch.cuda.get_device_name(0)})
+                         started=started, code=code,
+                         extra={"size": size, "reps": reps, "device": torch.cuda.get_device_name(0)})
     misses = [f.key for f in figs if f.status == "miss"]
     print(f"wrote {path}; targets missed: {', '.join(misses) if misses else 'none'}", flush=True)
     return 0

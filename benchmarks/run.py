@@ -44,8 +44,9 @@ def code_version() -> dict[str, Any]:
 
     def git(*args: str) -> str:
         try:
+            # rstrip only: a porcelain line starts with a space (" M path")
             return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
+                                  timeout=10).stdout.rstrip()
         except (OSError, subprocess.SubprocessError):
             return ""
 
@@ -54,7 +55,10 @@ def code_version() -> dict[str, Any]:
 
 
 def write_results(figures: list[Figure], *, kind: str, quick: bool, out: Path,
-                  command: str, started: float, extra: dict[str, Any] | None = None) -> Path:
+                  command: str, started: float, extra: dict[str, Any] | None = None,
+                  code: dict[str, Any] | None = None) -> Path:
+    """``code``: :func:`code_version` taken when the run started (the code it imported);
+    taken now when not given."""
     machine = machine_info()
     ident = slug(machine["gpu"]) if kind == "gpu" and machine["gpu"] else f"{slug(machine['cpu'])}-{machine['cores']}c"
     name = f"{'quick-' if quick else ''}{kind}-{ident}"
@@ -63,7 +67,7 @@ def write_results(figures: list[Figure], *, kind: str, quick: bool, out: Path,
     data = {
         "name": name, "file": f"results/{path.name}", "kind": kind, "quick": quick,
         "command": command, "date": now_iso(), "elapsed_s": round(time.perf_counter() - started, 1),
-        "machine": machine, "code": code_version(), **(extra or {}),
+        "machine": machine, "code": code or code_version(), **(extra or {}),
         "figures": {f.key: f.to_dict() for f in figures},
     }
     tmp = path.with_suffix(".json.tmp")
@@ -90,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from .render import text_table
 
     started = time.perf_counter()
+    code = code_version()  # before any figure: files edited during the run do not count
     torch.manual_seed(0)
     # the simulated device asks torch.backends.cudnn about CUDA RNNs on a CPU-only build
     warnings.filterwarnings("ignore", message="PyTorch was compiled without cuDNN")
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         show(F.whatif(Config("transformer", False, False, size), 5 if args.quick else 20,
                       args.whatif_probe))
     path = write_results(figs, kind="cpu", quick=args.quick, out=args.out, command=command,
-                         started=started, extra={"size": size, "reps": reps})
+                         started=started, extra={"size": size, "reps": reps}, code=code)
     misses = [f.key for f in figs if f.status == "miss"]
     print(f"wrote {path} in {time.perf_counter() - started:.0f} s; "
           f"targets missed: {', '.join(misses) if misses else 'none'}", flush=True)

@@ -276,22 +276,23 @@ class StorageTracker(TorchDispatchMode):
 
     def timeline(self, max_points: int = 2000) -> list[tuple[int, int]]:
         """(op index, live device bytes) at the end of each op that allocated or freed on
-        the device, preceded by the op's own high-water mark where that is higher; thinned
+        the device, preceded by the op's own high-water mark where that is above both its
+        start and its end; thinned
         to ``max_points`` (the peak is always kept). One op's frees (a graph released at
         once) come in an order that can change from run to run; their sum cannot."""
         cur = self.before["device"]
         points: list[tuple[int, int]] = [(0, cur)]
-        op_now, high = 0, cur
+        op_now, start, high = 0, cur, cur
         for serial, delta, op in self.events:
             if self.pool_of[serial] != "device":
                 continue
             if op != op_now:
-                self._close_op(points, op_now, high, cur)
-                op_now, high = op, cur
+                self._close_op(points, op_now, start, high, cur)
+                op_now, start, high = op, cur, cur
             cur += delta
             if cur > high:
                 high = cur
-        self._close_op(points, op_now, high, cur)
+        self._close_op(points, op_now, start, high, cur)
         if len(points) > max_points:
             peak_i = max(range(len(points)), key=lambda i: points[i][1])
             step = len(points) / max_points
@@ -300,8 +301,8 @@ class StorageTracker(TorchDispatchMode):
         return points
 
     @staticmethod
-    def _close_op(points: list[tuple[int, int]], op: int, high: int, end: int) -> None:
-        if high > end and points[-1] != (op, high):
+    def _close_op(points: list[tuple[int, int]], op: int, start: int, high: int, end: int) -> None:
+        if high > end and high > start:  # the op went above both where it began and ended
             points.append((op, high))
         if points[-1] != (op, end):
             points.append((op, end))

@@ -154,3 +154,19 @@ def test_namespace_walk_skips_the_shell():
     sh = FakeShell()
     sh.secret = torch.ones(5)
     assert reachable_existing([{"get_ipython": sh}]) == []
+
+
+def test_timeline_is_one_point_per_op_whatever_the_order_of_its_frees():
+    from memmagic.tracking import StorageTracker
+
+    def timeline(events):
+        tr = StorageTracker(lambda t: "device")
+        tr.pool_of = {1: "device", 2: "device", 3: "device", 4: "host"}
+        tr.events = events  # (serial, delta bytes, op index)
+        return tr.timeline()
+
+    a = timeline([(1, 100, 1), (2, 50, 1), (3, 10, 2), (1, -100, 3), (2, -50, 3), (4, 999, 3)])
+    b = timeline([(1, 100, 1), (2, 50, 1), (3, 10, 2), (2, -50, 3), (1, -100, 3), (4, 999, 3)])
+    assert a == b == [(0, 0), (1, 150), (2, 160), (3, 10)]
+    # an op that allocates and frees keeps its high-water mark before its end value
+    assert timeline([(1, 100, 1), (1, -100, 1)]) == [(0, 0), (1, 100), (1, 0)]
