@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from typing import Any
 
 from memmagic.report import format_bytes
@@ -98,7 +100,7 @@ def headline(fig: dict[str, Any]) -> str:
     name = next((h for k, h, _ in fig["columns"] if k == key), key)
     if key.endswith("_err"):  # the error column of an estimator: name the estimator
         name = next((h for k, h, _ in fig["columns"] if k == key[:-4]), name) + " error"
-    mid = values[len(values) // 2]
+    mid = statistics.median(values)
     if len(values) == 1:
         return f"{name}: {cell(mid, kind)}"
     return f"{name}: median {cell(mid, kind)} ({cell(values[0], kind)} to {cell(values[-1], kind)})"

@@ -225,17 +225,18 @@ __all__ += ["fake_mode_deepcopy"]
 class FakeOutputCache:
     """Outputs of fake ops from their inputs' metadata, without FakeTensorMode's dispatch.
 
-    FakeTensorMode spends ~70 us on every op, even on a hit of its own dispatch cache
+    FakeTensorMode spends ~100 us on every op, even on a hit of its own dispatch cache
     (two thirds of it building that cache's key). This cache sits in front of it, in the
     simulation's dispatch mode: the key is the op, the default dtype, inference mode and,
     for each argument, a tensor's dtype/sizes/strides/offset/device or a plain value with
     its type; the entry is what FakeTensorMode returned: the metadata of fresh outputs, the
-    geometry of a view of the first argument, or that an in-place op returns its first
+    geometry of views of the first argument, or that an in-place op returns its first
     argument (or nothing). On a hit the outputs are made directly (``empty_strided`` on
     meta wrapped in a FakeTensor), as FakeTensorMode's own cache does. Errors are never
-    stored (a key is stored only after FakeTensorMode ran the op). Everything else falls
-    through to FakeTensorMode: ops whose output sizes depend on values, ops that resize or
-    restride their arguments or mutate more than their first argument, several views,
+    stored (a key is stored only after FakeTensorMode ran the op). ``torch.tensor(x)`` of
+    one element becomes a fake constant without FakeTensorMode's converter. Everything
+    else falls through to FakeTensorMode: ops whose output sizes depend on values, ops
+    that resize or restride their arguments or mutate more than their first argument,
     tensors carrying a constant (their values matter), complex tensors (conj/neg bits),
     SymInts, real tensors and any argument the key does not know.
     """
@@ -454,6 +455,16 @@ def _same_storage(a, b) -> bool:
         return False
 
 
+def _view_geometry(out, base):
+    """(sizes, strides, offset, dtype, device) of ``out``, a plain fake view of ``base``'s
+    storage, or None when it cannot be rebuilt from that."""
+    if (not isinstance(out, FakeTensor) or out.constant is not None
+            or out.layout is not torch.strided or out.dtype.is_complex or out.requires_grad
+            or not _same_storage(out, base)):
+        return None
+    return (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype, out.fake_device)
+
+
 def _fake_cache_entry(rule, args, kwargs, out) -> tuple:
     """What FakeOutputCache stores for one key: ("one", meta), ("list"|"tuple", metas with
     None for outputs not computed), ("view", geometry), ("views", geometries), ("self",),
@@ -462,25 +473,13 @@ def _fake_cache_entry(rule, args, kwargs, out) -> tuple:
     if rule == "view" or (rule == "fresh" and args and _same_storage(out, args[0])):
         # a view of the first argument (also an op that says it returns a new tensor but
         # returns its input's storage, like _unsafe_view)
-        base = args[0]
-        if (not isinstance(out, FakeTensor) or not isinstance(base, FakeTensor)
-                or out.constant is not None or out.layout is not torch.strided
-                or out.dtype.is_complex or out.requires_grad or not _same_storage(out, base)):
-            return bypass
-        return ("view", (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype,
-                         out.fake_device))
+        g = _view_geometry(out, args[0])
+        return bypass if g is None else ("view", g)
     if rule == "views":
-        base = args[0]
-        if not isinstance(out, list) or not isinstance(base, FakeTensor):
+        if not isinstance(out, list):
             return bypass
-        geoms = []
-        for o in out:
-            if (not isinstance(o, FakeTensor) or o.constant is not None
-                    or o.layout is not torch.strided or o.dtype.is_complex or o.requires_grad
-                    or not _same_storage(o, base)):
-                return bypass
-            geoms.append((tuple(o.shape), o.stride(), o.storage_offset(), o.dtype, o.fake_device))
-        return ("views", tuple(geoms))
+        geoms = [_view_geometry(o, args[0]) for o in out]
+        return bypass if None in geoms else ("views", tuple(geoms))
     if rule == "self":
         return ("self",) if out is args[0] else bypass
     if rule == "void":
