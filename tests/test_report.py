@@ -76,17 +76,18 @@ def test_parse_bytes_rejects(bad):
         parse_bytes(bad)
 
 
-def test_reading_a_report_needs_no_torch_ipython_or_matplotlib():
-    code = ("import sys, memmagic, memmagic.report; "
-            "bad = [m for m in ('torch', 'IPython', 'ipywidgets', 'matplotlib') if m in sys.modules]; "
-            "print(bad)")
+def _loaded_by(imports: str, modules: tuple[str, ...]) -> str:
+    """Which of ``modules`` a fresh interpreter has loaded after ``import sys, <imports>``."""
+    code = f"import sys, {imports}; print([m for m in {modules!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    return out.stdout.strip()
+
+
+def test_reading_a_report_needs_no_torch_ipython_or_matplotlib():
+    assert _loaded_by("memmagic, memmagic.report",
+                      ("torch", "IPython", "ipywidgets", "matplotlib")) == "[]"
 
 
 def test_core_layers_do_not_import_presentation():
-    code = ("import sys, memmagic.tracking, memmagic.backends.cpu, memmagic.api; "
-            "bad = [m for m in ('IPython', 'ipywidgets', 'matplotlib') if m in sys.modules]; "
-            "print(bad)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert _loaded_by("memmagic.tracking, memmagic.backends.cpu, memmagic.api",
+                      ("IPython", "ipywidgets", "matplotlib")) == "[]"

@@ -127,8 +127,9 @@ class SimBackend(Backend):
         # op outputs from metadata, shared by every run with the same kernels (cuda kernels
         # differ with the GPU's compute capability)
         fast = _priv.FakeOutputCache(
-            fake_mode, _FAST_ENTRIES.setdefault((self.kernels, capability if cuda else None), {}))
-        tracker.fast = fast if self.op_cache else None
+            fake_mode, _FAST_ENTRIES.setdefault((self.kernels, capability if cuda else None), {})
+        ) if self.op_cache else None
+        tracker.fast = fast
         patches = Patches()
         libs: list = []
         notes: list[str] = []
@@ -175,8 +176,8 @@ class SimBackend(Backend):
         except BaseException as exc:  # re-raised by the caller after rendering
             error = _explain(exc)
         value = sanitize_value(value)
-        self.last_run_stats = {"ops": tracker.ops, "cache_hits": fast.hits,
-                               "cache_misses": fast.misses}
+        self.last_run_stats = {"ops": tracker.ops, "cache_hits": fast.hits if fast else 0,
+                               "cache_misses": fast.misses if fast else 0}
         return Outcome(self._report(tracking, tracker, state, sandbox, notes, error, sdpa),
                        None if error else value, error)
 
