@@ -16,6 +16,7 @@ __all__ = [
     "dispatch_mode_depth",
     "function_mode_enabled",
     "saved_tensors_hooks_top",
+    "made_by_newest_node",
     "global_module_hook_counts",
     "global_optimizer_hook_counts",
     "storage_key",
@@ -40,6 +41,17 @@ def function_mode_enabled() -> bool:
 def saved_tensors_hooks_top() -> object:
     """The innermost default saved-tensor hooks (None when none are installed)."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def made_by_newest_node(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an output of the autograd node created last on this thread.
+
+    Inside a saved-tensor pack hook this tells an op's *output* (saved by the node that
+    made it: holding it from the node closes a reference cycle) from an input (made by an
+    earlier node). Nodes are numbered in creation order; the next number is not yet used.
+    """
+    fn = t.grad_fn
+    return fn is not None and fn._sequence_nr() == torch._C._autograd._get_sequence_nr() - 1
 
 
 def global_module_hook_counts() -> dict[str, int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from .backends import Measurement, get_backend
+from .backends import Measurement, get_backend, release_own_frames
 from .report import MemoryReport
 
 __all__ = ["measure", "track"]
@@ -24,9 +24,11 @@ def measure(fn: Callable[[], Any], *, backend: str = "auto", **options: Any) -> 
     if not callable(fn):
         raise TypeError(f"measure() needs a function to call, got {type(fn).__name__}")
     outcome = get_backend(backend, **options).measure(fn)
-    if outcome.error is not None:
-        _attach(outcome.error, outcome.report)
-        raise outcome.error
+    error = outcome.error
+    if error is not None:
+        release_own_frames(error.__traceback__)
+        _attach(error, outcome.report)
+        raise error
     return outcome.report
 
 

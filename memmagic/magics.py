@@ -16,7 +16,8 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from .backends import BACKEND_NAMES, BackendUnavailable, cuda_usable, get_backend
+from .backends import (BACKEND_NAMES, BackendUnavailable, cuda_usable, get_backend,
+                       release_own_frames)
 from .report import MemoryReport, format_bytes, parse_bytes
 
 __all__ = ["MemMagics"]
@@ -133,6 +134,7 @@ class MemMagics(Magics):
             self._render(report, chart=not args.no_chart)
         if outcome.error is not None:
             error = outcome.error
+            release_own_frames(error.__traceback__)
             if is_out_of_memory(error):
                 self._after_oom(error, report, quiet=args.quiet)
             raise error.with_traceback(strip_own_frames(error.__traceback__, error))

@@ -113,6 +113,7 @@ class StorageTracker(TorchDispatchMode):
         self.phase_override: str | None = None
         self._mutating: dict[object, bool] = {}
         self._closed = False
+        self.quiet = 0  # >0 while memmagic itself runs ops (the saved-tensor hook's detach)
 
     # -- storage bookkeeping ----------------------------------------------------------
     def _on_free(self, key: int, serial: int) -> None:
@@ -225,6 +226,8 @@ class StorageTracker(TorchDispatchMode):
     # -- dispatch -----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.quiet:
+            return out
         self.ops += 1
         self._last_op = func.__name__ if hasattr(func, "__name__") else str(func)
         mutating = self._mutating.get(func)
@@ -403,18 +406,85 @@ def scan_existing() -> list[tuple[torch.Tensor, Category]]:
     return _with_saved(found, graph_roots)
 
 
+class _Channel:
+    """How saved tensors reach one tracker; cut when the tracking ends, so the autograd
+    graphs that outlive a measurement hold this stub, never the tracker and its tables."""
+
+    __slots__ = ("tracker",)
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        self.tracker: StorageTracker | None = tracker
+
+
+_ANOMALY_HINT = (" Hint: the backtrace further above shows the operation that failed to "
+                 "compute its gradient. The variable in question was changed in there or "
+                 "anywhere later. Good luck!")
+_PLAIN_HINT = (" Hint: enable anomaly detection to find the operation that failed to compute "
+               "its gradient, with torch.autograd.set_detect_anomaly(True, check_nan=False).")
+
+
 class _Saved:
-    """What our pack hook hands autograd: the tensor itself, plus a note to each active
-    tracker when autograd lets go of it (its graph ran backward or was dropped)."""
+    """What our pack hook hands autograd in place of a saved tensor. It must change nothing
+    about the program autograd runs:
 
-    __slots__ = ("tensor", "marks")
+    * no reference cycle: a tensor an op saves from its own output (relu, sigmoid, exp)
+      points at that op's node through ``grad_fn``, and the node holds what the pack hook
+      returned; Python's gc cannot see through the C++ graph, so holding the tensor would
+      keep every forward graph that is never run backward alive for good (the cycle
+      ``saved_tensors_hooks``'s documentation warns of). Outputs are kept as a detached
+      alias (same storage and version counter, no ``grad_fn``); inputs are kept as they
+      are, as autograd itself keeps them;
+    * the in-place check: autograd skips its version check when hooks are installed, so
+      :meth:`unpack` makes it, with autograd's own message;
+    * a note to each tracker that was told of the tensor when autograd lets go of it (its
+      graph ran backward or was dropped).
+    """
 
-    def __init__(self, tensor: torch.Tensor, marks: list[tuple[StorageTracker, int]]) -> None:
-        self.tensor, self.marks = tensor, marks
+    __slots__ = ("tensor", "version", "node_type", "output_nr", "marks")
+
+    def __init__(self, tensor: torch.Tensor, marks: list[tuple[_Channel, int]]) -> None:
+        self.version = tensor._version
+        self.marks = marks
+        if _priv.made_by_newest_node(tensor):
+            self.node_type = type(tensor.grad_fn)  # a class: no reference to the node
+            self.output_nr = tensor.output_nr
+            self.tensor = tensor.detach()
+        else:
+            self.node_type = None
+            self.output_nr = 0
+            self.tensor = tensor
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        now = t._version
+        if now != self.version:
+            raise RuntimeError(self._modified_message(now))
+        return t
+
+    def _modified_message(self, now: int) -> str:
+        t = self.tensor
+        msg = ("one of the variables needed for gradient computation has been modified by an "
+               f"inplace operation: [{t.type()} [{', '.join(str(d) for d in t.shape)}]]")
+        node_type = self.node_type
+        output_nr = self.output_nr
+        if node_type is None and t.grad_fn is not None:  # a saved input: its node now
+            node_type, output_nr = type(t.grad_fn), t.output_nr
+        if node_type is not None:
+            msg += f", which is output {output_nr} of {_forward_name(node_type.__name__)},"
+        msg += f" is at version {now}; expected version {self.version} instead."
+        return msg + (_ANOMALY_HINT if torch.is_anomaly_enabled() else _PLAIN_HINT)
 
     def __del__(self) -> None:
-        for tracker, serial in self.marks:
-            tracker.saved(serial, -1)
+        for channel, serial in self.marks:
+            tracker = channel.tracker
+            if tracker is not None:
+                tracker.saved(serial, -1)
+
+
+def _forward_name(node_name: str) -> str:
+    """``SigmoidBackward0`` -> ``Sigmoid``: how autograd names a node's forward op."""
+    head, sep, tail = node_name.rpartition("Backward")
+    return head if sep and (not tail or tail.isdigit()) else node_name
 
 
 # Role hooks of the trackings running now, outermost first. Only the outermost installs
@@ -483,6 +553,7 @@ class _RoleHooks:
         self._handles: list = []
         self._parents: list = []  # modules whose forward runs, beside tracker.module_stack
         self._saved_ctx = None
+        self.channel = _Channel(tracker)
 
     def _pre_forward(self, module, args):
         t = self.t
@@ -549,16 +620,24 @@ class _RoleHooks:
     @staticmethod
     def _pack(tensor):
         marks = []
-        for hooks in _ACTIVE:
-            serial = hooks.t.serial_of(tensor)
-            if serial is not None:
-                hooks.t.saved(serial, +1)
-                marks.append((hooks.t, serial))
-        return _Saved(tensor, marks) if marks else tensor
+        quiet = []
+        try:
+            for hooks in _ACTIVE:
+                t = hooks.t
+                serial = t.serial_of(tensor)
+                if serial is not None:
+                    t.saved(serial, +1)
+                    marks.append((hooks.channel, serial))
+                t.quiet += 1  # the pack's own detach is not an op of the program
+                quiet.append(t)
+            return _Saved(tensor, marks)
+        finally:
+            for t in quiet:
+                t.quiet -= 1
 
     @staticmethod
     def _unpack(packed):
-        return packed.tensor if type(packed) is _Saved else packed
+        return packed.unpack()
 
     def install(self) -> None:
         reg = self._handles.append
@@ -584,6 +663,7 @@ class _RoleHooks:
                 self.t.note(p.grad, Category.GRADIENTS)
 
     def uninstall(self) -> None:
+        self.channel.tracker = None
         try:
             if self in _ACTIVE:
                 _ACTIVE.remove(self)

@@ -55,6 +55,28 @@ def clean_state():
     assert global_state() == before
 
 
+def _cpu_runs_bf16_lstm() -> bool:
+    """Whether this CPU's oneDNN has a bf16 LSTM (CPUs without AVX-512 often have none:
+    torch raises 'could not create a primitive descriptor for the LSTM forward ...')."""
+    lstm = torch.nn.LSTM(4, 4)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lstm(torch.randn(2, 1, 4))
+    except RuntimeError:
+        return False
+    return True
+
+
+CPU_BF16_LSTM = _cpu_runs_bf16_lstm()
+
+
+def skip_without_bf16_lstm(needed: bool = True) -> None:
+    """Skip a test that runs a bf16 LSTM for real on a CPU that cannot."""
+    if needed and not CPU_BF16_LSTM:
+        pytest.skip("this CPU's oneDNN has no bf16 LSTM kernel (a real bf16 LSTM step "
+                    "raises here, with or without memmagic)")
+
+
 def pytest_collection_finish(session):
     """Collecting no tests is a failure, never a silent green run."""
     if not session.items:

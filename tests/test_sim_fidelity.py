@@ -17,6 +17,8 @@ from memmagic import zoo
 from memmagic.backends import get_backend
 from memmagic.backends.sim import SimBackend
 
+from conftest import skip_without_bf16_lstm
+
 
 def _run(backend, src: str):
     gc.collect()  # tensors of earlier tests freed mid-run would lower the CPU backend's peak
@@ -32,6 +34,7 @@ def _run(backend, src: str):
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
 @pytest.mark.parametrize("name", zoo.SMALL)
 def test_cpu_kernels_match_real_cpu_to_the_byte(name, amp, checkpointing):
+    skip_without_bf16_lstm(name == "lstm" and amp)
     real = _run(get_backend("cpu"), zoo.step_source(name, device="cpu", amp=amp,
                                                      checkpointing=checkpointing))
     sim = _run(SimBackend(kernels="cpu"), zoo.step_source(name, device="cuda", amp=amp,
@@ -44,6 +47,7 @@ def test_cpu_kernels_match_real_cpu_to_the_byte(name, amp, checkpointing):
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
 def test_cpu_kernels_match_real_cpu_on_bench_lstm_with_amp(checkpointing):
+    skip_without_bf16_lstm()
     # the bf16 oneDNN LSTM workspace at a shape the "test" size does not reach (it read
     # 19-25% high when the fp32 formula stood in for it)
     real = _run(get_backend("cpu"), zoo.step_source("lstm", device="cpu", amp=True,
@@ -56,6 +60,7 @@ def test_cpu_kernels_match_real_cpu_on_bench_lstm_with_amp(checkpointing):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_lstm_workspace_formula_matches_onednn(dtype):
+    skip_without_bf16_lstm(dtype == torch.bfloat16)
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from memmagic.backends.sim.kernels import mkldnn_rnn_workspace

@@ -8,6 +8,7 @@ re-raises it after rendering). The simulated backend hands ``run`` a sandboxed n
 
 from __future__ import annotations
 
+import os
 from abc import ABC
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -15,7 +16,8 @@ from typing import Any, Callable
 
 from ..report import MemoryReport
 
-__all__ = ["Backend", "Outcome", "BackendUnavailable", "get_backend", "BACKEND_NAMES"]
+__all__ = ["Backend", "Outcome", "BackendUnavailable", "get_backend", "BACKEND_NAMES",
+           "release_own_frames"]
 
 BACKEND_NAMES = ("auto", "cuda", "cpu", "sim")
 
@@ -68,6 +70,28 @@ class Backend(ABC):
     def measure(self, fn: Callable[[], Any]) -> Outcome:
         """Measure a zero-argument callable."""
         return self.execute(lambda _ns: fn(), {})
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_SHARED_WITH_USERS = (os.path.join(_PACKAGE_DIR, "zoo.py"),)  # model code a cell calls
+
+
+def release_own_frames(tb) -> None:
+    """Clear the locals of memmagic's finished frames in a failed run's traceback.
+
+    The traceback of an exception from measured code runs through the backend's frames
+    (and the user's frames point back at them): kept for ``%debug`` or in
+    ``sys.last_traceback``, they would keep the tracker, the simulation's sandbox and the
+    fake tensors alive. The user's own frames are left as they are."""
+    while tb is not None:
+        f = tb.tb_frame
+        name = f.f_code.co_filename
+        if name.startswith(_PACKAGE_DIR) and name not in _SHARED_WITH_USERS:
+            try:
+                f.clear()
+            except RuntimeError:  # still running: the caller re-raising
+                pass
+        tb = tb.tb_next
 
 
 def cuda_usable() -> bool:

@@ -8,6 +8,7 @@ from typing import Any, Iterator
 
 import torch
 
+from .. import _torch_private as _priv
 from ..report import MemoryReport
 from ..tracking import Tracking
 from . import Backend, Measurement
@@ -26,7 +27,8 @@ def _cpu_name() -> str:
 
 
 def _on_cpu(t: torch.Tensor) -> str | None:
-    return "device" if t.device.type == "cpu" else None
+    # a FakeTensor (of a simulated run, kept by a traceback) is metadata without memory
+    return "device" if t.device.type == "cpu" and not _priv.is_fake(t) else None
 
 
 class CPUBackend(Backend):

@@ -437,6 +437,8 @@ class SimTracker(StorageTracker):
         s = self.s
         s.in_dispatch += 1
         try:
+            if self.quiet:  # memmagic's own op (the saved-tensor hook's detach)
+                return func(*args, **(kwargs or {}))
             forced = s.target
             if kwargs:
                 dev = kwargs.get("device")
