@@ -17,7 +17,7 @@ import torch
 from memmagic import zoo
 
 __all__ = ["Config", "matrix", "cell_source", "runner", "warm_step", "sim_backend", "SIM_MISSING",
-           "REAL_CPU_CASES", "ALL_CASES", "QUICK_CASES"]
+           "REAL_CPU_CASES", "ALL_CASES", "QUICK_CASES", "cpu_cannot_run", "LOOPS", "loop_source"]
 
 REAL_CPU_CASES = ("mlp", "cnn", "transformer", "nanogpt", "lstm")
 ALL_CASES = REAL_CPU_CASES + ("gpt2_small",)
@@ -70,6 +70,54 @@ def cell_source(cfg: Config, device: str = "cpu", *, steps: int = 1,
         f"    loss = zoo.train_step(model, opt, batch, amp={cfg.amp!r})",
     ]
     return "\n".join(lines) + "\n"
+
+
+_BF16_LSTM: list[bool] = []
+
+
+def cpu_cannot_run(cfg: Config) -> str | None:
+    """Why this CPU cannot run ``cfg`` for real (None when it can): oneDNN has no bf16
+    LSTM on CPUs without AVX-512 BF16 support, with or without memmagic."""
+    if not (cfg.case == "lstm" and cfg.amp):
+        return None
+    if not _BF16_LSTM:
+        lstm = torch.nn.LSTM(4, 4)
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                lstm(torch.randn(2, 1, 4))
+            _BF16_LSTM.append(True)
+        except RuntimeError:
+            _BF16_LSTM.append(False)
+    return None if _BF16_LSTM[0] else "not run: this CPU's oneDNN has no bf16 LSTM kernel"
+
+
+# Loops of several iterations (the accuracy figure on loops): forward-only loops, the
+# classic `total += loss` that keeps every graph, and several training steps.
+LOOPS = {
+    "forward x4, total += loss.item()": (
+        "total = 0.0\n"
+        "for _ in range(4):\n"
+        "    with torch.autocast('cpu', dtype=torch.bfloat16, enabled={amp!r}):\n"
+        "        loss = model.loss(*batch)\n"
+        "    total += loss.item()\n"),
+    "forward x4, total += loss": (
+        "total = 0\n"
+        "for _ in range(4):\n"
+        "    with torch.autocast('cpu', dtype=torch.bfloat16, enabled={amp!r}):\n"
+        "        loss = model.loss(*batch)\n"
+        "    total += loss\n"),
+    "train x3": (
+        "opt = torch.optim.AdamW(model.parameters())\n"
+        "for _ in range(3):\n"
+        "    loss = zoo.train_step(model, opt, batch, amp={amp!r})\n"),
+}
+
+
+def loop_source(cfg: Config, loop: str) -> str:
+    """A cell that builds case ``cfg`` on the CPU and runs the loop ``loop`` of LOOPS."""
+    return ("import torch\nfrom memmagic import zoo\n"
+            f"model, batch = zoo.build({cfg.case!r}, device='cpu', checkpointing={cfg.ckpt!r}, "
+            f"size={cfg.size!r})\n" + LOOPS[loop].format(amp=cfg.amp))
 
 
 def runner(source: str) -> Callable[[dict], None]:

@@ -1,8 +1,8 @@
 """``python -m benchmarks.readme``: regenerate the benchmark tables in README.md.
 
 Only the text between ``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->`` is
-replaced, from the latest full (non-quick) results file of each kind (cpu, gpu) in
-results/. Each table says the machine, torch version and date it was taken on. Without
+replaced, from the newest full (non-quick) take of each figure of each kind (cpu, gpu)
+in results/. Each table says the machine, torch version and date it was taken on. Without
 the markers (or without README.md) the tables are printed instead.
 """
 
@@ -24,8 +24,11 @@ END = "<!-- benchmarks:end -->"
 
 
 def latest_results(results_dir: Path, *, include_quick: bool = False) -> list[dict[str, Any]]:
-    """The newest results file of each kind (by the date recorded inside), cpu first."""
-    best: dict[str, dict[str, Any]] = {}
+    """The newest take of every figure, cpu first: for each kind (cpu, gpu), results files
+    from newest to oldest (by the date recorded inside), each with only the figures no
+    newer file of that kind has (a run of some figures, ``--only c``, supersedes just
+    those). Files left with no figure are dropped."""
+    runs: dict[str, list[dict[str, Any]]] = {}
     for path in sorted(results_dir.glob("*.json")):
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -36,10 +39,16 @@ def latest_results(results_dir: Path, *, include_quick: bool = False) -> list[di
         if data.get("quick") and not include_quick:
             continue
         data.setdefault("file", f"results/{path.name}")
-        kind = data.get("kind", "cpu")
-        if kind not in best or data["date"] > best[kind]["date"]:
-            best[kind] = data
-    return [best[k] for k in sorted(best, key=lambda k: (k != "cpu", k))]
+        runs.setdefault(data.get("kind", "cpu"), []).append(data)
+    out: list[dict[str, Any]] = []
+    for kind in sorted(runs, key=lambda k: (k != "cpu", k)):
+        taken: set[str] = set()
+        for data in sorted(runs[kind], key=lambda d: d["date"], reverse=True):
+            figures = {k: f for k, f in data["figures"].items() if k not in taken}
+            taken.update(figures)
+            if figures:
+                out.append({**data, "figures": figures})
+    return out
 
 
 def update_readme(text: str, tables: str) -> str | None:

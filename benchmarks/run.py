@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         fig_c, truth = F.accuracy(real)
         if "c" in only:
             show(fig_c)
+            show(F.accuracy_loops(real))
     if "d" in only:
         show(F.peers(every, truth))
     if "e" in only:
