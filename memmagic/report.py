@@ -137,6 +137,10 @@ class MemoryReport:
     timeline: tuple[tuple[int, int], ...] = field(default=(), repr=False, compare=False)
     # bytes per category at the start (tensors made before the cell); empty where unknown
     breakdown_before: Mapping[str, int] = field(default_factory=dict)
+    # out of memory: the request that failed (never counted in peak or reserved, which
+    # stay within the card) and the bytes live when it failed; None when none failed
+    failed_request: int | None = None
+    live_at_failure: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -169,9 +173,12 @@ class MemoryReport:
 
     @property
     def fits(self) -> bool | None:
-        """Whether the peak (reserved where known) fits the target GPU; None if no target."""
+        """Whether the peak (reserved where known) fits the target GPU; None if no target.
+        A cell that ran out of memory does not fit, whatever it reached before."""
         if self.gpu_memory is None:
             return None
+        if self.failed_request is not None:
+            return False
         need = self.reserved_peak if self.reserved_peak is not None else self.peak
         return need <= self.gpu_memory
 
@@ -192,6 +199,7 @@ class MemoryReport:
             "peak_module": self.peak_module, "host_peak": self.host_peak,
             "gpu_name": self.gpu_name, "gpu_memory": self.gpu_memory,
             "error": self.error, "notes": list(self.notes),
+            "failed_request": self.failed_request, "live_at_failure": self.live_at_failure,
         }
 
     # -- rendering ---------------------------------------------------------------------
@@ -224,6 +232,9 @@ class MemoryReport:
         if self.gpu_memory is not None:
             verdict = "fits" if self.fits else "does NOT fit"
             rows.append(("target GPU", f"{self.gpu_name} {format_bytes(self.gpu_memory)}: {verdict}"))
+        if self.failed_request is not None:
+            rows.append(("out of memory", f"a request of {format_bytes(self.failed_request)} failed "
+                                          f"with {format_bytes(self.live_at_failure)} live"))
         where = " / ".join(x for x in (self.peak_module, self.peak_op) if x)
         if where:
             rows.append(("peak at", where))

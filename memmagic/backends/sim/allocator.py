@@ -83,8 +83,9 @@ class CachingAllocatorModel:
     """Replays alloc/free calls; ``reserved`` and ``reserved_peak`` are in bytes.
 
     ``capacity`` (bytes, or None for no limit) is the card's memory: a request that would
-    need more raises :class:`AllocatorFull` *after* it was recorded (so the peak shows
-    what the program needed when it ran out).
+    need more first releases the cached free segments and retries, as the CUDA allocator
+    does, then raises :class:`AllocatorFull` with nothing recorded (a failed request never
+    counts in ``allocated`` or ``reserved``, which stay within the card).
     """
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -121,7 +122,6 @@ class CachingAllocatorModel:
         small = size <= SMALL_SIZE
         lst = self._free[small]
         i = bisect.bisect_left(lst, (size, -1))
-        over = False
         if i < len(lst):
             block = lst[i][2]
             del lst[i]
@@ -130,7 +130,8 @@ class CachingAllocatorModel:
             if self.capacity is not None and self.reserved + seg_size > self.capacity:
                 self.empty_cache()
                 self.num_alloc_retries += 1
-                over = self.reserved + seg_size > self.capacity
+                if self.reserved + seg_size > self.capacity:
+                    raise AllocatorFull(size, self.allocated, self.reserved, self.capacity)
             block = self._new_segment(seg_size, small)
         block.free = False
         rest = block.size - size
@@ -145,9 +146,6 @@ class CachingAllocatorModel:
         self._live[key] = block
         self.allocated += block.size
         self.allocated_peak = max(self.allocated_peak, self.allocated)
-        if over:
-            raise AllocatorFull(size, self.allocated - block.size, self.reserved - segment_size(size),
-                                self.capacity or 0)
         return block.size
 
     def free(self, key: object) -> None:

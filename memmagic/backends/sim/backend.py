@@ -294,6 +294,8 @@ class SimBackend(Backend):
                          host_peak=tracker.peak["host"])
         if target is not None:
             extra.update(gpu_name=target.name, gpu_memory=target.total_memory)
+        if isinstance(error, SimulatedOutOfMemoryError):
+            extra.update(failed_request=error.size, live_at_failure=tracker.oom_live)
         return report_from_tracking(tracking, "sim", self.device_name, tuple(all_notes),
                                     error, **extra)
 
@@ -378,6 +380,11 @@ def _explain(exc: BaseException) -> BaseException:
     """The cell's exception, or a SimulationUnsupported naming the line when the failure
     comes from what a simulation cannot do."""
     if isinstance(exc, (SimulationError, SimulatedOutOfMemoryError)) or not isinstance(exc, Exception):
+        if isinstance(exc, SimulatedOutOfMemoryError) and not getattr(exc, "_located", False):
+            where = _cell_line(exc.__traceback__)
+            if where and exc.args:
+                exc.args = (f"{exc.args[0].rstrip('.')}, at {where}.",) + tuple(exc.args[1:])
+            exc._located = True  # type: ignore[attr-defined]
         if isinstance(exc, SimulationError) and not getattr(exc, "_located", False):
             where = _cell_line(exc.__traceback__)
             if where and not isinstance(exc, SimulationBudgetExceeded):

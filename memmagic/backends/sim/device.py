@@ -64,16 +64,56 @@ _HALF = (torch.float16, torch.bfloat16)
 _FOUND_INF_OPS = {_aten._amp_foreach_non_finite_check_and_unscale_.default}
 
 
+_DEVICE_KINDS: dict[object, bool] = {}
+_OTHER_OK = ("cpu", "meta")
+
+
 def is_cuda_device(dev: object) -> bool | None:
-    """True for a CUDA device (``'cuda'``, ``'cuda:0'``, ``torch.device('cuda')``, an int
-    index), False for another device, None for "not a device"."""
-    if isinstance(dev, torch.device):
-        return dev.type == "cuda"
-    if isinstance(dev, str):
-        return dev.split(":", 1)[0].strip() == "cuda"
+    """True for the simulated GPU (``'cuda'``, ``'cuda:0'``, ``torch.device('cuda')``,
+    the index ``0``), False for the CPU or meta, None for "not a device". Raises
+    :class:`SimulationUnsupported` for a device the simulation does not have (a second
+    GPU, ``'mps'``, ``'xpu'``...), as a real machine with one CUDA GPU would fail there."""
+    if isinstance(dev, bool) or not isinstance(dev, (torch.device, str, int)):
+        return None
+    try:
+        return _DEVICE_KINDS[dev]
+    except (KeyError, TypeError):
+        pass
+    if isinstance(dev, int):
+        d = torch.device("cuda", dev) if dev >= 0 else None
+    else:
+        try:
+            d = torch.device(dev)
+        except (RuntimeError, ValueError):
+            return None  # not a device string: torch raises its own error
+    name = str(dev) if isinstance(dev, torch.device) else dev
+    if d is None or (d.type == "cuda" and d.index not in (None, 0)):
+        raise SimulationUnsupported(
+            f"device {name!r} is not simulated: the simulated machine has one GPU, cuda:0; "
+            "use device='cuda' (or 'cuda:0')")
+    if d.type != "cuda" and d.type not in _OTHER_OK:
+        raise SimulationUnsupported(
+            f"device {name!r} is not simulated: the simulation models one CUDA GPU; use "
+            "device='cuda' for the GPU or 'cpu' for the host")
+    kind = d.type == "cuda"
+    try:
+        _DEVICE_KINDS[dev] = kind
+    except TypeError:
+        pass
+    return kind
+
+
+def _int_device(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``t.to(0)`` / ``device=0``: an int is a CUDA index, which ``_parse_to`` would resolve
+    through the (absent) accelerator: name the device instead."""
+    if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+        is_cuda_device(args[0])  # raises for another index
+        args = (CUDA0, *args[1:])
+    dev = kwargs.get("device")
     if isinstance(dev, int) and not isinstance(dev, bool):
-        return True
-    return None
+        is_cuda_device(dev)
+        kwargs = {**kwargs, "device": CUDA0}
+    return args, kwargs
 
 
 class SimState:
@@ -208,6 +248,7 @@ class DeviceRewriteMode(TorchFunctionMode):
             T.new_tensor: self._new, T.new: self._new,
             T.tolist: self._tolist, T.numpy: self._numpy, T.__array__: self._array,
             T.__repr__: self._repr, T.__str__: self._repr,
+            torch._C._nn._parse_to: self._parse_to,
         }
         if state.cuda:
             h.update({
@@ -278,6 +319,17 @@ class DeviceRewriteMode(TorchFunctionMode):
             return self._move(t, "host", memory_format=kwargs.get("memory_format", torch.preserve_format))
         return t
 
+    def _parse_to(self, func, args, kwargs):
+        """``nn.Module.to``'s parser: the simulated device of a tensor argument, an int
+        index as cuda:N (the real parser would ask the absent accelerator)."""
+        if args and isinstance(args[0], torch.Tensor):
+            other = args[0]
+            device = CUDA0 if self.s.cuda and self.s.pool_of(other) == "device" else CPU
+            non_blocking = kwargs.get("non_blocking", args[1] if len(args) > 1 else False)
+            return device, other.dtype, non_blocking, kwargs.get("memory_format")
+        args, kwargs = _int_device(args, kwargs)
+        return func(*args, **kwargs)
+
     def _to(self, func, args, kwargs):
         t, rest = args[0], args[1:]
         copy = kwargs.get("copy", False)
@@ -288,9 +340,12 @@ class DeviceRewriteMode(TorchFunctionMode):
             memory_format = kwargs.get("memory_format", torch.preserve_format)
         else:
             pk = {k: v for k, v in kwargs.items() if k != "copy"}
+            rest, pk = _int_device(rest, pk)
             device, dtype, non_blocking, memory_format = _priv.parse_to(*rest, **pk)
             if memory_format is None:
                 memory_format = torch.preserve_format
+        if device is not None:
+            is_cuda_device(device)  # a device the simulation does not have: say so
         if device is None:
             dst = self.s.pool_of(t)
         elif device.type == "cuda":
@@ -357,6 +412,8 @@ class SimTracker(StorageTracker):
         self.cuda_peak = 0
         self.cuda_reserved_peak = 0
         self.oom: SimulatedOutOfMemoryError | None = None
+        self.oom_live = 0        # device bytes live when the request failed
+        self.oom_event = -1      # the last event before it
         # serials of storages whose device the simulation guessed (factories called from
         # C++ code, and what is computed from them): never used to report a device mismatch
         self._unsure: set[int] = set()
@@ -377,39 +434,47 @@ class SimTracker(StorageTracker):
 
     # -- allocator ------------------------------------------------------------------------
     def _add(self, entry: _Entry, delta: int) -> None:
+        if entry.pool == "device" and self.allocator is not None:
+            self._allocate(entry, delta)  # a request the card cannot take never counts
         super()._add(entry, delta)
-        if entry.pool != "device":
-            return
-        cur = self.current["device"]
-        if cur > self.cuda_peak:
-            self.cuda_peak = cur
+        if entry.pool == "device":
+            cur = self.current["device"]
+            if cur > self.cuda_peak:
+                self.cuda_peak = cur
+
+    def _allocate(self, entry: _Entry, delta: int) -> None:
         a = self.allocator
-        if a is None:
-            return
         serial = entry.serial
         old = self._alloc_bytes.pop(serial, 0)
         new = old + delta
         if old > 0:
             a.free(serial)
         if new > 0:
-            self._alloc_bytes[serial] = new
             try:
                 a.malloc(serial, new)
             except AllocatorFull as full:
-                self.cuda_reserved_peak = max(self.cuda_reserved_peak, a.reserved)
-                if self.oom is None and not self._closed:
-                    self.oom = self._oom_error(full)
-                    # from None: the user sees CUDA's error alone, not our AllocatorFull
-                    raise self.oom from None
-            if a.reserved > self.cuda_reserved_peak:
-                self.cuda_reserved_peak = a.reserved
+                if old > 0:  # a resize that failed keeps its old block
+                    a.malloc(serial, old)
+                    self._alloc_bytes[serial] = old
+                entry.nbytes = old  # what this storage holds: its release frees only that
+                # every failed request raises, as on a GPU (code may catch it and go on);
+                # the report describes the last one
+                self.oom_live = self.current["device"]
+                self.oom_event = len(self.events) - 1
+                self.oom = self._oom_error(full)
+                # from None: the user sees CUDA's error alone, not our AllocatorFull
+                raise self.oom from None
+            self._alloc_bytes[serial] = new
+        if a.reserved > self.cuda_reserved_peak:
+            self.cuda_reserved_peak = a.reserved
 
     def _oom_error(self, full: AllocatorFull) -> SimulatedOutOfMemoryError:
         where = "/".join(self.module_stack) if self.module_stack else None
         phase = "backward" if _priv.in_backward() else None
         op = self._last_op
         free = max(full.capacity - full.reserved, 0)
-        cached = max(full.reserved - full.allocated, 0)
+        live = self.current["device"]  # what the report counts live at the failure
+        cached = max(full.reserved - live, 0)
         loc = f"aten.{op}" if op else "an allocation"
         if where:
             loc += f" in module {where}"
@@ -418,7 +483,7 @@ class SimTracker(StorageTracker):
         msg = (f"CUDA out of memory (simulated). Tried to allocate {format_bytes(full.size)}. "
                f"GPU 0 has a total capacity of {format_bytes(full.capacity)} of which "
                f"{format_bytes(free)} is free. Of the allocated memory "
-               f"{format_bytes(full.allocated)} is allocated by PyTorch, and "
+               f"{format_bytes(live)} is allocated by PyTorch, and "
                f"{format_bytes(cached)} is reserved by PyTorch but unallocated. "
                f"Ran out at {loc}.")
         return SimulatedOutOfMemoryError(msg, op=op, module=where, size=full.size)

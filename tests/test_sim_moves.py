@@ -1,0 +1,122 @@
+"""Every way of moving to the GPU works on the simulated device, and devices it does not
+have say so (issue 14, item 5)."""
+
+from __future__ import annotations
+
+import pytest
+
+from memmagic.backends.sim import SimBackend, SimulationUnsupported
+
+
+def _run(src: str):
+    out = SimBackend().execute(lambda ns: exec("import torch\n" + src, ns), {})
+    return out
+
+
+TENSOR_MOVES = {
+    "to(device='cuda')": "x = torch.ones(1024).to(device='cuda')",
+    "to(0)": "x = torch.ones(1024).to(0)",
+    "to(device=0)": "x = torch.ones(1024).to(device=0)",
+    "to(cuda_tensor)": "c = torch.zeros(128, device='cuda'); x = torch.ones(1024).to(c)",
+    "to('cuda:0', non_blocking=True)": "x = torch.ones(1024).to('cuda:0', non_blocking=True)",
+    "cuda(0)": "x = torch.ones(1024).cuda(0)",
+    "to(torch.device('cuda', 0))": "x = torch.ones(1024).to(torch.device('cuda', 0))",
+}
+
+
+@pytest.mark.parametrize("form", list(TENSOR_MOVES))
+def test_tensor_moves_reach_the_simulated_gpu(form):
+    out = _run(TENSOR_MOVES[form] + "\nassert x.is_cuda and x.device == torch.device('cuda', 0)")
+    assert out.error is None, out.error
+    # the 4 KiB tensor is on the GPU (plus the 512 B of the cuda_tensor form)
+    assert out.report.after == 4096 + (512 if "cuda_tensor" in form else 0)
+
+
+MODULE_MOVES = {
+    "to(device='cuda')": "m = torch.nn.Linear(16, 16).to(device='cuda')",
+    "to(0)": "m = torch.nn.Linear(16, 16).to(0)",
+    "to(cuda_tensor)": "c = torch.zeros(128, device='cuda'); m = torch.nn.Linear(16, 16).to(c)",
+    "to('cuda:0', non_blocking=True)": "m = torch.nn.Linear(16, 16).to('cuda:0', non_blocking=True)",
+    "cuda(0)": "m = torch.nn.Linear(16, 16).cuda(0)",
+}
+
+
+@pytest.mark.parametrize("form", list(MODULE_MOVES))
+def test_module_moves_reach_the_simulated_gpu(form):
+    src = MODULE_MOVES[form] + (
+        "\nassert all(p.is_cuda for p in m.parameters())"
+        "\ny = m(torch.ones(4, 16, device='cuda'))")  # no false device-mismatch error
+    out = _run(src)
+    assert out.error is None, out.error
+    params = 1024 + 512  # 16x16 fp32 weight, 16 fp32 bias rounded to 512 B
+    extra = 512 if "cuda_tensor" in form else 0
+    assert out.report.after == params + extra + 2 * 512  # + input and output (256 B -> 512)
+
+
+def test_module_to_a_cpu_tensor_stays_on_the_host():
+    out = _run("c = torch.zeros(1); m = torch.nn.Linear(16, 16).cuda().to(c)\n"
+               "assert not m.weight.is_cuda")
+    assert out.error is None, out.error
+    assert out.report.after == 0
+
+
+@pytest.mark.parametrize("src, says", [
+    ("x = torch.ones(4, device='cuda:1')", "'cuda:1' is not simulated"),
+    ("x = torch.ones(4).to('cuda:1')", "'cuda:1' is not simulated"),
+    ("x = torch.ones(4).cuda(1)", "is not simulated"),
+    ("x = torch.ones(4).to(1)", "is not simulated"),
+    ("m = torch.nn.Linear(2, 2).to(1)", "is not simulated"),
+    ("x = torch.ones(4, device='mps')", "'mps' is not simulated"),
+    ("x = torch.ones(4).to('mps')", "'mps' is not simulated"),
+])
+def test_devices_the_simulation_does_not_have_say_so(src, says):
+    out = _run(src)
+    assert isinstance(out.error, SimulationUnsupported)
+    assert says in str(out.error) and "line 2" in str(out.error)
+    assert "\n" not in str(out.error)
+
+
+def test_cpu_and_meta_devices_are_accepted():
+    out = _run("a = torch.ones(4, device='meta')\nb = torch.ones(4, device='cpu').to('cpu')\n"
+               "assert not a.is_cuda and not b.is_cuda")
+    assert out.error is None, out.error
+    assert out.report.after == 0
+
+
+# -- out of memory that adds up (issue 14, item 6) -----------------------------------------------
+def test_a_request_bigger_than_the_card_is_reported_apart():
+    out = SimBackend(gpu_memory="6GiB").execute(
+        lambda ns: exec("import torch\nx = torch.empty(7 * 2**30, dtype=torch.uint8, device='cuda')", ns), {})
+    r = out.report
+    assert r.failed_request == 7 << 30 and r.live_at_failure == 0
+    assert r.peak == r.after == 0 and r.reserved_peak == 0 and r.fits is False
+    assert "0 B is allocated by PyTorch" in str(out.error)
+    assert "out of memory" in r.summary() and "7.00 GiB failed with 0 B live" in r.summary()
+
+
+def test_live_bytes_at_the_failure_match_the_error_text():
+    from memmagic import format_bytes
+
+    src = ("import torch\na = torch.empty(4 * 2**30, dtype=torch.uint8, device='cuda')\n"
+           "b = torch.empty(1 * 2**30, dtype=torch.uint8, device='cuda')\n"
+           "c = torch.empty(3 * 2**30, dtype=torch.uint8, device='cuda')\n")
+    out = SimBackend(gpu_memory="6GiB").execute(lambda ns: exec(src, ns), {})
+    r = out.report
+    assert r.live_at_failure == 5 << 30 == r.peak and r.reserved_peak <= 6 << 30
+    assert f"{format_bytes(r.live_at_failure)} is allocated by PyTorch" in str(out.error)
+    assert r.breakdown["other"] == 5 << 30
+
+
+def test_code_that_catches_the_oom_goes_on_like_on_a_gpu():
+    # a batch-size finder catches the OOM, frees, and tries a smaller size
+    src = ("import torch\nfits = None\n"
+           "for n in (8, 4, 2):\n"
+           "    try:\n"
+           "        x = torch.empty(n * 2**30, dtype=torch.uint8, device='cuda')\n"
+           "        fits = n\n        break\n"
+           "    except torch.OutOfMemoryError:\n"
+           "        pass\n"
+           "assert fits == 4, fits\n")
+    out = SimBackend(gpu_memory="6GiB").execute(lambda ns: exec(src, ns), {})
+    assert out.error is None, out.error
+    assert out.report.peak == 4 << 30 and out.report.failed_request is None
