@@ -215,7 +215,23 @@ def fake_constant(t: torch.Tensor) -> torch.Tensor | None:
     return getattr(t, "constant", None)
 
 
-__all__ += ["fake_device", "fake_constant"]
+def constant_fake(mode: FakeTensorMode, real: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A FakeTensor of ``mode`` carrying ``real`` (a plain CPU tensor) as its constant, with
+    the fake device of ``like``; FakeTensorMode then computes ops on it for real while the
+    result stays within ``torch._subclasses.fake_tensor.CONSTANT_NUMEL_LIMIT``."""
+    fake = mode.fake_tensor_converter.from_real_tensor(mode, real, make_constant=True)
+    fake.fake_device = like.fake_device
+    return fake
+
+
+def constant_numel_limit_holder():
+    """(module, name) of FakeTensorMode's bound on constant propagation (a module global)."""
+    from torch._subclasses import fake_tensor
+
+    return fake_tensor, "CONSTANT_NUMEL_LIMIT"
+
+
+__all__ += ["fake_device", "fake_constant", "constant_fake", "constant_numel_limit_holder"]
 
 
 def fake_mode_deepcopy(mode: FakeTensorMode, memo: dict) -> FakeTensorMode:

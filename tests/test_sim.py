@@ -347,11 +347,18 @@ def test_tolist_numpy_and_print():
         seen["np"] = t.float().cpu().numpy().shape
         seen["repr"] = repr(t)
         seen["bool"] = bool((t > 2).any())
+        r = torch.randn(2, 3, device="cuda")
+        seen["rlist"] = r.tolist()
+        seen["rrepr"] = repr(r)
     """, {"seen": Recorder(seen)})
     assert out.error is None, out.error
-    assert seen["list"] == [[0, 0, 0], [0, 0, 0]] and seen["np"] == (2, 3)
-    assert "simulated" in seen["repr"] and "cuda:0" in seen["repr"]
-    assert seen["bool"] is False
+    # values that follow from shapes and constants are real ...
+    assert seen["list"] == [[0, 1, 2], [3, 4, 5]] and seen["np"] == (2, 3)
+    assert "[3, 4, 5]" in seen["repr"] and "cuda:0" in seen["repr"]
+    assert seen["bool"] is True
+    # ... data-dependent ones are placeholders, and say so
+    assert seen["rlist"] == [[1.0] * 3] * 2
+    assert "simulated" in seen["rrepr"] and "cuda:0" in seen["rrepr"]
 
 
 # -- requirement 6: clear errors, never a crash --------------------------------------------------------
@@ -359,7 +366,7 @@ def test_tolist_numpy_and_print():
     "e = torch.cuda.Event(enable_timing=True)",
     "s = torch.cuda.Stream()",
     "g = torch.Generator(device='cuda')",
-    "i = torch.nonzero(torch.ones(3, device='cuda'))",
+    "i = torch.nonzero(torch.randn(3, device='cuda'))",
 ])
 def test_unsupported_names_the_line(line):
     out, _ = run(f"import torch\nx = 1\n{line}\n")

@@ -19,7 +19,8 @@ from ..cpu import report_from_tracking
 from .allocator import CachingAllocatorModel
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
 from .cuda_api import install_cuda_api
-from .device import CPU, CUDA0, DeviceRewriteMode, SimState, SimTracker, is_cuda_device
+from .device import (CONSTANT_NUMEL, CPU, CUDA0, DeviceRewriteMode, SimState, SimTracker,
+                     is_cuda_device)
 from .errors import (
     RERUN_HINT,
     SimulatedOutOfMemoryError,
@@ -240,6 +241,9 @@ class SimBackend(Backend):
                     t1.data = t2.detach()
 
         patches.set(torch.utils, "swap_tensors", swap_tensors)
+        # values that follow from constants and shapes (arange, linspace, full, masks made
+        # from them) stay real up to this many elements: control flow on them is right
+        patches.set(*_priv.constant_numel_limit_holder(), CONSTANT_NUMEL)
         import torch.backends.cudnn as cudnn
 
         # nn.RNNBase asks whether cuDNN can take its weights (it warns on a CPU build)

@@ -193,6 +193,31 @@ _INDEX_OPS = {"index", "_unsafe_index", "index_put", "index_put_", "_index_put_i
               "_unsafe_index_put"}
 
 
+# Factories whose values follow from their arguments alone: a small output is computed
+# for real and carried as the fake tensor's constant, so FakeTensorMode propagates real
+# values through ops on such constants (up to CONSTANT_NUMEL) and reads give real numbers.
+CONSTANT_NUMEL = 4096
+_VALUE_FACTORIES = {
+    _aten.arange.default, _aten.arange.start, _aten.arange.start_step, _aten.linspace.default,
+    _aten.logspace.default, _aten.zeros.default, _aten.ones.default, _aten.full.default,
+    _aten.eye.default, _aten.eye.m, _aten.scalar_tensor.default, _aten.tril_indices.default,
+    _aten.triu_indices.default,
+}
+
+
+def _with_values(func, args, kwargs, out):
+    """``out`` (a fake factory output) with its real values as its constant, when small."""
+    if (not isinstance(out, torch.Tensor) or out.numel() > CONSTANT_NUMEL
+            or out.dtype.is_complex or _priv.fake_constant(out) is not None):
+        return out
+    mode = getattr(out, "fake_mode", None)
+    if mode is None:
+        return out
+    with _priv.no_python_modes():
+        real = func(*args, **{**kwargs, "device": CPU})
+    return _priv.constant_fake(mode, real, out)
+
+
 def _device_rule(func) -> str:
     """How CUDA checks the devices of ``func``'s inputs: "any" (no check), "index" (indices
     on the CPU or on the indexed tensor's device), "lists" (foreach and fused optimizer
@@ -248,7 +273,7 @@ class DeviceRewriteMode(TorchFunctionMode):
             T.new_tensor: self._new, T.new: self._new,
             T.tolist: self._tolist, T.numpy: self._numpy, T.__array__: self._array,
             T.__repr__: self._repr, T.__str__: self._repr,
-            torch._C._nn._parse_to: self._parse_to,
+            torch._C._nn._parse_to: self._parse_to, T.__deepcopy__: self._deepcopy,
         }
         if state.cuda:
             h.update({
@@ -366,9 +391,34 @@ class DeviceRewriteMode(TorchFunctionMode):
     def _pin_memory(self, func, args, kwargs):
         return self._call(torch.Tensor.clone, (args[0],), {}, "host" if self.s.cuda else "device")
 
+    def _deepcopy(self, func, args, kwargs):
+        """``copy.deepcopy`` of a fake tensor carrying a constant: a clone, as torch does
+        for tensors without host data (torch copies the storage of a tensor whose
+        ``data_ptr`` is not 0, and a constant's is not, onto a meta tensor: an error)."""
+        t, memo = args[0], args[1] if len(args) > 1 else kwargs.get("memo", {})
+        if type(t) is not _priv.FakeTensor or _priv.fake_constant(t) is None or not t.is_leaf:
+            return func(*args, **kwargs)
+        if id(t) in memo:
+            return memo[id(t)]
+        import copy
+
+        with torch.no_grad():
+            new = t.clone()
+        new.requires_grad_(t.requires_grad)
+        # the clone has its own fake mode, device and constant; the rest (user attributes)
+        for key, value in t.__dict__.items():
+            if key not in new.__dict__:
+                setattr(new, key, copy.deepcopy(value, memo))
+        memo[id(t)] = new
+        return new
+
     # -- values a simulation does not have ---------------------------------------------------
     def _tolist(self, func, args, kwargs):
         t = args[0]
+        const = _priv.fake_constant(t)
+        if const is not None:  # a value that follows from constants and shapes: real
+            with _priv.no_python_modes():
+                return const.tolist()
         self.s.note_read("tolist")
         return _nested(tuple(t.shape), placeholder_scalar(t.dtype))
 
@@ -376,6 +426,10 @@ class DeviceRewriteMode(TorchFunctionMode):
         import numpy as np
 
         t = args[0]
+        const = _priv.fake_constant(t)
+        if const is not None:
+            with _priv.no_python_modes():
+                return const.numpy().copy()
         self.s.note_read("numpy")
         name = _NUMPY_DTYPES.get(t.dtype, "float32")
         return np.full(tuple(t.shape), placeholder_scalar(t.dtype), dtype=name)
@@ -389,6 +443,13 @@ class DeviceRewriteMode(TorchFunctionMode):
         t = args[0]
         dev = "cuda:0" if self.s.cuda and self.s.pool_of(t) == "device" else "cpu"
         grad = ", requires_grad=True" if t.requires_grad else ""
+        const = _priv.fake_constant(t)
+        if const is not None:
+            with _priv.no_python_modes():
+                text = repr(const)
+            if dev != "cpu":
+                text = text[:-1] + f", device='{dev}')" if text.endswith(")") else text
+            return text
         return (f"tensor(<simulated: no values>, size={tuple(t.shape)}, dtype={t.dtype}, "
                 f"device='{dev}'{grad})")
 
@@ -534,6 +595,8 @@ class SimTracker(StorageTracker):
             s.pending = pool
             fast = self.fast
             out = func(*args, **kwargs) if fast is None else fast(func, args, kwargs)
+            if func in _VALUE_FACTORIES:
+                out = _with_values(func, args, kwargs, out)
             info = self._op_info.get(func)
             if info is None:
                 info = self._op_info[func] = _op_info(func)

@@ -1,0 +1,132 @@
+"""Values a simulation can know: what follows from shapes, literals and constants is real.
+
+A GPU program reads values (a loop bound, a mask, ``.tolist()`` of an index range): where
+they do not depend on data, the simulated run must take the path the GPU run takes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from memmagic import _torch_private as priv
+from memmagic.backends.sim.device import CONSTANT_NUMEL
+from test_sim import Recorder, run
+
+
+def test_factories_carry_their_values():
+    seen = {}
+    out, _ = run("""
+        import torch
+        seen["lin"] = torch.linspace(0, 1, 5, device="cuda").tolist()
+        seen["eye"] = torch.eye(3, device="cuda").sum().item()
+        seen["full"] = torch.full((2, 2), 7, device="cuda").numpy().tolist()
+        seen["tri"] = torch.triu_indices(3, 3, device="cuda").shape
+        seen["causal"] = torch.ones(4, 4, device="cuda").tril().bool()[1].tolist()
+        seen["lit"] = torch.tensor([3, 1, 2], device="cuda").sort().values.tolist()
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["lin"] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert seen["eye"] == 3.0
+    assert seen["full"] == [[7, 7], [7, 7]]
+    assert seen["tri"] == (2, 6)
+    assert seen["causal"] == [True, True, False, False]
+    assert seen["lit"] == [1, 2, 3]
+    assert "read tensor values" not in " ".join(out.report.notes)   # no placeholder was read
+
+
+def test_control_flow_on_constants_takes_the_gpu_path():
+    seen = {}
+    out, _ = run("""
+        import torch
+        n = torch.tensor(10, device="cuda")
+        steps = 0
+        while n > 0:          # a GPU run stops after 10 steps; a placeholder would loop
+            n -= 3
+            steps += 1
+        seen["steps"] = steps
+        x = torch.arange(12, device="cuda").view(3, 4)
+        seen["branch"] = "big" if x.max() > 10 else "small"
+    """, {"seen": Recorder(seen)}, max_ops=5_000)
+    assert out.error is None, out.error
+    assert seen["steps"] == 4 and seen["branch"] == "big"
+
+
+def test_data_dependent_values_stay_placeholders():
+    seen = {}
+    out, _ = run("""
+        import torch
+        r = torch.randn(3, device="cuda")
+        seen["r"] = r.tolist()
+        seen["mix"] = (torch.arange(3, device="cuda") + r).tolist()   # a constant meets data
+        big = torch.arange(%d, device="cuda")                          # too big to carry
+        seen["big"] = big[-1].item()
+    """ % (CONSTANT_NUMEL + 1), {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["r"] == [1.0, 1.0, 1.0] and seen["mix"] == [1.0, 1.0, 1.0]
+    assert seen["big"] == 0
+    notes = " ".join(out.report.notes)
+    assert "read tensor values" in notes
+
+
+def test_memory_is_the_same_with_values():
+    # carrying a value never changes what the GPU would hold
+    src = """
+        import torch
+        a = torch.arange(1000, device="cuda", dtype=torch.float32)
+        m = torch.ones(64, 64, device="cuda").triu(1).bool()
+        b = a * 2
+        del a
+    """
+    out, _ = run(src)
+    assert out.error is None, out.error
+    # 1000 fp32 = 4000 B -> 4096 B blocks; 64*64 fp32 ones (16 KiB) freed after triu; bool 4096 B
+    assert out.report.retained == 4096 + 4096
+
+
+def test_deepcopy_of_a_constant_is_a_constant():
+    seen = {}
+    out, _ = run("""
+        import copy, torch
+        t = torch.arange(4, device="cuda")
+        t.tag = "mine"
+        c = copy.deepcopy(t)
+        seen["c"] = (c.tolist(), c.tag, c is t, c.is_cuda)
+        m = torch.nn.BatchNorm1d(3).cuda()     # num_batches_tracked is a constant
+        m2 = copy.deepcopy(m)
+        seen["nbt"] = m2.num_batches_tracked.item()
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["c"] == ([0, 1, 2, 3], "mine", False, True)
+    assert seen["nbt"] == 0
+
+
+def test_the_constant_limit_is_restored():
+    holder = priv.constant_numel_limit_holder()
+    before = getattr(*holder)
+    seen = {}
+    out, _ = run("""
+        seen["limit"] = limit()
+    """, {"seen": Recorder(seen), "limit": lambda: getattr(*holder)})
+    assert out.error is None, out.error
+    assert seen["limit"] == CONSTANT_NUMEL
+    assert getattr(*holder) == before
+
+
+def test_constant_fake_contract(monkeypatch):
+    mode = priv.new_fake_mode()
+    with mode:
+        like = torch.empty(3)
+    fake = priv.constant_fake(mode, torch.tensor([1.0, 2.0, 3.0]), like)
+    assert priv.is_fake(fake) and fake.fake_mode is mode
+    assert priv.fake_constant(fake).tolist() == [1.0, 2.0, 3.0]
+    module, name = priv.constant_numel_limit_holder()
+    assert isinstance(getattr(module, name), int)
+    with mode:
+        assert priv.fake_constant(fake * 2) is None    # over torch's default limit (1)
+    monkeypatch.setattr(module, name, 8)
+    with mode:
+        doubled = fake * 2
+    assert priv.fake_constant(doubled).tolist() == [2.0, 4.0, 6.0]
+    assert copy.copy(priv.fake_constant(fake)).dtype == torch.float32
