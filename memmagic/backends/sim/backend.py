@@ -16,7 +16,6 @@ from ...report import Category, MemoryReport
 from ...tracking import Tracking, _RoleHooks
 from .. import Backend, Outcome
 from ..cpu import report_from_tracking
-from .allocator import CachingAllocatorModel
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
 from .cuda_api import install_cuda_api
 from .device import (CONSTANT_NUMEL, CPU, CUDA0, DeviceRewriteMode, SimState, SimTracker,
@@ -32,6 +31,7 @@ from .gpus import DEFAULT_CAPABILITY, GPUSpec, resolve_target
 from .kernels import install_cuda_kernels
 from .patching import Patches
 from .sandbox import Sandbox, sanitize_value
+from .session import Card, SimSession
 
 __all__ = ["SimBackend", "SIM_NOTES", "KERNELS", "clear_op_cache"]
 
@@ -50,6 +50,7 @@ _MEMMAGIC_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 _INTERNAL_READERS = tuple(os.path.join(_TORCH_DIR, d) for d in ("utils", "optim", "amp", "nn"))
 _STDLIB = os.path.dirname(os.__file__)
 _FAST_ENTRIES: dict[tuple, dict] = {}  # FakeOutputCache entries per kernel configuration
+_ACTIVE: list = []  # the simulated run in progress (they do not nest)
 
 
 def clear_op_cache() -> None:
@@ -77,6 +78,10 @@ class SimBackend(Backend):
     ``torch.OutOfMemoryError`` at the op where the card would run out.
     ``op_cache=False`` makes FakeTensorMode compute every op's outputs (the op cache
     builds them from the inputs' metadata; it changes speed, never a byte).
+    ``session``: a :class:`~.session.SimSession` whose simulated GPU the run uses and
+    keeps (its tensors and the names that hold them last until the next cell; see
+    :mod:`.session`); without one, every run starts from an empty card and leaves the
+    namespace as it found it (names the run made become placeholders).
     ``kernels="cpu"`` selects the CPU's kernels and defaults instead of CUDA's (the
     simulated device then behaves like the CPU: used to check the simulation against
     ``--backend cpu``). ``max_ops`` and ``max_seconds`` bound a run.
@@ -86,10 +91,11 @@ class SimBackend(Backend):
 
     def __init__(self, gpu: str | GPUSpec | None = None, gpu_memory: int | str | None = None,
                  kernels: str = "cuda", max_ops: int = 2_000_000, max_seconds: float = 120.0,
-                 op_cache: bool = True, **options: Any) -> None:
+                 op_cache: bool = True, session: SimSession | None = None,
+                 **options: Any) -> None:
         if options:
             raise TypeError(f"the sim backend takes gpu=, gpu_memory=, kernels=, max_ops=, "
-                            f"max_seconds=, op_cache=; got {sorted(options)}")
+                            f"max_seconds=, op_cache=, session=; got {sorted(options)}")
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, not {kernels!r}")
         if int(max_ops) <= 0 or float(max_seconds) <= 0:
@@ -99,6 +105,9 @@ class SimBackend(Backend):
         self.max_ops = int(max_ops)
         self.max_seconds = float(max_seconds)
         self.op_cache = bool(op_cache)
+        if session is not None and not isinstance(session, SimSession):
+            raise TypeError(f"session must be a SimSession, not {type(session).__name__}")
+        self.session = session
         # ops, op-cache hits and misses of the last run (for tests and benchmarks)
         self.last_run_stats: dict[str, int] = {}
 
@@ -119,21 +128,30 @@ class SimBackend(Backend):
         cuda = self.kernels == "cuda"
         target = self.target
         capability = target.capability if target else DEFAULT_CAPABILITY
-        state = SimState(cuda)
-        allocator = CachingAllocatorModel(target.total_memory if target else None) if cuda else None
-        tracker = SimTracker(state, allocator=allocator, max_ops=self.max_ops,
-                             max_seconds=self.max_seconds)
-        tracking = _SimTracking(tracker)
-        fake_mode = _priv.new_fake_mode()
         # op outputs from metadata, shared by every run with the same kernels (cuda kernels
         # differ with the GPU's compute capability)
-        fast = _priv.FakeOutputCache(
-            fake_mode, _FAST_ENTRIES.setdefault((self.kernels, capability if cuda else None), {})
-        ) if self.op_cache else None
+        entries = _FAST_ENTRIES.setdefault((self.kernels, capability if cuda else None), {})
+        notes: list[str] = []
+        if _ACTIVE:
+            raise SimulationUnsupported(
+                "a simulated measurement cannot run inside another one (a measure(..., "
+                "backend='sim') or %%gpumem --backend sim in a simulated cell): measure the "
+                "inner code in a cell of its own")
+        if self.session is not None:
+            card, session_notes = self.session.card_for(self.kernels, target, capability,
+                                                        self.max_ops, self.max_seconds, entries)
+            notes += session_notes
+        else:
+            card = Card(self.kernels, target, capability, self.max_ops, self.max_seconds, entries)
+        state, tracker, fake_mode = card.state, card.tracker, card.fake_mode
+        state.begin_run()
+        tracker.rearm(self.max_ops, self.max_seconds)
+        fast = card.op_cache(self.op_cache)
         tracker.fast = fast
+        hits0, misses0 = (fast.hits, fast.misses) if fast else (0, 0)
+        tracking = _SimTracking(tracker)
         patches = Patches()
         libs: list = []
-        notes: list[str] = []
         policy: list = []  # the CUDA autocast policy, installed when autocast is first entered
         running = [True]   # never install it after the run (nothing would take it away)
 
@@ -143,10 +161,12 @@ class SimBackend(Backend):
                 libs.append(policy[0])
 
         autocast = make_autocast_classes(cuda, install_policy)
-        sandbox = Sandbox(namespace, fake_mode, self._replacements(autocast))
+        sandbox = Sandbox(namespace, fake_mode, self._replacements(autocast),
+                          card.shadow if self.session is not None else None)
         saved_globals = _save_globals()
         value = error = None
         sdpa = None
+        _ACTIVE.append(self)
         try:
             try:
                 self._install(patches, libs, state, tracker, autocast, notes)
@@ -158,6 +178,7 @@ class SimBackend(Backend):
                         install_policy()
                 sandbox.enter()
                 _seed(tracker, state, sandbox, namespace)
+                sandbox.release()
                 with fake_mode, tracking, DeviceRewriteMode(state):
                     tracker.start_clock()
                     value = run(namespace)
@@ -173,12 +194,23 @@ class SimBackend(Backend):
                         try:
                             patches.restore()
                         finally:
+                            _ACTIVE.remove(self)
                             _restore_globals(saved_globals)
         except BaseException as exc:  # re-raised by the caller after rendering
             error = _explain(exc)
+        card.cells += 1
         value = sanitize_value(value)
-        self.last_run_stats = {"ops": tracker.ops, "cache_hits": fast.hits if fast else 0,
-                               "cache_misses": fast.misses if fast else 0}
+        self.last_run_stats = {"ops": tracker.ops,
+                               "cache_hits": fast.hits - hits0 if fast else 0,
+                               "cache_misses": fast.misses - misses0 if fast else 0}
+        if self.session is not None and card.shadow:
+            notes.append("the simulated GPU lasts the whole notebook: "
+                         + ", ".join(sorted(card.shadow)) + " hold simulated objects for later "
+                         "simulated cells (%gpusim reset empties it)")
+        if cuda and not state.cuda_seen and error is None and not tracker.peak["device"]:
+            notes.append("no tensor reached the simulated GPU in this cell: everything ran on "
+                         "the host (a device chosen in a real cell, where no GPU was found, is "
+                         "'cpu': choose it in a simulated cell, or write device='cuda')")
         return Outcome(self._report(tracking, tracker, state, sandbox, notes, error, sdpa),
                        None if error else value, error)
 

@@ -131,6 +131,16 @@ class SimState:
         self.tracker: "SimTracker | None" = None
         self.in_dispatch = 0              # >0 while torch's own dispatch code runs
 
+    def begin_run(self) -> None:
+        """Per-cell counters back to zero (the state of a persistent simulated GPU lasts
+        across cells: its default device and its tensors' pools stay)."""
+        self.target = None
+        self.pending = "host"
+        self.cuda_seen = False
+        self.data_reads = 0
+        self.read_ops = {}
+        self.in_dispatch = 0
+
     def fake_device(self, t: torch.Tensor, real: torch.device) -> torch.device:
         """``FakeTensor.device`` during a run: cuda:0 for tensors on the simulated GPU, as
         seen by user and torch Python code; the real (CPU) device inside dispatch."""
@@ -486,6 +496,37 @@ class SimTracker(StorageTracker):
 
     def start_clock(self) -> None:
         self.deadline = time.perf_counter() + self.max_seconds
+
+    # -- a simulated GPU that lasts across cells ----------------------------------------------
+    persistent = False  # True: the tracker of a SimSession's card (see rearm and close)
+
+    def rearm(self, max_ops: int, max_seconds: float) -> None:
+        """Ready for the next cell: what is live stays live (it is the next ``before``);
+        the per-cell counters, events and the allocator's peak start again."""
+        self.max_ops, self.max_seconds = max_ops, max_seconds
+        self.deadline = float("inf")
+        self.ops = 0
+        self.events.clear()
+        self.saved_events.clear()
+        self.module_stack.clear()
+        self.phase_override = None
+        self._last_op = None
+        self.oom, self.oom_live, self.oom_event = None, 0, -1
+        self._closed = False
+        self.quiet = 0
+        a = self.allocator
+        if a is not None:
+            a.reserved_peak = a.reserved
+            a.allocated_peak = a.allocated
+
+    def close(self) -> None:
+        """A persistent card keeps listening for frees between cells (a tensor deleted in
+        a later cell, or dropped with its name, frees its block, as on a GPU)."""
+        if not self.persistent:
+            super().close()
+
+    def live_device_bytes(self) -> int:
+        return self.current["device"]
 
     def _include_pending(self, t: torch.Tensor) -> str:
         return self.s.pending

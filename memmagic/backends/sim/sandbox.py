@@ -9,6 +9,13 @@ original key and value back, and turns every name the cell created into a
 :class:`SimulatedValue` placeholder (modules, functions and classes stay), so a later
 real cell fails with a one-line message instead of tripping on a fake tensor.
 
+With a persistent simulated GPU (``shadow``, see :mod:`.session`) the exit follows the
+cell instead: names it made or rebound keep what it bound (a placeholder for what holds
+simulated tensors, the value itself otherwise), names it deleted stay deleted, and the
+simulated objects are kept in the shadow for the next simulated cell; real objects of
+earlier real cells are still restored bit-identical, and values that reach no tensor are
+not copied at all (the cell works on them for real, as on a GPU).
+
 Objects reachable only from elsewhere (a closure cell, a default argument, a module
 attribute) are not swapped: tensor *ops* on them still run on fakes (the fake mode turns
 real inputs into fakes), but Python-level assignments to them would stick.
@@ -35,26 +42,44 @@ _ATOMIC = (type(None), bool, int, float, complex, str, bytes, range, type, types
            types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.dtype,
            torch.device, torch.Size)
 _RERUN = "rerun the cell that made it without --backend sim"
+_LIVE = ("use it in simulated cells (%%gpumem --backend sim, or every cell after %gpusim on); "
+         "a real cell cannot")
+_GONE = "the simulated GPU was reset since: rerun the cell that made it"
 
 
 class SimulatedValue:
     """Stands for a value a simulated cell made: it has no data. Its repr says so; any
-    other use raises :class:`SimulatedValueError` with a one-line message."""
+    other use raises :class:`SimulatedValueError` with a one-line message. ``live``: the
+    value lives on a persistent simulated GPU (later simulated cells get it)."""
 
-    __slots__ = ("_name", "_what")
+    __slots__ = ("_name", "_what", "_state")
 
-    def __init__(self, name: str, what: str) -> None:
+    def __init__(self, name: str, what: str, live: bool = False) -> None:
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_what", what)
+        object.__setattr__(self, "_state", "live" if live else "rerun")
+
+    def _forget(self) -> None:
+        """The simulated GPU it lived on was reset."""
+        object.__setattr__(self, "_state", "gone")
+
+    def _advice(self) -> str:
+        state = object.__getattribute__(self, "_state")
+        if state == "live":
+            return f"lives on the simulated GPU and has no data here; {_LIVE}"
+        if state == "gone":
+            return f"was on the simulated GPU; {_GONE}"
+        return f"was made by a --backend sim cell and has no data; {_RERUN}"
 
     def _fail(self, *args: Any, **kwargs: Any):
         raise SimulatedValueError(
             f"{object.__getattribute__(self, '_name')} ({object.__getattribute__(self, '_what')}) "
-            f"was made by a --backend sim cell and has no data; {_RERUN}")
+            f"{object.__getattribute__(self, '_advice')()}")
 
     def __repr__(self) -> str:
         return (f"<simulated {object.__getattribute__(self, '_what')} "
-                f"'{object.__getattribute__(self, '_name')}': no data; {_RERUN}>")
+                f"'{object.__getattribute__(self, '_name')}': "
+                f"{object.__getattribute__(self, '_advice')()}>")
 
     def __getattr__(self, name: str):
         if name.startswith("_repr_") or name in ("_ipython_display_", "_ipython_canary_method_should_not_exist_"):
@@ -110,6 +135,11 @@ def _reachable_tensors(value: Any, limit: int = 10_000) -> Iterator[torch.Tensor
                 stack.extend(d.values())
 
 
+def contains_tensor(value: Any, limit: int = 10_000) -> bool:
+    """Whether ``value`` reaches a tensor."""
+    return any(True for _ in _reachable_tensors(value, limit))
+
+
 def contains_fake(value: Any, limit: int = 10_000) -> bool:
     """Whether ``value`` reaches a FakeTensor."""
     return any(_priv.is_fake(t) for t in _reachable_tensors(value, limit))
@@ -136,13 +166,20 @@ def _worth_swapping(value: Any) -> bool:
 class Sandbox:
     """Swap the namespace's values for fake copies during a simulated run (see module doc)."""
 
-    def __init__(self, namespace: dict, fake_mode, replacements: dict[int, Any] | None = None) -> None:
+    def __init__(self, namespace: dict, fake_mode, replacements: dict[int, Any] | None = None,
+                 shadow: dict | None = None) -> None:
+        """``shadow``: the persistent simulated GPU's name -> Shadow map (see .session),
+        or None for a one-off run (every name is restored afterwards)."""
         self.ns = namespace
         self.fake_mode = fake_mode
         self.replacements = replacements or {}
+        self.shadow = shadow
         self.saved: dict[str, Any] | None = None
         self.fakes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (real, fake)
         self.not_isolated: list[str] = []
+        # ids only, so that what the cell deletes is freed when it deletes it
+        self.restored: dict[str, tuple[Any, int]] = {}  # name -> (shown, id(simulated object))
+        self.copies: dict[str, int] = {}                # name -> id(the fake copy made for it)
         self._memo: dict[int, Any] = {}
 
     # -- fake copies --------------------------------------------------------------------
@@ -181,25 +218,68 @@ class Sandbox:
         ns = self.ns
         self.saved = dict(ns)
         memo = self._memo
+        persistent = self.shadow is not None
+        given = self._give_back(memo) if persistent else {}
         for key, value in list(ns.items()):
+            sim = given.pop(key, None)
+            if sim is not None:
+                ns[key] = sim
+                continue
             rep = self.replacements.get(id(value))
             if rep is not None:
                 ns[key] = rep
                 continue
-            if key in _SKIP_NAMES or (key.startswith("_") and (key[1:].isdigit() or key.startswith("_i"))):
+            if _skipped(key):
                 continue
             if not _worth_swapping(value):
                 continue
+            if persistent and not contains_tensor(value):
+                continue  # plain data: the cell works on the real thing, as on a GPU
             try:
                 ns[key] = self._copy(value, memo)
             except Exception:
                 if contains_real_tensor(value):
                     self.not_isolated.append(key)
+            else:
+                if ns[key] is not value:
+                    self.copies[key] = id(ns[key])
         _priv.forget_fake_memo(self.fake_mode)
 
+    def release(self) -> None:
+        """Drop the sandbox's own references to the fake copies (after they were counted),
+        so that a tensor the cell deletes is freed when it is deleted."""
+        self._memo.clear()
+        self.fakes.clear()
+
+    def _give_back(self, memo: dict) -> dict[str, Any]:
+        """The shadow's simulated objects for the names that still show what the last
+        simulated cell left; a real object a simulated copy stands for is copied to that
+        copy wherever else the namespace reaches it (memo), its tensors too."""
+        ns, shadow = self.ns, self.shadow
+        given: dict[str, Any] = {}
+        keep = memo.setdefault(id(memo), [])
+        for key, sh in shadow.items():
+            if key not in ns or ns[key] is not sh.shown:
+                continue  # rebound or deleted by a real cell: the simulated object goes
+            given[key] = sh.value
+            self.restored[key] = (sh.shown, id(sh.value))
+            if isinstance(sh.shown, (SimulatedValue, _ATOMIC)):
+                continue
+            memo[id(sh.shown)] = sh.value
+            keep.append(sh.shown)
+            for real, fake in _paired_tensors(sh.shown, sh.value):
+                memo[id(real)] = fake
+                keep.append(real)
+        shadow.clear()  # the cell's namespace holds them now (and may delete them)
+        return given
+
     def exit(self) -> None:
-        """Restore every original key/value; new names become placeholders."""
+        """Restore every original key/value; new names become placeholders (with a
+        persistent simulated GPU: see :meth:`_exit_persistent`)."""
         if self.saved is None:
+            return
+        if self.shadow is not None:
+            self._exit_persistent()
             return
         ns, saved = self.ns, self.saved
         self.saved = None
@@ -216,6 +296,71 @@ class Sandbox:
                 ns[k] = v
         self._memo.clear()
         self.fakes.clear()
+
+    def _exit_persistent(self) -> None:
+        """The namespace as the cell left it, with real objects of real cells shown for the
+        names the cell only used; the shadow keeps the simulated objects."""
+        ns, saved, shadow = self.ns, self.saved, self.shadow
+        self.saved = None
+        new: dict[str, Any] = {}
+        for key in list(ns):
+            if _skipped(key) or (key.startswith("__") and key.endswith("__")):
+                continue
+            v = ns[key]
+            back = self.restored.get(key)
+            if back is not None and id(v) == back[1]:      # the same simulated object
+                ns[key] = back[0]
+                new[key] = _shadow(back[0], v)
+                continue
+            if self.copies.get(key) == id(v):              # a real object's simulated copy
+                ns[key] = saved[key]
+                new[key] = _shadow(saved[key], v)
+                continue
+            if key in saved and v is saved[key]:
+                # not copied (plain data, a placeholder, a module): real, unless the cell
+                # put simulated tensors into it
+                if not isinstance(v, (_ATOMIC, SimulatedValue)) and contains_fake(v):
+                    new[key] = self._placeholder(key, v)
+                continue
+            # made or rebound by the cell
+            if isinstance(v, (types.ModuleType, types.FunctionType, type,
+                              types.BuiltinFunctionType, SimulatedValue)):
+                continue
+            if not isinstance(v, _ATOMIC) and contains_fake(v):
+                new[key] = self._placeholder(key, v)
+        shadow.clear()
+        shadow.update(new)
+        self.restored.clear()
+        self.copies.clear()
+        self._memo.clear()
+        self.fakes.clear()
+
+    def _placeholder(self, key: str, value: Any):
+        ph = SimulatedValue(key, _describe(value), live=True)
+        self.ns[key] = ph
+        return _shadow(ph, value)
+
+
+def _shadow(shown: Any, value: Any):
+    from .session import Shadow
+
+    return Shadow(shown, value)
+
+
+def _skipped(key: str) -> bool:
+    """IPython's own names (history, outputs): never swapped."""
+    return key in _SKIP_NAMES or (key.startswith("_") and (key[1:].isdigit() or key.startswith("_i")))
+
+
+def _paired_tensors(real: Any, fake: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(real tensor, its simulated counterpart) of a module and its simulated copy, by name."""
+    if isinstance(real, torch.nn.Module) and isinstance(fake, torch.nn.Module):
+        for getter in ("named_parameters", "named_buffers"):
+            fakes = dict(getattr(fake, getter)(remove_duplicate=False))
+            for name, t in getattr(real, getter)(remove_duplicate=False):
+                f = fakes.get(name)
+                if f is not None:
+                    yield t, f
 
 
 def contains_real_tensor(value: Any, limit: int = 10_000) -> bool:

@@ -1,0 +1,219 @@
+"""A simulated GPU that lasts the whole notebook (SimSession): cells share its memory."""
+
+from __future__ import annotations
+
+import gc
+import textwrap
+
+import pytest
+import torch
+
+from memmagic import _torch_private as priv
+from memmagic.backends.sim import SimBackend, SimulatedValue, SimulatedValueError
+from memmagic.backends.sim.errors import SimulationUnsupported
+from memmagic.backends.sim.session import SimSession
+
+from conftest import global_state
+
+MODEL = 4 * (256 * 256 + 256) * 4  # four Linear(256, 256) in fp32: 1,052,672 B
+
+
+class Notebook:
+    """A namespace and a simulated GPU, cell after cell."""
+
+    def __init__(self, **options) -> None:
+        self.ns: dict = {}
+        self.session = SimSession()
+        self.options = {"gpu": "T4", **options}
+
+    def sim(self, src: str, **options):
+        code = compile(textwrap.dedent(src), "<cell>", "exec")
+        backend = SimBackend(session=self.session, **{**self.options, **options})
+        return backend.execute(lambda n: exec(code, n), self.ns)
+
+    def real(self, src: str) -> None:
+        exec(compile(textwrap.dedent(src), "<cell>", "exec"), self.ns)
+
+
+STUDENT = [
+    """
+    import torch, torch.nn as nn
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = {"width": 256, "depth": 4, "lr": 1e-3}
+    model = nn.Sequential(*[nn.Linear(config["width"], config["width"]) for _ in range(config["depth"])]).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=config["lr"])
+    """,
+    """
+    losses = []
+    for step in range(3):
+        x = torch.randn(32, config["width"], device=device)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+        losses.append(loss.item())
+    allocated = torch.cuda.memory_allocated()
+    """,
+    """
+    model.eval()
+    with torch.no_grad():
+        pred = model(torch.randn(8, config["width"], device=device)).argmax(1)
+    shape = tuple(pred.shape)
+    """,
+]
+
+
+def test_a_student_notebook_runs_across_cells():
+    nb = Notebook()
+    first = nb.sim(STUDENT[0])
+    assert first.error is None, first.error
+    assert first.report.before == 0 and first.report.after == MODEL
+    # what holds no simulated tensor is real; the rest says where it lives
+    assert nb.ns["device"] == torch.device("cuda") and nb.ns["config"]["width"] == 256
+    assert isinstance(nb.ns["model"], SimulatedValue) and isinstance(nb.ns["opt"], SimulatedValue)
+    second = nb.sim(STUDENT[1])
+    assert second.error is None, second.error
+    # the model made in the first cell is the second cell's ``before``
+    assert second.report.before == MODEL
+    # parameters, gradients and Adam's two moments stay (x and loss too: names keep them)
+    assert nb.ns["allocated"] >= 4 * MODEL and second.report.after == nb.ns["allocated"]
+    assert nb.ns["losses"] and len(nb.ns["losses"]) == 3
+    third = nb.sim(STUDENT[2])
+    assert third.error is None, third.error
+    assert third.report.before == second.report.after
+    assert nb.ns["shape"] == (8,)
+    assert "model" in " ".join(third.report.notes)
+
+
+def test_a_real_cell_that_touches_a_simulated_object_gets_one_line():
+    nb = Notebook()
+    nb.sim(STUDENT[0])
+    with pytest.raises(SimulatedValueError) as exc:
+        nb.real("model.train()")
+    msg = str(exc.value)
+    assert "\n" not in msg and "simulated GPU" in msg and "model" in msg
+    # a name rebound by a real cell is the real cell's
+    nb.real("model = torch.nn.Linear(2, 2)")
+    out = nb.sim("y = model.cuda()(torch.ones(1, 2, device='cuda'))")
+    assert out.error is None, out.error
+    assert isinstance(nb.ns["model"], torch.nn.Linear)
+
+
+def test_real_objects_stay_bit_identical_and_the_simulated_copy_persists():
+    nb = Notebook()
+    nb.real("""
+        import torch
+        torch.manual_seed(0)
+        model = torch.nn.Linear(256, 256)
+        alias = model            # another name for the same real object
+        ref = {k: v.clone() for k, v in model.state_dict().items()}
+    """)
+    real_model = nb.ns["model"]
+    out = nb.sim("""
+        model.cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(4, 256, device="cuda")).sum().backward()
+        opt.step()
+    """)
+    assert out.error is None, out.error
+    assert nb.ns["model"] is real_model
+    assert all(torch.equal(v, nb.ns["ref"][k]) for k, v in real_model.state_dict().items())
+    assert real_model.weight.device.type == "cpu" and real_model.weight.grad is None
+    # the next simulated cell gets the moved, trained copy, under both names
+    out = nb.sim("""
+        dev = str(model.weight.device)
+        grad = model.weight.grad is not None
+        same = alias is model
+        mem = torch.cuda.memory_allocated()
+    """)
+    assert out.error is None, out.error
+    assert nb.ns["dev"] == "cuda:0" and nb.ns["grad"] and nb.ns["same"]
+    assert nb.ns["mem"] == out.report.before >= 2 * (256 * 256 + 256) * 4
+    assert nb.ns["model"] is real_model and nb.ns["alias"] is real_model
+
+
+def test_deleting_frees_the_simulated_memory():
+    nb = Notebook()
+    nb.sim("import torch\na = torch.empty(2**20, device='cuda')\nb = torch.empty(2**20, device='cuda')")
+    out = nb.sim("del a")
+    assert out.report.before == 2 * 4 * 2**20 and out.report.after == 4 * 2**20
+    assert "a" not in nb.ns
+    # a real cell that deletes the name frees it too, as the next simulated cell finds
+    nb.real("del b")
+    out = nb.sim("import torch\nn = torch.cuda.memory_allocated()")
+    assert out.report.before == 0 and nb.ns["n"] == 0
+    # the caching allocator keeps its blocks, as a GPU's does
+    out = nb.sim("r = torch.cuda.memory_reserved()")
+    assert nb.ns["r"] > 0
+
+
+def test_reset_empties_the_card():
+    nb = Notebook()
+    nb.sim("import torch\nw = torch.empty(2**20, device='cuda')")
+    assert nb.session.reset() == 4 * 2**20
+    with pytest.raises(SimulatedValueError, match="reset"):
+        nb.real("w + 1")
+    out = nb.sim("n = torch.cuda.memory_allocated()")
+    assert out.report.before == 0 and nb.ns["n"] == 0
+
+
+def test_no_fake_survives_but_what_the_card_keeps():
+    nb = Notebook()
+    nb.sim(STUDENT[0])
+    nb.sim(STUDENT[1])
+    gc.collect()
+    kept = {id(t) for t in gc.get_objects() if isinstance(t, torch.Tensor) and priv.is_fake(t)}
+    assert kept  # the card keeps the model, its gradients, Adam's state, x and loss
+    nb.session.reset()
+    gc.collect()
+    assert not [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and priv.is_fake(t)]
+
+
+def test_out_of_memory_keeps_the_card_consistent():
+    nb = Notebook(gpu_memory="64MiB", gpu=None)
+    out = nb.sim("import torch\nkeep = torch.empty(8 * 2**20, device='cuda')")  # 32 MiB
+    assert out.error is None
+    out = nb.sim("big = torch.empty(16 * 2**20, device='cuda')")  # 64 MiB more: no room
+    assert out.error is not None and "out of memory" in str(out.error)
+    assert out.report.peak <= 64 * 2**20
+    gc.collect()
+    out = nb.sim("n = torch.cuda.memory_allocated()")
+    assert nb.ns["n"] == 32 * 2**20 and "big" not in nb.ns
+
+
+def test_another_card_takes_the_tensors_along():
+    nb = Notebook()
+    nb.sim("import torch\nw = torch.empty(2**25, device='cuda')")   # 128 MiB
+    out = nb.sim("n = torch.cuda.memory_allocated()", gpu="A100-40GB")
+    assert out.error is None, out.error
+    assert nb.ns["n"] == 4 * 2**25
+    assert "changed from T4" in " ".join(out.report.notes)
+    with pytest.raises(SimulationUnsupported, match="reset"):
+        nb.sim("x = 1", gpu_memory="64MiB", gpu=None)
+    assert nb.session.card.target.name.startswith("A100")  # unchanged by the refusal
+
+
+def test_a_cell_that_never_reaches_the_gpu_says_so():
+    nb = Notebook()
+    nb.real("import torch\ndevice = 'cpu'")
+    out = nb.sim("x = torch.ones(100, device=device)")
+    assert out.error is None
+    assert any("no tensor reached the simulated GPU" in n for n in out.report.notes)
+
+
+def test_simulated_runs_do_not_nest():
+    nb = Notebook()
+    out = nb.sim("""
+        from memmagic.backends.sim import SimBackend
+        SimBackend().execute(lambda ns: None, {})
+    """)
+    assert isinstance(out.error, SimulationUnsupported) and "inside another" in str(out.error)
+
+
+def test_global_state_is_restored_between_cells():
+    before = global_state()
+    nb = Notebook()
+    nb.sim(STUDENT[0])
+    nb.sim("torch.set_default_device('cuda')\nz = torch.zeros(3)")
+    assert global_state() == before
+    out = nb.sim("dev = str(torch.zeros(1).device)")
+    assert out.error is None
+    assert nb.ns["dev"] == "cuda:0"  # set_default_device lasts, on the simulated GPU only
