@@ -604,3 +604,24 @@ def clear_fake_dispatch_cache() -> None:
 
 
 __all__ += ["FakeOutputCache", "clear_fake_dispatch_cache"]
+
+
+# --- scaled dot product attention's backend order ---
+_SDP_NAMES = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient", "MATH": "math",
+              "CUDNN_ATTENTION": "cudnn", "OVERRIDEABLE": "overrideable"}
+
+
+def sdp_priority_order() -> list[str]:
+    """The order in which CUDA's SDPA dispatcher tries its backends ("flash", "efficient",
+    "math", "cudnn", "overrideable"), as ``sdpa_kernel(..., set_priority=True)`` leaves it;
+    torch's default order when this torch does not expose it."""
+    from torch.nn.attention import SDPBackend
+
+    names = {int(getattr(SDPBackend, k)): v for k, v in _SDP_NAMES.items() if hasattr(SDPBackend, k)}
+    get = getattr(torch._C, "_get_sdp_priority_order", None)
+    if get is None:
+        return ["flash", "efficient", "math", "cudnn"]
+    return [names[int(b)] for b in get() if int(b) in names]
+
+
+__all__ += ["sdp_priority_order"]

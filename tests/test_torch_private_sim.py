@@ -230,3 +230,14 @@ def test_op_cache_keys_generators_by_kind():
     assert _geometry(a) == _geometry(b) and c.dtype == torch.int64 and c.shape == (5,)
     assert cache.hits >= 1
     assert torch.equal(g.get_state(), state)  # a fake draw leaves the real generator alone
+
+
+def test_sdp_priority_order_follows_sdpa_kernel():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    default = priv.sdp_priority_order()
+    assert set(default) >= {"flash", "efficient", "math", "cudnn"}
+    with sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION], set_priority=True):
+        order = priv.sdp_priority_order()
+        assert order[:2] == ["math", "flash"] and set(order) == set(default)
+    assert priv.sdp_priority_order() == default

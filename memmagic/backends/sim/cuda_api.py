@@ -3,8 +3,14 @@
 ``is_available()`` is True, there is one device, ``memory_allocated()`` and friends read
 the simulated tracker and allocator model, ``reset_peak_memory_stats()`` resets the
 simulation's own counters (never a real device's), ``empty_cache()`` releases the model's
-free segments, ``synchronize()`` does nothing. What cannot be simulated (events, streams,
-CUDA RNG state, graphs) raises :class:`SimulationUnsupported`.
+free segments, ``synchronize()`` does nothing. ``mem_get_info()`` and
+``get_device_properties()`` answer for the target card, or for :data:`DEFAULT_CARD` when
+none is named (:func:`install_default_card_note` says so in the report).
+
+What cannot be simulated (events, streams, CUDA graphs, memory pools) raises
+:class:`SimulationUnsupported` when used; the classes among them stay real classes until
+then, so annotations such as ``torch.cuda.CUDAGraph | None`` (evaluated when
+transformers is imported), ``isinstance`` checks and subclasses work.
 """
 
 from __future__ import annotations
@@ -16,10 +22,15 @@ import torch
 
 from ...report import format_bytes
 from .errors import RERUN_HINT, SimulationUnsupported
-from .gpus import DEFAULT_CAPABILITY, GPUSpec
+from .gpus import DEFAULT_CAPABILITY, GPUS, GPUSpec
 from .patching import Patches
 
-__all__ = ["SimDeviceProperties", "install_cuda_api"]
+__all__ = ["SimDeviceProperties", "install_cuda_api", "install_default_card_note", "DEFAULT_CARD"]
+
+# The card the size queries (``mem_get_info``, ``get_device_properties``) answer for when
+# none is named: the sm_80 card whose kernels the simulation picks by default.
+DEFAULT_CARD: GPUSpec = GPUS.get("a100-40gb") or GPUSpec("A100-40GB", 40_536 << 20, (8, 0), 108)
+_CARD_QUERIES = ("mem_get_info", "get_device_properties", "get_device_name")
 
 
 @dataclass(frozen=True)
@@ -47,17 +58,38 @@ def _unsupported(what: str):
     return fail
 
 
-class _Unsupported:
-    """A class whose construction fails with a clear message (torch.cuda.Event, Stream...)."""
+class _UnsupportedAttribute(SimulationUnsupported, AttributeError):
+    """An attribute of an unsupported CUDA class was used (also an AttributeError, so
+    ``hasattr`` and ``getattr(..., default)`` answer as for a missing attribute)."""
 
-    def __init__(self, what: str) -> None:
-        self._what = what
 
-    def __call__(self, *args: Any, **kwargs: Any):
-        raise SimulationUnsupported(f"{self._what} cannot be simulated; {RERUN_HINT}")
+class _UnsupportedMeta(type):
+    """Metaclass of the stand-ins: public class attributes (``Stream.priority_range``)
+    fail with the one-line message; private and dunder names stay plain lookups, so
+    ``X | None``, annotations, ``isinstance`` and ``typing`` work as for any class."""
 
-    def __getattr__(self, name: str):
-        raise SimulationUnsupported(f"{self._what}.{name} cannot be simulated; {RERUN_HINT}")
+    _what: str
+
+    def __getattr__(cls, name: str):
+        if name.startswith("_"):
+            raise AttributeError(f"type object {cls.__name__!r} has no attribute {name!r}")
+        raise _UnsupportedAttribute(f"{cls._what}.{name} cannot be simulated; {RERUN_HINT}")
+
+
+def _unsupported_class(what: str) -> type:
+    """A real class standing in for ``what`` (``torch.cuda.Event``, ``Stream``,
+    ``CUDAGraph``...): it can be named in annotations (``torch.cuda.CUDAGraph | None``),
+    checked with ``isinstance`` (nothing is an instance) and subclassed; constructing it,
+    or a subclass, raises :class:`SimulationUnsupported` naming the class."""
+    module, _, short = what.rpartition(".")
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        raise SimulationUnsupported(f"{what} cannot be simulated; {RERUN_HINT}")
+
+    return _UnsupportedMeta(short, (), {
+        "__new__": __new__, "__module__": module, "__qualname__": short, "_what": what,
+        "__doc__": f"{what} in a simulation: constructing it raises SimulationUnsupported.",
+    })
 
 
 def install_cuda_api(patches: Patches, tracker, target: GPUSpec | None,
@@ -67,12 +99,12 @@ def install_cuda_api(patches: Patches, tracker, target: GPUSpec | None,
     import torch.cuda.memory as cmem
 
     cuda = torch.cuda
-    name = target.name if target else "simulated GPU"
+    card = target or DEFAULT_CARD  # kernels follow DEFAULT_CAPABILITY without a target
+    name = card.name
+    capability = target.capability if target else DEFAULT_CAPABILITY
     props = SimDeviceProperties(
-        name=name, total_memory=target.total_memory if target else 0,
-        major=(target.capability if target else DEFAULT_CAPABILITY)[0],
-        minor=(target.capability if target else DEFAULT_CAPABILITY)[1],
-        multi_processor_count=target.multi_processor_count if target else 0)
+        name=name, total_memory=card.total_memory, major=capability[0], minor=capability[1],
+        multi_processor_count=card.multi_processor_count)
 
     def _check_device(device=None) -> None:
         if device is None:
@@ -123,6 +155,8 @@ def install_cuda_api(patches: Patches, tracker, target: GPUSpec | None,
                 f"{format_bytes(memory_reserved())} (peak {format_bytes(max_memory_reserved())})")
 
     def mem_get_info(device=None) -> tuple[int, int]:
+        """(free, total) bytes of the card: total less what the allocator model reserved
+        (the CUDA context, which also takes room on a real card, is not counted)."""
         _check_device(device)
         total = props.total_memory
         return (max(total - memory_reserved(), 0), total)
@@ -151,12 +185,17 @@ def install_cuda_api(patches: Patches, tracker, target: GPUSpec | None,
         "set_rng_state": lambda new_state, device="cuda": None,
         "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8, device="meta")],
         "set_rng_state_all": lambda new_states: None,
-        "Generator": _Unsupported("torch.cuda.Generator"),
-        "Event": _Unsupported("torch.cuda.Event"), "Stream": _Unsupported("torch.cuda.Stream"),
-        "stream": _Unsupported("torch.cuda.stream"),
-        "current_stream": _Unsupported("torch.cuda.current_stream"),
-        "default_stream": _Unsupported("torch.cuda.default_stream"),
-        "CUDAGraph": _Unsupported("torch.cuda.CUDAGraph"), "graph": _Unsupported("torch.cuda.graph"),
+        "is_current_stream_capturing": lambda: False,
+        "Event": _unsupported_class("torch.cuda.Event"), "Stream": _unsupported_class("torch.cuda.Stream"),
+        "ExternalStream": _unsupported_class("torch.cuda.ExternalStream"),
+        "CUDAGraph": _unsupported_class("torch.cuda.CUDAGraph"), "graph": _unsupported_class("torch.cuda.graph"),
+        "MemPool": _unsupported_class("torch.cuda.MemPool"),
+        "stream": _unsupported("torch.cuda.stream"),
+        "current_stream": _unsupported("torch.cuda.current_stream"),
+        "default_stream": _unsupported("torch.cuda.default_stream"),
+        "make_graphed_callables": _unsupported("torch.cuda.make_graphed_callables"),
+        "graph_pool_handle": _unsupported("torch.cuda.graph_pool_handle"),
+        "use_mem_pool": _unsupported("torch.cuda.use_mem_pool"),
     }
     for attr, value in values.items():
         if hasattr(cuda, attr):
@@ -164,3 +203,28 @@ def install_cuda_api(patches: Patches, tracker, target: GPUSpec | None,
         if hasattr(cmem, attr):
             patches.set(cmem, attr, value)
     patches.set(torch.cuda.amp, "autocast", autocast["cuda_amp_autocast"])
+
+
+def install_default_card_note(patches: Patches, notes: list[str]) -> None:
+    """With no target card named, make the size queries (``mem_get_info``,
+    ``get_device_properties``, ``get_device_name``) add one note to ``notes`` saying that
+    :data:`DEFAULT_CARD` answered. Call after :func:`install_cuda_api`."""
+    import torch.cuda.memory as cmem
+
+    note = (f"no GPU was named: torch.cuda's card queries (mem_get_info, get_device_properties) "
+            f"answered for a {DEFAULT_CARD.name} ({format_bytes(DEFAULT_CARD.total_memory)}); "
+            "name the card (--gpu) to size it (nothing runs out of memory without one)")
+
+    def noting(query):
+        def answer(*args: Any, **kwargs: Any):
+            if note not in notes:
+                notes.append(note)
+            return query(*args, **kwargs)
+        answer.__name__ = getattr(query, "__name__", "query")
+        answer.__doc__ = getattr(query, "__doc__", None)
+        return answer
+
+    for attr in _CARD_QUERIES:
+        for mod in (torch.cuda, cmem):
+            if hasattr(mod, attr):
+                patches.set(mod, attr, noting(getattr(mod, attr)))

@@ -9,8 +9,11 @@ Installed for ``kernels="cuda"`` only, and removed in ``finally``:
 * **scaled_dot_product_attention**: on CUDA the flash kernel (fp16/bf16 on sm_80+) or the
   memory-efficient kernel runs; both save the output and a log-sum-exp of ``B x H x L``
   floats, never the ``L x L`` attention matrix the CPU math path (taken with dropout)
-  saves. The choice follows torch's ``sdp_utils`` rules, simplified, and the
-  ``torch.backends.cuda.*_sdp_enabled`` switches.
+  saves. The choice follows torch's ``sdp_utils`` rules, simplified, its backend
+  priority order and the ``torch.backends.cuda.*_sdp_enabled`` switches (which
+  ``torch.nn.attention.sdpa_kernel`` sets); when no enabled backend can take the inputs
+  (``sdpa_kernel(FLASH_ATTENTION)`` on fp32 inputs, a head dim over 256, an explicit
+  mask) it raises CUDA's "No available kernel. Aborting execution." as a GPU would.
 * **optimizers**: with every parameter on a CUDA device, torch's optimizers default to
   the ``foreach`` implementation (which briefly holds about one extra copy of the
   parameters); on the CPU they default to the single-tensor loop.
@@ -21,6 +24,8 @@ thread doing real work during a simulation is not affected.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import Any
 
@@ -48,23 +53,135 @@ def _dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
 
 
 # -- scaled dot product attention -----------------------------------------------------------
+NO_KERNEL = "No available kernel. Aborting execution."
+NO_BACKEND = ("No viable backend for scaled_dot_product_attention was found. This is likely due "
+              "to turning off both the math kernel and the fused kernels.")
+
+
+def _flash_problems(q, k, v, attn_mask, dropout_p, is_causal, capability) -> list[str]:
+    """Why CUDA's flash kernel cannot take these inputs (torch's ``can_use_flash_attention``
+    filters, dense inputs); empty when it can."""
+    out = []
+    d = q.shape[-1]
+    if not (q.dim() == 4 and k.dim() == 4 and v.dim() == 4):
+        out.append(f"flash attention needs 4-D query, key and value (got {q.dim()}-D)")
+        return out
+    if attn_mask is not None:
+        out.append("flash attention does not take an explicit attn_mask")
+    if not (k.shape[-1] == d and v.shape[-1] == d and d <= 256):
+        out.append(f"flash attention needs one head dim of at most 256 for q, k, v "
+                   f"(got {d}, {k.shape[-1]}, {v.shape[-1]})")
+    if not (8, 0) <= capability <= (12, 1):
+        out.append(f"flash attention needs sm80 to sm121 (the card is sm{capability[0]}{capability[1]})")
+    elif ((8, 6) <= capability <= (8, 9) or (12, 0) <= capability <= (12, 1)) and any(
+            t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
+        if not (d <= 192 or (dropout_p == 0 and d > 224)):
+            out.append(f"flash attention cannot train with head dim {d} on sm{capability[0]}{capability[1]}")
+    if is_causal and q.shape[-2] != k.shape[-2]:
+        out.append("flash attention does not take is_causal with seqlen_q != seqlen_k")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        out.append(f"flash attention needs float16 or bfloat16 inputs (got {_dtype_name(q.dtype)})")
+    return out
+
+
+def _efficient_problems(q, k, v, attn_mask, dropout_p, is_causal, capability) -> list[str]:
+    """Why the memory-efficient kernel cannot take these inputs (simplified filters)."""
+    out = []
+    if not (5, 0) <= capability <= (12, 1):
+        out.append(f"memory-efficient attention needs sm50 to sm121 (the card is sm{capability[0]}{capability[1]})")
+    if not (q.dim() == 4 and k.dim() == 4 and v.dim() == 4):
+        out.append(f"memory-efficient attention needs 4-D query, key and value (got {q.dim()}-D)")
+        return out
+    # torch's minimum_gemm_alignment: tensor cores on sm80+, and on sm7x for 16-bit inputs
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    align = 4 if capability >= (8, 0) else 1
+    if capability >= (8, 0) or (capability >= (7, 0) and half):
+        align = max(align, 8 if half else 4)
+    d = q.shape[-1]
+    if not (k.shape[-1] == d and d % align == 0 and v.shape[-1] % align == 0):
+        out.append(f"memory-efficient attention needs head dims divisible by {align} "
+                   f"(got {d}, {k.shape[-1]}, {v.shape[-1]})")
+    dtypes = (torch.float32, torch.float16, torch.bfloat16) if capability >= (8, 0) else (torch.float32, torch.float16)
+    if q.dtype not in dtypes:
+        out.append(f"memory-efficient attention on sm{capability[0]}{capability[1]} does not take "
+                   f"{_dtype_name(q.dtype)} inputs")
+    return out
+
+
+def _cudnn_problems(q, k, v, attn_mask, dropout_p, is_causal, capability) -> list[str]:
+    """Why cuDNN attention cannot take these inputs (simplified filters)."""
+    out = []
+    if not (8, 0) <= capability <= (12, 1):
+        out.append(f"cuDNN attention needs sm80 to sm121 (the card is sm{capability[0]}{capability[1]})")
+    if not (q.dim() == 4 and k.dim() == 4 and v.dim() == 4):
+        out.append(f"cuDNN attention needs 4-D query, key and value (got {q.dim()}-D)")
+        return out
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        out.append(f"cuDNN attention needs float16 or bfloat16 inputs (got {_dtype_name(q.dtype)})")
+    limit = 256 if capability[0] in (9, 10) else 128
+    d, dv = q.shape[-1], v.shape[-1]
+    if not (d <= limit and dv <= limit and d % 8 == 0 and dv % 8 == 0):
+        out.append(f"cuDNN attention needs head dims that are multiples of 8 and at most {limit} "
+                   f"(got {d}, {dv})")
+    if k.shape[-2] == 1:
+        out.append("cuDNN attention does not take key/value sequence length 1")
+    if dropout_p * 16 != int(dropout_p * 16):
+        out.append("cuDNN attention needs a dropout probability that is a multiple of 1/16")
+    if torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled():
+        out.append("cuDNN attention is not deterministic")
+    return out
+
+
+_INSIDE = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+
+
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` of the innermost caller outside torch and memmagic, counted from
+    the function that calls this one (1)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INSIDE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# backend: (why it cannot run, torch's warning header, the backend's name in torch's words)
+_CHECKS = {"flash": (_flash_problems, "Flash attention kernel", "Flash attention"),
+           "efficient": (_efficient_problems, "Memory efficient kernel", "Memory efficient attention"),
+           "cudnn": (_cudnn_problems, "cuDNN attention kernel", "cuDNN attention")}
+
+
 def choose_sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         attn_mask: torch.Tensor | None, dropout_p: float,
-                        capability: tuple[int, int]) -> str:
-    """"flash", "efficient" or "math": what CUDA's SDPA dispatcher would pick (simplified)."""
+                        capability: tuple[int, int], is_causal: bool = False) -> str:
+    """"flash", "efficient", "cudnn" or "math": what CUDA's SDPA dispatcher would pick
+    (simplified), trying the backends in torch's priority order and honouring the switches
+    that ``torch.nn.attention.sdpa_kernel`` and ``torch.backends.cuda.enable_*_sdp`` set.
+
+    Raises CUDA's ``RuntimeError`` when no enabled backend can take the inputs ("No
+    available kernel. Aborting execution.", after a warning per backend saying why, as
+    torch does, attributed to the caller's line) or when every backend is switched off."""
     b = torch.backends.cuda
-    four_d = q.dim() == 4 and k.dim() == 4 and v.dim() == 4
-    d = q.shape[-1]
-    same_head = k.shape[-1] == d and v.shape[-1] == d
-    if (b.flash_sdp_enabled() and four_d and attn_mask is None and same_head
-            and q.dtype in (torch.float16, torch.bfloat16) and capability >= (8, 0) and d <= 256):
-        return "flash"
-    align = 4 if q.dtype == torch.float32 else 8
-    if (b.mem_efficient_sdp_enabled() and four_d and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and (q.dtype != torch.bfloat16 or capability >= (8, 0)) and capability >= (5, 0)
-            and d % align == 0 and v.shape[-1] % align == 0):
-        return "efficient"
-    return "math"
+    enabled = {"flash": b.flash_sdp_enabled(), "efficient": b.mem_efficient_sdp_enabled(),
+               "math": b.math_sdp_enabled(), "cudnn": b.cudnn_sdp_enabled()}
+    if not any(enabled.values()):
+        raise RuntimeError(NO_BACKEND)
+    args = (q, k, v, attn_mask, dropout_p, is_causal, capability)
+    for backend in _priv.sdp_priority_order():
+        if backend not in enabled or not enabled[backend]:
+            continue
+        if backend == "math" or not _CHECKS[backend][0](*args):
+            return backend
+    for backend in ("efficient", "flash", "cudnn"):  # torch warns in this order
+        check, header, name = _CHECKS[backend]
+        why = check(*args) if enabled[backend] else [f"{name} has been runtime disabled"]
+        warnings.warn(f"{header} not used because: {'; '.join(why)}.", UserWarning,
+                      stacklevel=_outside_stacklevel())
+    raise RuntimeError(NO_KERNEL)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -77,7 +194,7 @@ class _FusedAttention(torch.autograd.Function):
         heads = q.shape[1] if q.dim() == 4 else 1
         bsz = q.shape[0]
         out = q.new_empty((*batch, L, v.shape[-1]))
-        lse_len = L if backend == "flash" else _round_up(L, 32)
+        lse_len = L if backend in ("flash", "cudnn") else _round_up(L, 32)
         lse = q.new_empty((bsz, heads, lse_len), dtype=torch.float32)
         ctx.backend = backend
         ctx.mask_needs_grad = mask is not None and mask.requires_grad
@@ -112,9 +229,11 @@ class _SDPAKernel:
         if not _priv.is_fake(query):
             return _priv.call_composite(_SDPA, query, key, value, attn_mask, dropout_p, is_causal,
                                    scale=scale, enable_gqa=enable_gqa)
-        backend = choose_sdpa_backend(query, key, value, attn_mask, dropout_p, self.capability)
-        if enable_gqa and key.shape[-3] != query.shape[-3]:
-            backend = "math" if backend != "flash" else backend
+        backend = choose_sdpa_backend(query, key, value, attn_mask, dropout_p, self.capability,
+                                      is_causal=is_causal)
+        if (enable_gqa and key.shape[-3] != query.shape[-3] and backend == "efficient"
+                and torch.backends.cuda.math_sdp_enabled()):
+            backend = "math"
         self.counts[backend] = self.counts.get(backend, 0) + 1
         if backend == "math":
             return _aten._scaled_dot_product_attention_math.default(
