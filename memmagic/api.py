@@ -8,7 +8,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from .backends import Measurement, get_backend, release_own_frames
+from .backends import (NO_GPU_HINT, Measurement, add_note_once, get_backend, needs_missing_cuda,
+                       release_own_frames)
 from .report import MemoryReport
 
 __all__ = ["measure", "track"]
@@ -17,17 +18,22 @@ __all__ = ["measure", "track"]
 def measure(fn: Callable[[], Any], *, backend: str = "auto", **options: Any) -> MemoryReport:
     """Run ``fn()`` and return the :class:`MemoryReport` of what it did to memory.
 
-    ``backend`` is "auto" (cuda when a GPU is usable, else cpu), "cuda", "cpu" or "sim".
+    ``backend`` is "auto" (cuda when a GPU is usable, else cpu), "cuda", "cpu" or "sim";
+    ``options`` go to the backend (``gpu=``, ``gpu_memory=`` for sim, ...).
     If ``fn`` raises, the same exception propagates with the report up to the failure
-    attached as ``exc.memmagic_report``.
+    attached as ``exc.memmagic_report`` (and, where CUDA code failed for want of a GPU, a
+    note that ``backend="sim"`` simulates one).
     """
     if not callable(fn):
         raise TypeError(f"measure() needs a function to call, got {type(fn).__name__}")
-    outcome = get_backend(backend, **options).measure(fn)
+    be = get_backend(backend, **options)
+    outcome = be.measure(fn)
     error = outcome.error
     if error is not None:
         release_own_frames(error.__traceback__)
         _attach(error, outcome.report)
+        if be.name != "sim" and needs_missing_cuda(error):
+            add_note_once(error, NO_GPU_HINT.format(how='memmagic.measure(fn, backend="sim")'))
         raise error
     return outcome.report
 
@@ -49,6 +55,8 @@ def track(*, backend: str = "auto", **options: Any) -> Iterator[Measurement]:
     except BaseException as exc:
         if holder is not None and holder.report is not None:
             _attach(exc, holder.report)
+        if needs_missing_cuda(exc):
+            add_note_once(exc, NO_GPU_HINT.format(how='memmagic.measure(fn, backend="sim")'))
         raise
 
 

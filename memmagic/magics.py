@@ -9,16 +9,16 @@ import re
 import sys
 import traceback
 from dataclasses import replace
-from typing import Any
+from typing import Any, Iterator
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from .backends import (BACKEND_NAMES, BackendUnavailable, cuda_usable, get_backend,
-                       release_own_frames)
-from .report import MemoryReport, format_bytes, parse_bytes
+from .backends import (BACKEND_NAMES, NO_GPU_HINT, BackendUnavailable, add_note_once,
+                       cuda_usable, get_backend, needs_missing_cuda, release_own_frames)
+from .report import MemoryReport, format_bytes
 
 __all__ = ["MemMagics"]
 
@@ -75,11 +75,16 @@ class MemMagics(Magics):
               help="Target GPU for --backend sim, e.g. T4, A100-40GB, RTX4090, laptop-6GB: "
                    "the report says whether the cell fits.")
     @argument("--gpu-memory", default=None, metavar="SIZE",
-              help="Target GPU memory for --backend sim, e.g. 10GiB.")
+              help="Target GPU memory for --backend sim, with a unit: 10GiB, 16GB, 512MiB "
+                   "(at least 64 MiB). With --gpu it replaces the card's memory: --gpu T4 "
+                   "--gpu-memory 6GiB simulates a T4 (its kernels) with 6 GiB, named "
+                   "'T4 with 6.00 GiB' in the report, with a note.")
     @argument("--no-breakdown", action="store_true",
               help="cuda only: skip the per-category breakdown (lowest overhead).")
     @argument("--no-chart", action="store_true", help="Do not draw the breakdown chart.")
-    @argument("-o", "--output", action="store_true", help="Return the MemoryReport.")
+    @argument("-o", "--output", action="store_true",
+              help="Return the MemoryReport (IPython shows it as the cell's result; the magic "
+                   "then does not display it too).")
     @argument("-v", "--var", default=None, metavar="NAME",
               help="Store the MemoryReport in the variable NAME.")
     @argument("-q", "--quiet", action="store_true", help="Print nothing.")
@@ -119,21 +124,30 @@ class MemMagics(Magics):
         if args.var is not None and not args.var.isidentifier():
             raise UsageError(f"-v needs a Python variable name, not {args.var!r}")
         backend = self._backend(args)
-        run = self._compile(source)
+        try:
+            run = self._compile(source)
+        except SyntaxError as exc:
+            self._syntax_error(exc)
+            return None
         outcome = backend.execute(run, self.shell.user_ns)
         report = outcome.report
-        if args.backend == "auto" and backend.name == "cpu":
-            report = replace(report, notes=report.notes + (
-                "auto picked the cpu backend: no usable CUDA GPU here "
-                "(use --backend sim to predict what a GPU would use)",))
+        error = outcome.error
+        notes = list(self._notes(args, backend))
+        if error is not None and backend.name != "sim" and needs_missing_cuda(error):
+            notes.append("the cell needs a CUDA GPU, which this machine lacks: "
+                         "--backend sim runs it on a simulated one")
+            add_note_once(error, NO_GPU_HINT.format(how="--backend sim"))
+        if notes:
+            report = replace(report, notes=report.notes + tuple(notes))
         if args.var:
             self.shell.user_ns[args.var] = report
-        if outcome.error is None and outcome.value is not None and not args.quiet:
+        if error is None and outcome.value is not None and not args.quiet:
             display(outcome.value)
         if not args.quiet:
-            self._render(report, chart=not args.no_chart)
-        if outcome.error is not None:
-            error = outcome.error
+            # with -o the returned report is the cell's result, which IPython shows
+            self._render(report, chart=not args.no_chart,
+                         show_report=not args.output or error is not None)
+        if error is not None:
             release_own_frames(error.__traceback__)
             if is_out_of_memory(error):
                 self._after_oom(error, report, quiet=args.quiet)
@@ -149,14 +163,14 @@ class MemMagics(Magics):
         if args.device is not None and not real_cuda:
             raise UsageError("--device picks a CUDA device: use it with --backend cuda on a GPU machine")
         options: dict[str, Any] = {}
-        if name == "sim":
-            if args.gpu:
-                options["gpu"] = args.gpu
-            if args.gpu_memory:
-                try:
-                    options["gpu_memory"] = parse_bytes(args.gpu_memory)
-                except ValueError as exc:
-                    raise UsageError(f"--gpu-memory: {exc}") from None
+        if name == "sim" and (args.gpu or args.gpu_memory):
+            from .backends.sim.gpus import option_spelling, resolve_target
+
+            try:  # errors name the options as typed here
+                options["gpu"] = resolve_target(args.gpu, args.gpu_memory,
+                                                spell=option_spelling)
+            except (ValueError, TypeError) as exc:
+                raise UsageError(str(exc)) from None
         if real_cuda:
             if args.device is not None:
                 options["device"] = args.device
@@ -169,12 +183,33 @@ class MemMagics(Magics):
         except (BackendUnavailable, ValueError, TypeError) as exc:
             raise UsageError(str(exc)) from None
 
+    @staticmethod
+    def _notes(args: argparse.Namespace, backend) -> Iterator[str]:
+        """Notes on what the options made of the run."""
+        if args.backend == "auto" and backend.name == "cpu":
+            yield ("auto picked the cpu backend: no usable CUDA GPU here "
+                   "(use --backend sim to predict what a GPU would use)")
+        target = getattr(backend, "target", None)
+        card = getattr(target, "resized_from", None)
+        if args.gpu and args.gpu_memory and card is not None:
+            yield (f"--gpu-memory {args.gpu_memory} replaced the {card.name}'s "
+                   f"{format_bytes(card.total_memory)}: simulated as {target.name}, "
+                   f"with the {card.name}'s kernels")
+
+    def _syntax_error(self, error: SyntaxError) -> None:
+        """Show a cell's syntax error as IPython shows one (no traceback), and fail the cell."""
+        self.shell.showsyntaxerror()
+        result = getattr(self.shell.displayhook, "exec_result", None)  # the running cell's
+        if result is not None and result.error_in_exec is None:
+            result.error_in_exec = error  # "Run All" stops here, as at any syntax error
+
     def _compile(self, source: str):
+        """The cell as a function of the namespace; raises SyntaxError before running any."""
         shell = self.shell
         transformed = shell.transform_cell(source)
-        tree = shell.transform_ast(shell.compile.ast_parse(transformed))
         # IPython counts the running cell already: its number is one less
         filename = shell.compile.cache(transformed, max(shell.execution_count - 1, 0))
+        tree = shell.transform_ast(shell.compile.ast_parse(transformed, filename=filename))
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
@@ -188,8 +223,9 @@ class MemMagics(Magics):
 
         return run
 
-    def _render(self, report: MemoryReport, *, chart: bool) -> None:
-        display(report)
+    def _render(self, report: MemoryReport, *, chart: bool, show_report: bool = True) -> None:
+        if show_report:
+            display(report)
         if chart and getattr(self.shell, "kernel", None) is not None:
             from .plots import breakdown_chart
 

@@ -8,7 +8,7 @@ kernel allocates and frees internally (mkldnn, sort, cuDNN/cuBLAS workspaces).
 :class:`Tracking` is the context manager the backends use: it seeds the tracker with the
 tensors that already exist (so they count in ``before``), installs the role hooks
 (module forward hooks, optimizer step hooks, saved-tensor hooks) and removes everything
-in ``finally``.
+in ``finally``. While it runs, ``torch.compile``'d code runs eagerly (:class:`EagerCompiled`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import time
 import types
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
@@ -78,6 +79,7 @@ class TrackResult:
     ops: int
     timeline: list[tuple[int, int]] = field(default_factory=list)  # (op index, live device bytes)
     breakdown_before: dict[str, int] = field(default_factory=dict)
+    compiled_calls: int = 0  # calls of torch.compile'd code, which ran eagerly
 
 
 class StorageTracker(TorchDispatchMode):
@@ -566,6 +568,14 @@ class _RoleHooks:
         for b in module._buffers.values():
             if b is not None:
                 t.note(b, Category.BUFFERS)
+        inner = _compiled_inner(module)
+        if inner is not None:  # torch.compile's wrapper: the module it wraps stands for it
+            if t.module_stack and self._parent is not None and id(inner) not in self._names:
+                for child_name, child in self._parent._modules.items():
+                    if child is module:
+                        self._names[id(inner)] = child_name
+                        break
+            return
         name = self._names.get(id(module))
         if name is None:
             name = type(module).__name__
@@ -594,6 +604,8 @@ class _RoleHooks:
         return self._parents[-1] if self._parents else None
 
     def _post_forward(self, module, args, output):
+        if _compiled_inner(module) is not None:
+            return
         t = self.t
         if t.module_stack:
             t.module_stack.pop()
@@ -676,6 +688,93 @@ class _RoleHooks:
             self._handles.clear()
 
 
+# -- torch.compile'd code ------------------------------------------------------------------
+class EagerCompiled:
+    """Runs ``torch.compile``'d code eagerly while installed, and counts its calls.
+
+    Dynamo does not trace under a dispatch mode such as the tracker: it skips the frame and
+    marks its code "skip" for good, so the function would never compile again in the
+    session. Under the stance ``"force_eager"`` (``torch.compiler.set_stance``) dynamo never
+    sees the frame and its caches stay as they were; a later call outside the
+    measurement compiles as usual. ``calls`` counts calls of compiled functions and
+    modules (through dynamo's private ``eval_frame._callback_from_stance``, asked once per
+    call for the callback to use; absent, the calls are not counted).
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._stance = None
+        self._module = None
+        self._wrapped = None
+        self._filter = None
+
+    def install(self) -> None:
+        set_stance = getattr(torch.compiler, "set_stance", None)
+        if set_stance is None:  # torch < 2.6: nothing to do it with
+            return
+        import torch._dynamo.eval_frame as eval_frame
+
+        try:
+            self._stance = set_stance("force_eager")
+        except RuntimeError:  # measuring from inside a compiled region: leave dynamo alone
+            return
+        # a compiled module warns on every call while the tracking's global module hooks
+        # are installed: they are memmagic's, not the program's
+        before = list(warnings.filters)
+        warnings.filterwarnings("ignore", message=_HOOKS_WARNING, category=UserWarning)
+        if warnings.filters[0] not in before:
+            self._filter = warnings.filters[0]
+        original = getattr(eval_frame, "_callback_from_stance", None)
+        if original is None:
+            return
+
+        def callback_from_stance(callback):
+            if callback is not None and callback is not False:  # a compiled callable runs
+                self.calls += 1
+            return original(callback)
+
+        self._module, self._wrapped = eval_frame, original
+        eval_frame._callback_from_stance = callback_from_stance
+
+    def uninstall(self) -> None:
+        try:
+            if self._module is not None:
+                self._module._callback_from_stance = self._wrapped
+                self._module = self._wrapped = None
+        finally:
+            try:
+                if self._filter is not None:
+                    _remove_warning_filter(self._filter)
+                    self._filter = None
+            finally:
+                if self._stance is not None:
+                    stance, self._stance = self._stance, None
+                    stance.__exit__(None, None, None)
+
+
+_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
+
+
+def _remove_warning_filter(entry: tuple) -> None:
+    """Take out the one filter ``warnings.filterwarnings`` added (the program's own, added
+    since, stay)."""
+    try:
+        warnings.filters.remove(entry)
+    except ValueError:  # the program reset the filters: nothing of ours is left
+        return
+    mutated = getattr(warnings, "_filters_mutated", None)  # drop the registries' cached verdicts
+    if mutated is not None:
+        mutated()
+
+
+def _compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module a ``torch.compile(module)`` wrapper (``OptimizedModule``) wraps, else None."""
+    if type(module).__name__ != "OptimizedModule":
+        return None
+    inner = module.__dict__.get("_orig_mod") or module._modules.get("_orig_mod")
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
 # -- the context manager the backends use -----------------------------------------------
 class Tracking:
     """Track live storages while the body runs; ``result`` is set on exit (also on error).
@@ -692,6 +791,7 @@ class Tracking:
         self.tracker = StorageTracker(include, round_bytes)
         self._roots = roots
         self._hooks = _RoleHooks(self.tracker)
+        self._compiled = EagerCompiled()
         self._seed = seed
         self.result: TrackResult | None = None
         self.wall_s = 0.0
@@ -701,11 +801,16 @@ class Tracking:
         if self._seed:
             found = reachable_existing(self._roots) if self._roots is not None else None
             self.tracker.seed(scan_existing() if found is None else found)
-        self._hooks.install()
         try:
-            self.tracker.__enter__()
+            self._compiled.install()
+            self._hooks.install()
+            try:
+                self.tracker.__enter__()
+            except BaseException:
+                self._hooks.uninstall()
+                raise
         except BaseException:
-            self._hooks.uninstall()
+            self._compiled.uninstall()
             raise
         self._t0 = time.perf_counter()
         return self
@@ -718,7 +823,10 @@ class Tracking:
             try:
                 self._hooks.uninstall()
             finally:
-                self._finish()
+                try:
+                    self._compiled.uninstall()
+                finally:
+                    self._finish()
         return False
 
     def _finish(self) -> None:
@@ -741,4 +849,5 @@ class Tracking:
             ops=t.ops,
             timeline=t.timeline(),
             breakdown_before=t.breakdown_at(-1),
+            compiled_calls=self._compiled.calls,
         )

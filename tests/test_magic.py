@@ -255,7 +255,7 @@ def _visible_frames(tb):
 
 @pytest.mark.parametrize("opts,cell", [
     ("--backend cpu -q", "def f():\n    raise ValueError('deep')\nf()"),
-    ("--backend sim -q --gpu-memory 1MiB", "x = torch.ones(1 << 20, device='cuda')"),
+    ("--backend sim -q --gpu-memory 64MiB", "x = torch.ones(1 << 25, device='cuda')"),
 ])
 def test_tracebacks_show_the_users_code_not_memmagic(ip, opts, cell):
     import memmagic

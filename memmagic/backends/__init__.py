@@ -9,6 +9,8 @@ re-raises it after rendering). The simulated backend hands ``run`` a sandboxed n
 from __future__ import annotations
 
 import os
+import re
+import sys
 from abc import ABC
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -17,7 +19,8 @@ from typing import Any, Callable
 from ..report import MemoryReport
 
 __all__ = ["Backend", "Outcome", "BackendUnavailable", "get_backend", "BACKEND_NAMES",
-           "release_own_frames"]
+           "release_own_frames", "needs_missing_cuda", "simulation_running", "NO_GPU_HINT",
+           "add_note_once", "compiled_note"]
 
 BACKEND_NAMES = ("auto", "cuda", "cpu", "sim")
 
@@ -64,7 +67,9 @@ class Backend(ABC):
                 value = run(namespace)
         except BaseException as exc:  # handed back to the caller, who re-raises it
             error = exc
-        assert holder.report is not None
+        if holder.report is None:  # the measurement itself failed to start: not the code's error
+            assert error is not None
+            raise error
         return Outcome(holder.report, value, error)
 
     def measure(self, fn: Callable[[], Any]) -> Outcome:
@@ -103,6 +108,43 @@ def cuda_usable() -> bool:
         return False
 
 
+# torch's errors for CUDA code on a machine without a usable CUDA GPU (a CPU-only build,
+# no driver, no device)
+_NO_CUDA = re.compile(r"not compiled with CUDA enabled|no NVIDIA driver|No CUDA GPUs are available|"
+                      r"CUDA driver initialization failed", re.I)
+
+
+def needs_missing_cuda(error: BaseException) -> bool:
+    """Whether ``error`` is torch saying the code needs a CUDA GPU this machine lacks (the
+    sim backend runs such code on a simulated one)."""
+    return (isinstance(error, (AssertionError, RuntimeError)) and bool(_NO_CUDA.search(str(error)))
+            and not cuda_usable())
+
+
+NO_GPU_HINT = ("memmagic: this code needs a CUDA GPU, which this machine lacks; "
+               "{how} runs it on a simulated one")
+
+
+def add_note_once(error: BaseException, note: str) -> None:
+    """Add ``note`` to the exception's notes (shown under its message), once."""
+    if note not in getattr(error, "__notes__", ()):
+        error.add_note(note)
+
+
+def compiled_note(calls: int) -> str:
+    """The note of a run in which ``torch.compile``'d code ran (eagerly) ``calls`` times."""
+    return (f"torch.compile'd code ran eagerly here ({calls} call{'s' if calls != 1 else ''}): "
+            "these are the eager path's numbers, usually an upper bound for the compiled run "
+            "(its fused kernels keep fewer intermediate tensors; mode='reduce-overhead' adds "
+            "CUDA-graph buffers); the code compiles as usual outside the measurement")
+
+
+def simulation_running() -> bool:
+    """Whether a simulated run is in progress (code inside it runs on fake tensors)."""
+    sim = sys.modules.get(__name__ + ".sim.backend")
+    return bool(getattr(sim, "_ACTIVE", None))
+
+
 def simulated_error_types() -> tuple[type[BaseException], ...]:
     """Exception types the simulator raises in place of an error of the simulated code."""
     try:
@@ -119,6 +161,13 @@ def get_backend(name: str = "auto", **options: Any) -> Backend:
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {', '.join(BACKEND_NAMES)}, not {name!r}")
+    if name != "sim" and simulation_running():  # the sim backend says so itself
+        from .sim import SimulationUnsupported
+
+        raise SimulationUnsupported(
+            f"a measurement (backend {name!r}) cannot run inside a simulated one (the code "
+            "there runs on the simulated GPU, which only the simulation measures): measure "
+            "the inner code in a cell of its own")
     if name == "auto":
         name = "cuda" if cuda_usable() else "cpu"
     if name == "cuda":

@@ -11,7 +11,7 @@ import torch
 from .. import _torch_private as _priv
 from ..report import MemoryReport
 from ..tracking import Tracking
-from . import Backend, Measurement
+from . import Backend, Measurement, compiled_note
 
 __all__ = ["CPUBackend", "CPU_NOTES"]
 
@@ -74,6 +74,8 @@ def report_from_tracking(tracking: Tracking, backend: str, device: str,
     notes = tuple(notes)
     if r.peak_phase:
         notes += (f"peak reached during {r.peak_phase}",)
+    if r.compiled_calls:
+        notes += (compiled_note(r.compiled_calls),)
     return MemoryReport(
         backend=backend, device=device, before=r.before, peak=r.peak, after=r.after,
         wall_s=tracking.wall_s, breakdown=r.breakdown, breakdown_before=r.breakdown_before,

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
+from typing import Callable
 
-from ...report import parse_bytes
+from ...report import format_bytes, parse_bytes
 
-__all__ = ["GPUSpec", "GPUS", "resolve_target", "DEFAULT_CAPABILITY"]
+__all__ = ["GPUSpec", "GPUS", "resolve_target", "DEFAULT_CAPABILITY", "MIN_GPU_MEMORY",
+           "api_spelling", "option_spelling"]
 
 _GiB = 1 << 30
 _MiB = 1 << 20
+
+# The smallest card size accepted: a bare number below it is almost always a size
+# without its unit (``--gpu-memory 6`` meant 6 GiB, not 6 bytes).
+MIN_GPU_MEMORY = 64 * _MiB
 
 # When no card is named, kernels are chosen as on an Ampere-class card (sm_80).
 DEFAULT_CAPABILITY = (8, 0)
@@ -25,6 +32,8 @@ class GPUSpec:
     total_memory: int
     capability: tuple[int, int] = DEFAULT_CAPABILITY
     multi_processor_count: int = 0
+    # the card of the table whose size ``gpu_memory`` replaced (``name`` then says both)
+    resized_from: "GPUSpec | None" = None
 
     @property
     def major(self) -> int:
@@ -68,11 +77,26 @@ def _key(name: str) -> str:
     return str(name).strip().lower().replace(" ", "-").replace("_", "-")
 
 
+def api_spelling(name: str, value: object) -> str:
+    """How an error names an argument of :func:`resolve_target`: ``gpu_memory='6GiB'``."""
+    return f"{name}={value!r}"
+
+
+def option_spelling(name: str, value: object) -> str:
+    """The same argument as a magic's option: ``--gpu-memory 6GiB``."""
+    return f"--{name.replace('_', '-')} {value}"
+
+
 def resolve_target(gpu: str | GPUSpec | None = None,
-                   gpu_memory: int | str | None = None) -> GPUSpec | None:
+                   gpu_memory: int | str | None = None, *,
+                   spell: Callable[[str, object], str] = api_spelling) -> GPUSpec | None:
     """The card to simulate: ``gpu`` names one of :data:`GPUS` (case-insensitive),
-    ``gpu_memory`` is a size (``int`` bytes or ``'10GiB'``) that overrides the card's;
-    both None means no target (nothing can run out)."""
+    ``gpu_memory`` is its size (``int`` bytes or ``'10GiB'``, at least
+    :data:`MIN_GPU_MEMORY`); both None means no target (nothing can run out).
+
+    Both given: the named card (its kernels, e.g. flash attention or not) with that much
+    memory, named so (``'T4 with 6.00 GiB'``, ``resized_from`` the T4). ``spell(name,
+    value)`` writes an argument as the user typed it in error messages."""
     spec: GPUSpec | None = None
     if isinstance(gpu, GPUSpec):
         spec = gpu
@@ -83,18 +107,33 @@ def resolve_target(gpu: str | GPUSpec | None = None,
         if spec is None:
             raise ValueError(
                 f"unknown GPU {gpu!r}; choose one of {', '.join(g.name for g in GPUS.values())}, "
-                "or give gpu_memory='<size>' instead")
+                f"or give the card's size with {spell('gpu_memory', '<size>')} instead")
     if gpu_memory is not None:
-        size = gpu_memory if isinstance(gpu_memory, int) else parse_bytes(gpu_memory)
-        if size <= 0:
-            raise ValueError(f"gpu_memory must be positive, not {gpu_memory!r}")
-        name = spec.name if spec else f"GPU with {_format(size)}"
-        spec = GPUSpec(name, int(size), spec.capability if spec else DEFAULT_CAPABILITY,
-                       spec.multi_processor_count if spec else 0)
+        size = _size(gpu_memory, spell)
+        if spec is None:
+            return GPUSpec(f"GPU with {format_bytes(size)}", size)
+        card = spec.resized_from or spec
+        if size == card.total_memory:
+            return card
+        return GPUSpec(f"{card.name} with {format_bytes(size)}", size, card.capability,
+                       card.multi_processor_count, resized_from=card)
     return spec
 
 
-def _format(n: int) -> str:
-    from ...report import format_bytes
-
-    return format_bytes(n)
+def _size(gpu_memory: int | str, spell: Callable[[str, object], str]) -> int:
+    example = spell("gpu_memory", "6GiB")
+    try:
+        size = operator.index(gpu_memory)  # int bytes (numpy ints too)
+    except TypeError:
+        try:
+            size = parse_bytes(gpu_memory)
+        except ValueError:
+            size = None
+        if size is None:
+            raise ValueError(f"cannot read {spell('gpu_memory', gpu_memory)} as a card's size: "
+                             f"write a positive size with a unit, like {example}")
+    if size < MIN_GPU_MEMORY:
+        raise ValueError(f"{spell('gpu_memory', gpu_memory)} is {format_bytes(size)}, below the "
+                         f"smallest card simulated ({format_bytes(MIN_GPU_MEMORY)}): give the "
+                         f"size with a unit, like {example}")
+    return int(size)
