@@ -31,15 +31,31 @@ def __getattr__(name: str):
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext memmagic``: register ``%%gpumem`` and ``%gpumem``."""
+    """``%load_ext memmagic``: register ``%%gpumem``, ``%gpumem`` and ``%gpusim``."""
     from .magics import MemMagics
+    from .simmode import sim_mode
 
     ipython.register_magics(MemMagics)
+    mode = sim_mode(ipython)
+    mode.install()
+
+    def gpusim(line: str = "") -> None:
+        """%gpusim on [--gpu NAME] [--gpu-memory SIZE] | off | reset: run every following
+        cell on the notebook's simulated GPU (one-line footer), stop, or empty that GPU;
+        %gpusim alone says where things stand."""
+        print(mode.command(line))
+
+    ipython.register_magic_function(gpusim, "line", "gpusim")
 
 
 def unload_ipython_extension(ipython) -> None:
-    """``%unload_ext memmagic``: remove the magics again."""
+    """``%unload_ext memmagic``: remove the magics and the %gpusim switch again."""
     mm = ipython.magics_manager
     for kind in ("line", "cell"):
         mm.magics[kind].pop("gpumem", None)
+    mm.magics["line"].pop("gpusim", None)
     mm.registry.pop("MemMagics", None)
+    mode = getattr(ipython, "_memmagic_sim_mode", None)
+    if mode is not None:
+        mode.on = False
+        mode.uninstall()

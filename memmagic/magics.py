@@ -65,10 +65,12 @@ class MemMagics(Magics):
     """Holds the magic; the measuring happens in :mod:`memmagic.backends`."""
 
     @magic_arguments()
-    @argument("--backend", choices=BACKEND_NAMES, default="auto",
+    @argument("--backend", choices=BACKEND_NAMES, default=None,
               help="Where to measure: cuda (real GPU allocator), cpu (real run on the CPU, "
                    "tensors tracked op by op), sim (simulated CUDA GPU on fake tensors, no GPU "
-                   "needed), auto (cuda when a GPU is usable, else cpu). Default: auto.")
+                   "needed; every sim cell of the notebook shares one simulated GPU), auto "
+                   "(cuda when a GPU is usable, else cpu). Default: auto, or sim after "
+                   "%%gpusim on.")
     @argument("--device", type=int, default=None, metavar="N",
               help="CUDA device index for --backend cuda (default: the current device).")
     @argument("--gpu", default=None, metavar="NAME",
@@ -88,6 +90,11 @@ class MemMagics(Magics):
     @argument("-v", "--var", default=None, metavar="NAME",
               help="Store the MemoryReport in the variable NAME.")
     @argument("-q", "--quiet", action="store_true", help="Print nothing.")
+    @argument("--no-raise", action="store_true",
+              help="A cell that runs out of memory (real or simulated) shows its report as "
+                   "the verdict and does not raise, so Run All goes on.")
+    @argument("--footer", action="store_true",
+              help="One line instead of the full report (what %%gpusim on uses).")
     @argument("statement", nargs=argparse.REMAINDER,
               help="Line magic: the statement to measure.")
     @line_cell_magic
@@ -129,7 +136,15 @@ class MemMagics(Magics):
         except SyntaxError as exc:
             self._syntax_error(exc)
             return None
-        outcome = backend.execute(run, self.shell.user_ns)
+        try:
+            outcome = backend.execute(run, self.shell.user_ns)
+        except Exception as exc:
+            from .backends.sim.errors import SimulationError
+
+            if not isinstance(exc, SimulationError):
+                raise
+            # refused before the cell ran (nested in a simulated cell, a card too small)
+            raise UsageError(str(exc)) from None
         report = outcome.report
         error = outcome.error
         notes = list(self._notes(args, backend))
@@ -143,7 +158,9 @@ class MemMagics(Magics):
             self.shell.user_ns[args.var] = report
         if error is None and outcome.value is not None and not args.quiet:
             display(outcome.value)
-        if not args.quiet:
+        if args.footer and not args.quiet:
+            display(report.footer())
+        elif not args.quiet:
             # with -o the returned report is the cell's result, which IPython shows
             self._render(report, chart=not args.no_chart,
                          show_report=not args.output or error is not None)
@@ -151,11 +168,20 @@ class MemMagics(Magics):
             release_own_frames(error.__traceback__)
             if is_out_of_memory(error):
                 self._after_oom(error, report, quiet=args.quiet)
+                if args.no_raise:
+                    return report if args.output else None
             raise error.with_traceback(strip_own_frames(error.__traceback__, error))
         return report if args.output else None
 
     # -- helpers -------------------------------------------------------------------------
     def _backend(self, args: argparse.Namespace):
+        from .simmode import sim_mode
+
+        mode = sim_mode(self.shell)
+        if args.backend is None:
+            args.backend = "sim" if mode.on else "auto"
+            if mode.on and not (args.gpu or args.gpu_memory):
+                args.gpu, args.gpu_memory = mode.gpu, mode.gpu_memory
         name = args.backend
         if name != "sim" and (args.gpu or args.gpu_memory):
             raise UsageError("--gpu and --gpu-memory pick a target for the simulation: add --backend sim")
@@ -171,6 +197,10 @@ class MemMagics(Magics):
                                                 spell=option_spelling)
             except (ValueError, TypeError) as exc:
                 raise UsageError(str(exc)) from None
+        if name == "sim":
+            from .backends.sim.session import shell_session
+
+            options["session"] = shell_session(self.shell)  # one simulated GPU per notebook
         if real_cuda:
             if args.device is not None:
                 options["device"] = args.device
@@ -205,8 +235,11 @@ class MemMagics(Magics):
 
     def _compile(self, source: str):
         """The cell as a function of the namespace; raises SyntaxError before running any."""
+        from .simmode import suspended
+
         shell = self.shell
-        transformed = shell.transform_cell(source)
+        with suspended(shell):  # the body is not wrapped again by %gpusim's transformer
+            transformed = shell.transform_cell(source)
         # IPython counts the running cell already: its number is one less
         filename = shell.compile.cache(transformed, max(shell.execution_count - 1, 0))
         tree = shell.transform_ast(shell.compile.ast_parse(transformed, filename=filename))

@@ -11,7 +11,7 @@ from enum import Enum
 from types import MappingProxyType
 from typing import Any, Mapping
 
-__all__ = ["Category", "MemoryReport", "format_bytes", "parse_bytes"]
+__all__ = ["Category", "MemoryReport", "Footer", "format_bytes", "parse_bytes"]
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -68,6 +68,7 @@ class Category(str, Enum):
     GRADIENTS = "gradients"
     OPTIMIZER_STATE = "optimizer_state"
     ACTIVATIONS = "activations"  # tensors autograd saved for backward
+    WORKSPACES = "workspaces"  # library workspaces (cuBLAS) held through the allocator
     OTHER = "other"  # inputs, outputs, temporaries
 
     def __str__(self) -> str:
@@ -81,6 +82,7 @@ COLORS = {
     Category.GRADIENTS.value: "#f58518",
     Category.OPTIMIZER_STATE.value: "#e45756",
     Category.ACTIVATIONS.value: "#54a24b",
+    Category.WORKSPACES.value: "#b279a2",
     Category.OTHER.value: "#bab0ac",
 }
 
@@ -241,12 +243,27 @@ class MemoryReport:
         return rows
 
     def breakdown_rows(self) -> list[tuple[str, int, float]]:
-        """(category, bytes, share of peak) for every category, in Category order."""
+        """(category, bytes, share of peak) for every category, in Category order
+        (workspaces only where there are some: only a GPU, real or simulated, has them)."""
         total = self.peak or 1
-        return [(k, v, v / total) for k, v in self.breakdown.items()]
+        return [(k, v, v / total) for k, v in self.breakdown.items()
+                if v or k != Category.WORKSPACES.value]
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(f"<MemoryReport : {self}>")
+
+    def footer(self) -> "Footer":
+        """One line for a cell run with a notebook-wide simulated GPU (``%gpusim on``)."""
+        parts = [f"allocated {format_bytes(self.after)}",
+                 f"peak {format_bytes(self.peak)} in this cell"]
+        if self.reserved_peak is not None:
+            parts.append(f"reserved {format_bytes(self.reserved_peak)}")
+        if self.fits is not None:
+            verdict = "fits" if self.fits else "DOES NOT FIT"
+            parts.append(f"{verdict} {self.gpu_name or 'GPU'} ({format_bytes(self.gpu_memory)})")
+        if self.failed_request is not None:
+            parts.append(f"out of memory on a request of {format_bytes(self.failed_request)}")
+        return Footer(f"[{self.backend}: {self.device}] " + " · ".join(parts), self.fits)
 
     def summary(self) -> str:
         """A multi-line text table: the numbers, the breakdown and the notes."""
@@ -290,3 +307,22 @@ class MemoryReport:
             + (f"<ul style='color:#666'>{notes}</ul>" if notes else "")
             + "</div>"
         )
+
+
+class Footer:
+    """A report in one line (text and HTML)."""
+
+    def __init__(self, text: str, fits: bool | None) -> None:
+        self.text = text
+        self.fits = fits
+
+    def __repr__(self) -> str:
+        return self.text
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.text)
+
+    def _repr_html_(self) -> str:
+        color = "#b00" if self.fits is False else "#666"
+        return (f"<div class='memmagic-footer' style='color:{color};font-size:85%'>"
+                f"{html.escape(self.text)}</div>")

@@ -47,6 +47,7 @@ _PRIORITY = {
     Category.GRADIENTS: 3,
     Category.BUFFERS: 4,
     Category.PARAMETERS: 5,
+    Category.WORKSPACES: 6,
 }
 
 

@@ -37,8 +37,9 @@ __all__ = ["SimBackend", "SIM_NOTES", "KERNELS", "clear_op_cache"]
 
 KERNELS = ("cuda", "cpu")
 SIM_NOTES = (
-    "simulated on fake tensors: no CUDA context (hundreds of MiB on the card), no "
-    "cuBLAS/cuDNN workspaces, no buffers kernels allocate and free inside themselves",
+    "simulated on fake tensors: no CUDA context (hundreds of MiB on the card), no cuDNN "
+    "workspaces (a convolution's depends on the algorithm cuDNN picks at run time), no "
+    "buffers kernels allocate and free inside themselves",
 )
 _CUDA_NOTE = ("CUDA behaviour modeled: 512-byte rounding, flash/memory-efficient attention, "
               "bool dropout masks, foreach optimizers, the CUDA autocast op policy; RNNs use "
@@ -309,6 +310,9 @@ class SimBackend(Backend):
             kinds = ", ".join(f"{k} {v}x" for k, v in sorted(sdpa.counts.items()))
             all_notes.append(f"scaled_dot_product_attention ran as CUDA would pick it: {kinds}")
         all_notes += notes
+        ws = tracker.workspaces.describe() if tracker.workspaces is not None else None
+        if ws:
+            all_notes.append(ws)
         if state.data_reads:
             all_notes.append(
                 f"the cell read tensor values {state.data_reads} time(s) "

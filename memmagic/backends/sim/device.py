@@ -35,10 +35,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ... import _torch_private as _priv
-from ...report import format_bytes
+from ...report import Category, format_bytes
 from ...tracking import StorageTracker, _Entry
 from .allocator import AllocatorFull, CachingAllocatorModel, round_request
 from .kernels import mkldnn_rnn_workspace
+from .workspaces import BLAS_OPS, Workspaces
 from .errors import (
     RERUN_HINT,
     SimulatedDeviceMismatchError,
@@ -493,6 +494,8 @@ class SimTracker(StorageTracker):
         self._op_info: dict[object, tuple[bool, str, bool]] = {}
         # FakeOutputCache of the run (set by the backend): outputs from metadata
         self.fast: Callable[[Any, tuple, dict], Any] | None = None
+        # cuBLAS workspaces of the simulated GPU (set by the backend for CUDA kernels)
+        self.workspaces: Workspaces | None = None
 
     def start_clock(self) -> None:
         self.deadline = time.perf_counter() + self.max_seconds
@@ -633,6 +636,8 @@ class SimTracker(StorageTracker):
                 pool = self._pool_from_inputs(func, args, kwargs)
             if pool == "device":
                 s.cuda_seen = True
+                if func in BLAS_OPS and self.workspaces is not None:
+                    self._take_workspaces(func, args, kwargs)
             s.pending = pool
             fast = self.fast
             out = func(*args, **kwargs) if fast is None else fast(func, args, kwargs)
@@ -676,6 +681,21 @@ class SimTracker(StorageTracker):
             return out
         finally:
             s.in_dispatch -= 1
+
+    def _take_workspaces(self, func, args, kwargs) -> None:
+        """Allocate the cuBLAS/cuBLASLt workspaces this matmul makes torch allocate (once per
+        thread, kept for the life of the simulated GPU; see .workspaces)."""
+        ws = self.workspaces
+        thread = "backward" if _priv.in_backward() else "main"
+        self._last_op = func.__name__  # an OOM here is this op's
+        for key, size in ws.needed(func, args, kwargs, thread):
+            self._serial += 1
+            entry = _Entry(self._serial, round_request(size), "device")
+            self.pool_of[entry.serial] = "device"
+            self.roles[entry.serial] = Category.WORKSPACES
+            self._add(entry, entry.nbytes)  # raises the OOM a GPU would raise here
+            self._live[-entry.serial] = entry  # never freed: no storage, a key of its own
+            ws.held[key] = entry.nbytes
 
     def _track_output(self, t: torch.Tensor, pool: str) -> None:
         """``track(t)`` for an op's output (what StorageTracker.track does, with the pool

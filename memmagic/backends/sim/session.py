@@ -30,6 +30,7 @@ from .allocator import AllocatorFull, CachingAllocatorModel
 from .device import SimState, SimTracker
 from .errors import SimulationUnsupported
 from .gpus import GPUSpec
+from .workspaces import Workspaces
 
 __all__ = ["SimSession", "Card", "Shadow", "shell_session"]
 
@@ -56,6 +57,8 @@ class Card:
         allocator = CachingAllocatorModel(target.total_memory if target else None) if cuda else None
         self.tracker = SimTracker(self.state, allocator=allocator, max_ops=max_ops,
                                   max_seconds=max_seconds)
+        if cuda:
+            self.tracker.workspaces = Workspaces(capability)
         self.fake_mode = _priv.new_fake_mode()
         self._entries = entries
         self.fast = None
@@ -89,6 +92,9 @@ class Card:
                 f"{target.name if target else 'the new card'} can take: run %gpusim reset "
                 "(or memmagic.reset_simulated_gpu()) first") from None
         tr.allocator = new
+        if tr.workspaces is not None and target is not None:
+            fresh = Workspaces(target.capability)  # sizes for workspaces taken from now on
+            tr.workspaces.cublas, tr.workspaces.cublaslt = fresh.cublas, fresh.cublaslt
         tr.cuda_reserved_peak = new.reserved
         was = old.name if old else "no target"
         now = target.name if target else "no target"

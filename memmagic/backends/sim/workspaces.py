@@ -1,0 +1,121 @@
+"""The cuBLAS and cuBLASLt workspaces a GPU run allocates through the caching allocator.
+
+torch allocates a cuBLAS workspace the first time a cuBLAS handle is used on a stream
+(``setWorkspaceForHandle`` in ATen/cuda/CublasHandlePool.cpp) and a cuBLASLt workspace the
+first time a cuBLASLt matmul runs (``getCUDABlasLtWorkspace``); both come from the caching
+allocator, so ``memory_allocated()`` counts them, and both are kept for the life of the
+process. Handles are per thread: the autograd engine runs CUDA backward on a thread of its
+own, so the first backward matmul takes a second pair. Sizes, as torch computes them:
+
+* cuBLAS: ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KiB:COUNT`` pairs, summed) or the default,
+  ``4096 KiB * 2 + 16 KiB * 8`` = 8,519,680 B, and 32 MiB on Hopper (compute capability 9.0);
+* cuBLASLt: ``CUBLASLT_WORKSPACE_SIZE`` KiB (default 1024), capped at the cuBLAS size unless
+  ``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` is set false; set true, cuBLASLt shares the cuBLAS
+  workspace and takes none of its own.
+
+Which ops use cuBLASLt: ``addmm`` with a 1-D bias (``nn.Linear`` with bias) on 2-D inputs
+larger than 1 along every dimension, and ``_addmm_activation``; other matmuls use cuBLAS.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Mapping
+
+import torch
+
+__all__ = ["cublas_workspace_size", "cublaslt_workspace_size", "Workspaces", "BLAS_OPS"]
+
+_aten = torch.ops.aten
+BLAS_OPS = frozenset({
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+    _aten.addbmm.default, _aten.addmv.default, _aten.mv.default, _aten.dot.default,
+    _aten.vdot.default, _aten._addmm_activation.default,
+})
+_LT_TYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_PAIR = re.compile(r":([0-9]+):([0-9]+)")
+
+
+def _default_cublas(capability: tuple[int, int]) -> int:
+    return 4096 * 8 * 1024 if tuple(capability) == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def cublas_workspace_size(capability: tuple[int, int], env: Mapping[str, str] | None = None) -> int:
+    """Bytes of one cuBLAS workspace on a card of this compute capability."""
+    env = os.environ if env is None else env
+    config = env.get("CUBLAS_WORKSPACE_CONFIG")
+    if not config:
+        return _default_cublas(capability)
+    pairs = _PAIR.findall(config)
+    if not pairs:  # torch warns and takes the default
+        return _default_cublas(capability)
+    return sum(int(size) * 1024 * int(count) for size, count in pairs)
+
+
+def _env_flag(value: str | None) -> bool | None:
+    if value is None:
+        return None
+    return value.strip().lower() in ("1", "true", "on", "yes", "y")
+
+
+def cublaslt_workspace_size(capability: tuple[int, int], env: Mapping[str, str] | None = None) -> int:
+    """Bytes of one cuBLASLt workspace of its own (0 when it shares cuBLAS's)."""
+    env = os.environ if env is None else env
+    unified = _env_flag(env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE"))
+    if unified:
+        return 0
+    try:
+        size = int(env.get("CUBLASLT_WORKSPACE_SIZE", "1024")) * 1024
+    except ValueError:  # torch warns and takes the default
+        size = 1024 * 1024
+    if unified is None:
+        size = min(size, cublas_workspace_size(capability, env))
+    return size
+
+
+def _uses_lt(func, args: tuple, kwargs: dict) -> bool:
+    if func is _aten._addmm_activation.default:
+        return True
+    if func is not _aten.addmm.default or len(args) < 3:
+        return False
+    bias, m1, m2 = args[:3]
+    if kwargs.get("beta", args[3] if len(args) > 3 else 1) != 1:
+        return False
+    if not all(isinstance(t, torch.Tensor) for t in (bias, m1, m2)):
+        return False
+    return (bias.dim() == 1 and m1.dim() == 2 and m2.dim() == 2 and bias.dtype in _LT_TYPES
+            and bias.shape[0] == m2.shape[1] and m1.shape[0] > 1 and m1.shape[1] > 1
+            and m2.shape[1] > 1)
+
+
+class Workspaces:
+    """Which workspaces the simulated GPU has allocated (they last as long as it does)."""
+
+    def __init__(self, capability: tuple[int, int], env: Mapping[str, str] | None = None) -> None:
+        self.cublas = cublas_workspace_size(capability, env)
+        self.cublaslt = cublaslt_workspace_size(capability, env)
+        self.held: dict[tuple[str, str], int] = {}  # (library, thread) -> bytes
+
+    def needed(self, func, args: tuple, kwargs: dict, thread: str) -> list[tuple[tuple[str, str], int]]:
+        """The workspaces ``func`` allocates now, on ``thread`` ("main" or "backward")."""
+        out = []
+        key = ("cuBLAS", thread)
+        if key not in self.held and self.cublas:
+            out.append((key, self.cublas))
+        if self.cublaslt and _uses_lt(func, args, kwargs):
+            key = ("cuBLASLt", thread)
+            if key not in self.held:
+                out.append((key, self.cublaslt))
+        return out
+
+    def describe(self) -> str | None:
+        if not self.held:
+            return None
+        from ...report import format_bytes
+
+        parts = [f"{lib} {format_bytes(n)} ({'autograd thread' if th == 'backward' else 'main thread'})"
+                 for (lib, th), n in sorted(self.held.items())]
+        return ("workspaces torch allocates through the caching allocator at the first matmul "
+                "of each thread and keeps: " + ", ".join(parts)
+                + " (sizes from CUBLAS_WORKSPACE_CONFIG / CUBLASLT_WORKSPACE_SIZE and the card)")
