@@ -33,7 +33,7 @@ def test_factories_carry_their_values():
     assert seen["tri"] == (2, 6)
     assert seen["causal"] == [True, True, False, False]
     assert seen["lit"] == [1, 2, 3]
-    assert "read tensor values" not in " ".join(out.report.notes)   # no placeholder was read
+    assert "depend on data were read" not in " ".join(out.report.notes)   # no placeholder was read
 
 
 def test_control_flow_on_constants_takes_the_gpu_path():
@@ -67,7 +67,7 @@ def test_data_dependent_values_stay_placeholders():
     assert seen["r"] == [1.0, 1.0, 1.0] and seen["mix"] == [1.0, 1.0, 1.0]
     assert seen["big"] == 0
     notes = " ".join(out.report.notes)
-    assert "read tensor values" in notes
+    assert "depend on data were read" in notes
 
 
 def test_memory_is_the_same_with_values():
@@ -130,3 +130,27 @@ def test_constant_fake_contract(monkeypatch):
         doubled = fake * 2
     assert priv.fake_constant(doubled).tolist() == [2.0, 4.0, 6.0]
     assert copy.copy(priv.fake_constant(fake)).dtype == torch.float32
+
+
+def test_placeholders_print_as_placeholders_and_the_note_names_lines():
+    seen = {}
+    out, _ = run("""
+        import torch
+        model = torch.nn.Linear(8, 2).cuda()
+        total = 0.0
+        for i in range(6):
+            loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
+            total += loss.item()
+        seen["text"] = f"loss {loss.item():.4f}"
+        seen["total"] = repr(total)
+        seen["int"] = str(torch.randint(0, 9, (), device="cuda").item())
+        seen["real"] = repr(torch.arange(3, device="cuda").sum().item())
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["text"] == "loss 1.0000(simulated)"
+    assert seen["total"] == "6.0(simulated)"      # arithmetic keeps the mark
+    assert seen["int"] == "0(simulated)"
+    assert seen["real"] == "3"                    # a value the simulation has is plain
+    note = next(n for n in out.report.notes if "depend on data were read" in n)
+    # lines of the cell, not internal reads: three lines read placeholders
+    assert note.count("line ") == 3 and "line 7 (item)" in note

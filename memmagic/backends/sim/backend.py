@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 import traceback
@@ -19,7 +18,7 @@ from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
 from .cuda_api import install_cuda_api
 from .device import (CONSTANT_NUMEL, CPU, CUDA0, DeviceRewriteMode, SimState, SimTracker,
-                     is_cuda_device)
+                     is_cuda_device, is_user_file)
 from .errors import (
     RERUN_HINT,
     SimulatedOutOfMemoryError,
@@ -46,10 +45,6 @@ _CUDA_NOTE = ("CUDA behaviour modeled: 512-byte rounding, flash/memory-efficient
               "the CPU kernels' memory (cuDNN's RNN buffers are not modeled)")
 _CPU_NOTE = ("kernels='cpu': CPU kernels and defaults, the simulated device behaves like the "
              "CPU (for checking the simulation against --backend cpu)")
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_MEMMAGIC_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_INTERNAL_READERS = tuple(os.path.join(_TORCH_DIR, d) for d in ("utils", "optim", "amp", "nn"))
-_STDLIB = os.path.dirname(os.__file__)
 _FAST_ENTRIES: dict[tuple, dict] = {}  # FakeOutputCache entries per kernel configuration
 _ACTIVE: list = []  # the simulated run in progress (they do not nest)
 
@@ -314,11 +309,7 @@ class SimBackend(Backend):
         if ws:
             all_notes.append(ws)
         if state.data_reads:
-            all_notes.append(
-                f"the cell read tensor values {state.data_reads} time(s) "
-                f"({', '.join(sorted(state.read_ops))}); a simulation has no values, so it "
-                "read placeholders (1.0 for floats, 0 for ints, False for bools) and code "
-                "that branches on them may take another path than on a GPU")
+            all_notes.append(_reads_note(state.read_ops))
         if sandbox.not_isolated:
             all_notes.append("could not isolate " + ", ".join(sandbox.not_isolated)
                              + ": Python-level changes the cell made to them are kept")
@@ -342,6 +333,25 @@ class SimBackend(Backend):
 
 
 # -- helpers ----------------------------------------------------------------------------------
+def _reads_note(read_ops: dict) -> str:
+    """Which lines of the cell read values the simulation does not have."""
+    lines: dict[str, set[str]] = {}
+    hidden: set[str] = set()
+    for (where, what), _n in read_ops.items():
+        if where is None:
+            hidden.add(what)
+        else:
+            lines.setdefault(where, set()).add(what)
+    parts = [f"{where} ({', '.join(sorted(whats))})" for where, whats in lines.items()][:8]
+    if len(lines) > 8:
+        parts.append(f"and {len(lines) - 8} more line(s)")
+    if hidden:
+        parts.append(f"library code ({', '.join(sorted(hidden))})")
+    return ("values that depend on data were read at " + "; ".join(parts) + ": a simulation "
+            "has none, so placeholders stood in (1.0 and 0, printed with '(simulated)'; False "
+            "for bools) and code that branches on them may take another path than on a GPU")
+
+
 def _seed(tracker: SimTracker, state: SimState, sandbox: Sandbox, namespace: dict) -> None:
     """Count the fake copies of the namespace's tensors in ``before`` (on the host: they are
     CPU tensors of earlier cells), with their roles."""
@@ -458,10 +468,8 @@ def _cell_line(tb) -> str | None:
     """'line N (`source`)' of the innermost frame that belongs to the user's code."""
     best = None
     for fs in traceback.extract_tb(tb):
-        f = fs.filename
-        if f.startswith((_TORCH_DIR, _MEMMAGIC_DIR, _STDLIB)) or "site-packages" in f:
-            continue
-        best = fs
+        if is_user_file(fs.filename):
+            best = fs
     if best is None:
         return None
     src = (best.line or "").strip()

@@ -27,6 +27,8 @@ module keeps the fiction:
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import weakref
 from typing import Any, Callable
@@ -128,7 +130,8 @@ class SimState:
         self.cuda_seen = False
         self.zero_read_serials: set[int] = set()  # storages whose reads are 0 (found_inf)
         self.data_reads = 0
-        self.read_ops: dict[str, int] = {}
+        # (user line or None, what) -> reads: the report names lines, not internal reads
+        self.read_ops: dict[tuple[str | None, str], int] = {}
         self.tracker: "SimTracker | None" = None
         self.in_dispatch = 0              # >0 while torch's own dispatch code runs
 
@@ -150,8 +153,11 @@ class SimState:
         return CUDA0 if self.pool_of(t) == "device" else real
 
     def note_read(self, what: str) -> None:
+        """A read of values the simulation does not have, counted by the user's line."""
         self.data_reads += 1
-        self.read_ops[what] = self.read_ops.get(what, 0) + 1
+        where = user_line(sys._getframe(1))
+        key = (where, what)
+        self.read_ops[key] = self.read_ops.get(key, 0) + 1
 
     def pool_of(self, t: torch.Tensor) -> str:
         if not self.cuda:
@@ -166,15 +172,97 @@ class SimState:
         return "host" if entry is None else entry.pool
 
 
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_MEMMAGIC_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_STDLIB = os.path.dirname(os.__file__)
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether code in ``filename`` is the user's (a cell, their module), not torch's,
+    memmagic's, the standard library's or an installed package's."""
+    return not (filename.startswith((_TORCH_DIR, _MEMMAGIC_DIR, _STDLIB))
+                or "site-packages" in filename or "dist-packages" in filename)
+
+
+def user_line(frame) -> str | None:
+    """'line N (`source`)' of the innermost frame of the user's code, from ``frame`` out."""
+    import linecache
+
+    while frame is not None:
+        code = frame.f_code
+        if is_user_file(code.co_filename):
+            src = linecache.getline(code.co_filename, frame.f_lineno).strip()
+            return f"line {frame.f_lineno}" + (f" (`{src}`)" if src else "")
+        frame = frame.f_back
+    return None
+
+
+class SimulatedFloat(float):
+    """A float a simulated read returns in place of a value the simulation does not have:
+    it computes as its number and prints with a mark, so it is not taken for a result."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"{float.__repr__(self)}(simulated)"
+
+    __str__ = __repr__
+
+    def __format__(self, spec: str) -> str:
+        return float.__format__(self, spec) + "(simulated)"
+
+
+class SimulatedInt(int):
+    """The int counterpart of :class:`SimulatedFloat`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"{int.__repr__(self)}(simulated)"
+
+    __str__ = __repr__
+
+    def __format__(self, spec: str) -> str:
+        return int.__format__(self, spec) + "(simulated)"
+
+
+def _marked_arith(cls, base):
+    """Arithmetic on a marked placeholder gives a marked result (``total += loss.item()``)."""
+    def wrap(name):
+        op = getattr(base, name)
+
+        def method(self, *args):
+            out = op(self, *args)
+            if type(out) is float:
+                return SimulatedFloat(out)
+            if type(out) is int:
+                return SimulatedInt(out)
+            return out
+        method.__name__ = name
+        return method
+
+    for name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+                 "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
+                 "__rmod__", "__pow__", "__rpow__", "__neg__", "__pos__", "__abs__"):
+        if hasattr(base, name):
+            setattr(cls, name, wrap(name))
+
+
+_marked_arith(SimulatedFloat, float)
+_marked_arith(SimulatedInt, int)
+
+
 def placeholder_scalar(dtype: torch.dtype, zero: bool = False) -> Any:
-    """The value a simulated read of a tensor element returns."""
+    """The value a simulated read of a tensor element returns: 1.0 for floats, 0 for ints
+    (marked: they print as ``1.0(simulated)``), False for bools; ``zero``: a value known to
+    be 0 (GradScaler's found_inf without infs), unmarked."""
     if dtype == torch.bool:
         return False
     if dtype.is_floating_point:
-        return 0.0 if zero else 1.0
+        return 0.0 if zero else SimulatedFloat(1.0)
     if dtype.is_complex:
         return complex(0.0 if zero else 1.0)
-    return 0
+    return 0 if zero else SimulatedInt(0)
 
 
 _NUMPY_DTYPES = {
@@ -285,6 +373,8 @@ class DeviceRewriteMode(TorchFunctionMode):
             T.tolist: self._tolist, T.numpy: self._numpy, T.__array__: self._array,
             T.__repr__: self._repr, T.__str__: self._repr,
             torch._C._nn._parse_to: self._parse_to, T.__deepcopy__: self._deepcopy,
+            T.item: self._marked_read,  # (int(t) and float(t) return plain numbers: Python
+                                        # makes exact ints and floats of what __int__ gives)
         }
         if state.cuda:
             h.update({
@@ -401,6 +491,19 @@ class DeviceRewriteMode(TorchFunctionMode):
 
     def _pin_memory(self, func, args, kwargs):
         return self._call(torch.Tensor.clone, (args[0],), {}, "host" if self.s.cuda else "device")
+
+    def _marked_read(self, func, args, kwargs):
+        """``t.item()``: a placeholder comes back marked (C++ turns what the dispatch level
+        returns into a plain number)."""
+        reads = self.s.data_reads
+        value = func(*args, **kwargs)
+        if self.s.data_reads == reads:
+            return value  # a real value (a constant) or a known zero
+        if type(value) is float:
+            return SimulatedFloat(value)
+        if type(value) is int:
+            return SimulatedInt(value)
+        return value
 
     def _deepcopy(self, func, args, kwargs):
         """``copy.deepcopy`` of a fake tensor carrying a constant: a clone, as torch does

@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
