@@ -40,6 +40,15 @@ def _own(tb) -> bool:
     return tb.tb_frame.f_code.co_filename.startswith(_OWN_DIR)
 
 
+_MACHINERY = ("/torch/_compile.py", "/torch/_dynamo/", "/torch/_subclasses/", "/torch/_ops.py",
+              "/torch/overrides.py", "/torch/utils/_python_dispatch.py", "/torch/utils/_stats.py",
+              "/torch/_prims_common/", "/torch/_refs/", "/torch/_decomp/", "/torch/_meta_registrations.py")
+
+
+def _machinery(filename: str) -> bool:
+    return filename.startswith(_OWN_DIR) or any(m in filename for m in _MACHINERY)
+
+
 def strip_own_frames(tb, error: BaseException):
     """The traceback without memmagic's frames, so the user sees their code and torch's.
 
@@ -52,9 +61,18 @@ def strip_own_frames(tb, error: BaseException):
         tb = tb.tb_next
     from .backends import simulated_error_types
 
-    keep_tail = not isinstance(error, simulated_error_types())
+    simulated = isinstance(error, simulated_error_types())
+    keep_tail = not simulated
     last_user = max((i for i, t in enumerate(frames) if not _own(t)), default=-1)
     kept = [t for i, t in enumerate(frames) if not _own(t) or (keep_tail and i > last_user)]
+    if simulated:
+        # a simulated error stands for one a GPU raises from C++ under the op: the user's
+        # code and torch's Python (nn modules, optim) stay, the machinery the simulation
+        # runs through (dispatch modes, dynamo's wrappers, fake tensors) is cut
+        for i, t in enumerate(kept):
+            if _machinery(t.tb_frame.f_code.co_filename):
+                kept = kept[:i]
+                break
     for a, b in zip(kept, kept[1:] + [None]):
         a.tb_next = b
     return kept[0] if kept else None

@@ -552,6 +552,7 @@ class _RoleHooks:
     def __init__(self, tracker: StorageTracker) -> None:
         self.t = tracker
         self.params: dict[int, weakref.ref] = {}  # tensors hash by id but compare elementwise
+        self.optimizers: dict[int, weakref.ref] = {}  # whose step began (it may not end)
         self._names: dict[int, str] = {}
         self._handles: list = []
         self._parents: list = []  # modules whose forward runs, beside tracker.module_stack
@@ -618,6 +619,11 @@ class _RoleHooks:
 
     def _optimizer(self, opt, args, kwargs, *, post: bool) -> None:
         t = self.t
+        if not post:
+            try:
+                self.optimizers.setdefault(id(opt), weakref.ref(opt))
+            except TypeError:
+                pass
         for group in opt.param_groups:
             for p in group["params"]:
                 t.note(p, Category.PARAMETERS)
@@ -666,7 +672,15 @@ class _RoleHooks:
         _ACTIVE.append(self)
 
     def final_notes(self) -> None:
-        """At the end: gradients of every parameter seen are gradients."""
+        """At the end: gradients of every parameter seen are gradients, and the state of
+        every optimizer whose step began is optimizer state (a step that ran out of memory
+        while making it never reached the post-step hook)."""
+        for ref in list(self.optimizers.values()):
+            opt = ref()
+            for state in (opt.state.values() if opt is not None else ()):
+                if isinstance(state, dict):
+                    for v in state.values():
+                        self.t.note(v, Category.OPTIMIZER_STATE)
         for ref in list(self.params.values()):
             p = ref()
             if p is None:

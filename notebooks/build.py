@@ -59,11 +59,19 @@ NOTEBOOKS = {
           "`--gpu NAME` checks the prediction against a card. Nothing real is touched: `model` and "
           "`opt` from the cells above are exactly as they were afterwards."),
         C("%%gpumem --backend sim --gpu T4 --no-chart\n"
-          "model = torch.nn.Linear(4096, 4096, device=\"cuda\")\n"
-          "opt = torch.optim.Adam(model.parameters())\n"
-          "loss = model(torch.randn(64, 4096, device=\"cuda\")).sum()\n"
-          "loss.backward(); opt.step()"),
+          "gpu_model = torch.nn.Linear(4096, 4096, device=\"cuda\")\n"
+          "gpu_opt = torch.optim.Adam(gpu_model.parameters())\n"
+          "loss = gpu_model(torch.randn(64, 4096, device=\"cuda\")).sum()\n"
+          "loss.backward(); gpu_opt.step()"),
         C("print(model.weight.device, model.weight.dtype)  # still the real CPU model from above"),
+        M("The simulated GPU lasts the whole notebook, like a real one: what a simulated cell "
+          "leaves referenced (`gpu_model`, its gradients, Adam's state, `loss`) stays on it, and the "
+          "next simulated cell starts from there (`before`). A real cell cannot use those objects "
+          "(they have no data): it gets a one-line message saying so. `%gpusim reset` empties the "
+          "simulated GPU; `%gpusim on` would run every following cell on it."),
+        C("%%gpumem --backend sim --gpu T4 -q -v t4_next\n"
+          "print(format_bytes(torch.cuda.memory_allocated()), gpu_model.weight.device)"),
+        C("print('before:', format_bytes(t4_next.before))\n%gpusim reset"),
         M("A GPT-2-small training step (124 M parameters, batch 8, 1024 tokens, mixed precision) "
           "simulates in about half a second (faster once the simulator has seen its ops). On a 6 GB laptop GPU it stops where a real run would, "
           "with the same kind of error, naming the op and the module:"),
@@ -73,6 +81,9 @@ NOTEBOOKS = {
           "gpt_opt = torch.optim.AdamW(gpt.parameters())\n"
           "zoo.train_step(gpt, gpt_opt, batch, amp=True)",
           metadata={"tags": ["raises-exception"]}),
+        M("On a T4 (16 GB) the same step fits. The laptop's failed cell left `gpt` on the "
+          "simulated GPU (as a real failed cell would), so empty it first:"),
+        C("%gpusim reset"),
         C("%%gpumem --backend sim --gpu T4 -q -v gpt2_t4\n"
           "gpt, batch = zoo.build(\"gpt2_small\", device=\"cuda\")\n"
           "gpt_opt = torch.optim.AdamW(gpt.parameters())\n"

@@ -41,8 +41,8 @@ SIM_NOTES = (
     "buffers kernels allocate and free inside themselves",
 )
 _CUDA_NOTE = ("CUDA behaviour modeled: 512-byte rounding, flash/memory-efficient attention, "
-              "bool dropout masks, foreach optimizers, the CUDA autocast op policy; RNNs use "
-              "the CPU kernels' memory (cuDNN's RNN buffers are not modeled)")
+              "bool dropout masks, foreach optimizers, the CUDA autocast op policy")
+_RNN_NOTE = "RNNs use the CPU kernels' memory (cuDNN's RNN buffers are not modeled)"
 _CPU_NOTE = ("kernels='cpu': CPU kernels and defaults, the simulated device behaves like the "
              "CPU (for checking the simulation against --backend cpu)")
 _FAST_ENTRIES: dict[tuple, dict] = {}  # FakeOutputCache entries per kernel configuration
@@ -301,6 +301,8 @@ class SimBackend(Backend):
         target = self.target
         all_notes = list(SIM_NOTES)
         all_notes.append(_CUDA_NOTE if state.cuda else _CPU_NOTE)
+        if state.cuda and state.rnn_ran:
+            all_notes.append(_RNN_NOTE)
         if sdpa is not None and sdpa.counts:
             kinds = ", ".join(f"{k} {v}x" for k, v in sorted(sdpa.counts.items()))
             all_notes.append(f"scaled_dot_product_attention ran as CUDA would pick it: {kinds}")

@@ -134,6 +134,7 @@ class SimState:
         self.read_ops: dict[tuple[str | None, str], int] = {}
         self.tracker: "SimTracker | None" = None
         self.in_dispatch = 0              # >0 while torch's own dispatch code runs
+        self.rnn_ran = False              # an RNN layer ran in this cell
 
     def begin_run(self) -> None:
         """Per-cell counters back to zero (the state of a persistent simulated GPU lasts
@@ -144,6 +145,7 @@ class SimState:
         self.data_reads = 0
         self.read_ops = {}
         self.in_dispatch = 0
+        self.rnn_ran = False
 
     def fake_device(self, t: torch.Tensor, real: torch.device) -> torch.device:
         """``FakeTensor.device`` during a run: cuda:0 for tensors on the simulated GPU, as
@@ -511,7 +513,11 @@ class DeviceRewriteMode(TorchFunctionMode):
         ``data_ptr`` is not 0, and a constant's is not, onto a meta tensor: an error)."""
         t, memo = args[0], args[1] if len(args) > 1 else kwargs.get("memo", {})
         if type(t) is not _priv.FakeTensor or _priv.fake_constant(t) is None or not t.is_leaf:
-            return func(*args, **kwargs)
+            import warnings
+
+            with warnings.catch_warnings():  # torch asks a fake tensor for its data pointer
+                warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+                return func(*args, **kwargs)
         if id(t) in memo:
             return memo[id(t)]
         import copy
@@ -752,6 +758,8 @@ class SimTracker(StorageTracker):
             mutating, name, fixup = info
             if fixup:
                 out = _fix_outputs(func, args, kwargs, out)
+                if func is _RNN_LAYER:
+                    s.rnn_ran = True
             seq = isinstance(out, (tuple, list))
             first = (out[0] if out else None) if seq else out
             dev = _priv.fake_device(first) if isinstance(first, torch.Tensor) else None
