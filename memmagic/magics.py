@@ -171,7 +171,10 @@ class MemMagics(Magics):
                          "--backend sim runs it on a simulated one")
             add_note_once(error, NO_GPU_HINT.format(how="--backend sim"))
         if notes:
-            report = replace(report, notes=report.notes + tuple(notes))
+            own = report.notes
+            if any("replaced the" in n for n in notes):  # said with the option as typed
+                own = tuple(n for n in own if not n.startswith("card size overridden"))
+            report = replace(report, notes=own + tuple(notes))
         if args.var:
             self.shell.user_ns[args.var] = report
         if error is None and outcome.value is not None and not args.quiet:

@@ -103,10 +103,12 @@ class SimMode:
                     gpu_memory = value
             else:
                 raise UsageError(f"%gpusim: unknown option {word!r}; {_USAGE}")
+        from .backends.sim.gpus import option_spelling
+
         try:
-            target = resolve_target(gpu, gpu_memory)
-        except ValueError as exc:
-            raise UsageError(f"%gpusim: {str(exc).replace('gpu_memory=', '--gpu-memory ')}") from None
+            target = resolve_target(gpu, gpu_memory, spell=option_spelling)
+        except (ValueError, TypeError) as exc:
+            raise UsageError(f"%gpusim: {exc}") from None
         self.on, self.gpu, self.gpu_memory = True, gpu, gpu_memory
         card = f"{target.name} ({target.total_memory / 2**30:.2f} GiB)" if target else "no target card"
         return (f"%gpusim on: every cell runs on the simulated GPU, {card}, with a one-line "

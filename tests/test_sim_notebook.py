@@ -82,6 +82,8 @@ def test_gpusim_bad_input_is_one_line(ip):
         ip.run_line_magic("gpusim", "sideways")
     with pytest.raises(UsageError, match="--gpu"):
         ip.run_line_magic("gpusim", "on --gpu NoSuchCard")
+    with pytest.raises(UsageError, match="--gpu-memory 6GiB"):   # the option as typed
+        ip.run_line_magic("gpusim", "on --gpu-memory 6")
     assert not ip._memmagic_sim_mode.on
 
 

@@ -217,3 +217,10 @@ def test_global_state_is_restored_between_cells():
     out = nb.sim("dev = str(torch.zeros(1).device)")
     assert out.error is None
     assert nb.ns["dev"] == "cuda:0"  # set_default_device lasts, on the simulated GPU only
+
+
+def test_an_overridden_card_size_is_said_in_the_report():
+    nb = Notebook(gpu="T4", gpu_memory="6GiB")
+    out = nb.sim("import torch\nx = torch.ones(4, device='cuda')")
+    assert any(n.startswith("card size overridden: the T4's kernels with 6.00 GiB")
+               for n in out.report.notes)

@@ -190,6 +190,10 @@ class CUDABackend(Backend):
         else:
             breakdown = {}
             notes.append("no breakdown (breakdown=False)")
+        if tr is not None and getattr(tr, "compiled_calls", 0):
+            from . import compiled_note
+
+            notes.append(compiled_note(tr.compiled_calls))
         return MemoryReport(
             backend="cuda", device=f"cuda:{self.device} ({probe.name()})", before=a0,
             peak=peak, after=a1, wall_s=wall_s, breakdown=breakdown,

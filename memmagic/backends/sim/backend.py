@@ -11,7 +11,7 @@ from typing import Any, Callable
 import torch
 
 from ... import _torch_private as _priv
-from ...report import Category, MemoryReport
+from ...report import Category, MemoryReport, format_bytes
 from ...tracking import Tracking, _RoleHooks
 from .. import Backend, Outcome
 from ..cpu import report_from_tracking
@@ -114,7 +114,9 @@ class SimBackend(Backend):
     def measure(self, fn: Callable[[], Any]) -> Outcome:
         """Measure a zero-argument callable; the globals of a plain function are sandboxed
         (best effort: objects reached through closures are not)."""
-        ns = getattr(fn, "__globals__", None)
+        import inspect
+
+        ns = getattr(inspect.unwrap(fn), "__globals__", None)  # a compiled function's own
         if not isinstance(ns, dict) or ns is vars(sys.modules.get("builtins")):
             ns = {}
         return self.execute(lambda _ns: fn(), ns)
@@ -318,6 +320,11 @@ class SimBackend(Backend):
         if isinstance(error, SimulatedOutOfMemoryError):
             all_notes.append(f"out of memory on {target.name if target else 'the GPU'}: "
                              "the run stopped where the card would run out")
+        if target is not None and target.resized_from is not None:
+            card = target.resized_from
+            all_notes.append(f"card size overridden: the {card.name}'s kernels with "
+                             f"{format_bytes(target.total_memory)} instead of its "
+                             f"{format_bytes(card.total_memory)}")
         if target is not None:
             all_notes.append("the CUDA context (about 0.3-0.5 GiB) also takes room on the "
                              "card; a peak within that of the limit may still not fit")
