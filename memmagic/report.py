@@ -95,6 +95,14 @@ _SOURCE = {
 }
 
 
+def _op_name(op: str | None) -> str | None:
+    """``aten._foreach_sqrt.default`` / ``div.Tensor`` -> ``_foreach_sqrt`` / ``div``."""
+    if not op:
+        return None
+    name = op[len("aten."):] if op.startswith("aten.") else op
+    return name.split(".", 1)[0]
+
+
 def _frozen_breakdown(values: Mapping[str, int] | None) -> Mapping[str, int]:
     out = {c.value: 0 for c in Category}
     for key, value in (values or {}).items():
@@ -143,6 +151,7 @@ class MemoryReport:
     # stay within the card) and the bytes live when it failed; None when none failed
     failed_request: int | None = None
     live_at_failure: int | None = None
+    peak_phase: str | None = None  # forward / backward / optimizer (tracker-based runs)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -202,6 +211,7 @@ class MemoryReport:
             "gpu_name": self.gpu_name, "gpu_memory": self.gpu_memory,
             "error": self.error, "notes": list(self.notes),
             "failed_request": self.failed_request, "live_at_failure": self.live_at_failure,
+            "peak_phase": self.peak_phase, "peak_words": self.peak_words,
         }
 
     # -- rendering ---------------------------------------------------------------------
@@ -237,10 +247,35 @@ class MemoryReport:
         if self.failed_request is not None:
             rows.append(("out of memory", f"a request of {format_bytes(self.failed_request)} failed "
                                           f"with {format_bytes(self.live_at_failure)} live"))
-        where = " / ".join(x for x in (self.peak_module, self.peak_op) if x)
-        if where:
-            rows.append(("peak at", where))
+        words = self.peak_words
+        if words:
+            rows.append(("peak reached", words))
         return rows
+
+    @property
+    def peak_words(self) -> str | None:
+        """Where the peak was, as a student reads it: "during backward, in `GPT.blocks.3.attn`
+        (softmax backward)", "during optimizer.step() (_foreach_sqrt)"; None if unknown."""
+        op = _op_name(self.peak_op)
+        module = ".".join(self.peak_module.split("/")) if self.peak_module else None
+        phase = self.peak_phase
+        if phase is None and module is None and op is None:
+            return None
+        if phase == "optimizer":
+            text = "during optimizer.step()"
+        elif phase == "backward":
+            text = "during backward (loss.backward())"
+            if op and op.endswith("_backward"):
+                op = op[: -len("_backward")].lstrip("_") + " backward"
+        elif phase == "forward":
+            text = "during forward"
+        else:
+            text = "at"
+        if module:
+            text += f" in `{module}`"
+        if op:
+            text += f" ({op})" if text != "at" else f" {op}"
+        return text
 
     def breakdown_rows(self) -> list[tuple[str, int, float]]:
         """(category, bytes, share of peak) for every category, in Category order

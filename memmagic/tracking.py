@@ -554,6 +554,7 @@ class _RoleHooks:
         self.params: dict[int, weakref.ref] = {}  # tensors hash by id but compare elementwise
         self.optimizers: dict[int, weakref.ref] = {}  # whose step began (it may not end)
         self._names: dict[int, str] = {}
+        self._qual: dict[int, str] = {}  # id(module) -> its qualified name in its root
         self._handles: list = []
         self._parents: list = []  # modules whose forward runs, beside tracker.module_stack
         self._saved_ctx = None
@@ -581,13 +582,25 @@ class _RoleHooks:
         name = self._names.get(id(module))
         if name is None:
             name = type(module).__name__
-            if t.module_stack:
+            if not t.module_stack:
+                # a root: the qualified names of what it contains, so that a module called
+                # from a container that is never called itself (a ModuleList) is named by
+                # its path ("blocks.1"), not its type
+                try:
+                    self._qual.update((id(m), qn) for qn, m in module.named_modules())
+                except Exception:
+                    pass
+            else:
                 parent = self._parent
                 if parent is not None:
                     for child_name, child in parent._modules.items():
                         if child is module:
                             name = child_name
                             break
+                    else:
+                        mine, theirs = self._qual.get(id(module)), self._qual.get(id(parent))
+                        if mine and theirs is not None and mine.startswith(theirs):
+                            name = mine[len(theirs):].lstrip(".") or name
             self._names[id(module)] = name
         t.module_stack.append(name)
         self._parents.append(module)

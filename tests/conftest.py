@@ -26,6 +26,10 @@ def ip(_shell):
     yield _shell
     _shell.run_line_magic("unload_ext", "memmagic")
     _shell.reset(new_session=False)
+    # the notebook's simulated GPU lasts the shell's life: each test starts with an empty one
+    session = getattr(_shell, "_memmagic_sim_session", None)
+    if session is not None:
+        session.reset()
     gc.collect()
 
 

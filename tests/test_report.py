@@ -91,3 +91,43 @@ def test_reading_a_report_needs_no_torch_ipython_or_matplotlib():
 def test_core_layers_do_not_import_presentation():
     assert _loaded_by("memmagic.tracking, memmagic.backends.cpu, memmagic.api",
                       ("IPython", "ipywidgets", "matplotlib")) == "[]"
+
+
+def test_the_peak_in_words():
+    base = dict(backend="cpu", device="cpu", before=0, peak=1, after=0, wall_s=0.0)
+    r = MemoryReport(**base, peak_op="_foreach_sqrt.default", peak_phase="optimizer")
+    assert r.peak_words == "during optimizer.step() (_foreach_sqrt)"
+    r = MemoryReport(**base, peak_op="gelu_backward.default", peak_phase="backward")
+    assert r.peak_words == "during backward (loss.backward()) (gelu backward)"
+    r = MemoryReport(**base, peak_op="aten.mm.default", peak_phase="backward")
+    assert r.peak_words == "during backward (loss.backward()) (mm)"
+    r = MemoryReport(**base, peak_op="addmm.default", peak_module="GPT/blocks.3/attn",
+                     peak_phase="forward")
+    assert r.peak_words == "during forward in `GPT.blocks.3.attn` (addmm)"
+    assert "during forward in `GPT.blocks.3.attn` (addmm)" in r.summary()
+    assert r.to_dict()["peak_words"] == r.peak_words
+    assert MemoryReport(**base).peak_words is None
+
+
+def test_modules_in_a_module_list_are_named_by_their_path():
+    import torch
+    import torch.nn as nn
+
+    import memmagic
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                                        for _ in range(3))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    m, x = Net(), torch.randn(512, 64)
+    with torch.no_grad():
+        r = memmagic.measure(lambda: m(x), backend="cpu")
+    assert r.peak_phase == "forward" and r.peak_module.startswith("Net/blocks.")
+    assert r.peak_words.startswith("during forward in `Net.blocks.")

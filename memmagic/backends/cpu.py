@@ -72,14 +72,12 @@ def report_from_tracking(tracking: Tracking, backend: str, device: str,
     r = tracking.result
     assert r is not None
     notes = tuple(notes)
-    if r.peak_phase:
-        notes += (f"peak reached during {r.peak_phase}",)
     if r.compiled_calls:
         notes += (compiled_note(r.compiled_calls),)
     return MemoryReport(
         backend=backend, device=device, before=r.before, peak=r.peak, after=r.after,
         wall_s=tracking.wall_s, breakdown=r.breakdown, breakdown_before=r.breakdown_before,
         peak_op=r.peak_op,
-        peak_module=r.peak_module,
+        peak_module=r.peak_module, peak_phase=r.peak_phase,
         error=error_text(error), notes=notes, timeline=tuple(r.timeline), **extra,
     )

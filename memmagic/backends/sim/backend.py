@@ -13,7 +13,7 @@ import torch
 from ... import _torch_private as _priv
 from ...report import Category, MemoryReport, format_bytes
 from ...tracking import Tracking, _RoleHooks
-from .. import Backend, Outcome
+from .. import Backend, Outcome, release_own_frames
 from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
 from .cuda_api import install_cuda_api
@@ -196,6 +196,9 @@ class SimBackend(Backend):
                             _restore_globals(saved_globals)
         except BaseException as exc:  # re-raised by the caller after rendering
             error = _explain(exc)
+            # the simulation's own finished frames (dispatch, tracker) hold the op's fake
+            # tensors: a caller keeping the error must not keep them on the card
+            release_own_frames(exc.__traceback__)
         card.cells += 1
         value = sanitize_value(value)
         self.last_run_stats = {"ops": tracker.ops,
