@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 import subprocess
 import sys
@@ -15,31 +14,13 @@ import pytest
 import torch
 
 from memmagic import _torch_private as priv
-from memmagic.backends.sim import SimBackend, SimulationUnsupported, resolve_target
+from memmagic.backends.sim import SimulationUnsupported, resolve_target
 from memmagic.backends.sim.compat import holds_simulated_tensors, install_compat
 from memmagic.backends.sim.cuda_api import DEFAULT_CARD
 from memmagic.backends.sim.kernels import NO_BACKEND, NO_KERNEL, choose_sdpa_backend
 from memmagic.backends.sim.patching import Patches
 
-
-def run(src: str, ns: dict | None = None, **options):
-    code = compile(textwrap.dedent(src), "<cell>", "exec")
-    ns = {} if ns is None else ns
-    out = SimBackend(**options).execute(lambda n: exec(code, n), ns)
-    return out, ns
-
-
-class Recorder:
-    """A side channel out of a simulated cell (the sandbox would copy a plain dict)."""
-
-    def __init__(self, target: dict) -> None:
-        self.__dict__["_set"] = target.__setitem__
-
-    def __setitem__(self, key, value) -> None:
-        self._set(key, value)
-
-    def __deepcopy__(self, memo):
-        return self
+from test_sim import Recorder, run  # noqa: E402  (the helpers every sim test uses)
 
 
 class SDPARecorder:
