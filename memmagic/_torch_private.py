@@ -110,11 +110,15 @@ def new_fake_mode() -> FakeTensorMode:
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def fake_copy(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+def fake_copy(mode: FakeTensorMode, t: torch.Tensor, constant_numel: int = 1) -> torch.Tensor:
     """A fake twin of a real tensor (same sizes, strides, dtype, requires_grad, .grad,
-    Parameter-ness). Tensors of at most one element keep their value as a constant, so
-    reading them (an optimizer's step count) gives the real number."""
-    if t.numel() <= 1 and t.device.type == "cpu" and not t.requires_grad and t.layout == torch.strided:
+    Parameter-ness). Tensors of at most ``constant_numel`` elements that own their whole
+    storage (a step count, a tokenizer's attention mask) keep their values as a constant,
+    so reading them gives the real numbers."""
+    if (t.numel() <= constant_numel and t.device.type == "cpu" and not t.requires_grad
+            and t.layout == torch.strided and not isinstance(t, torch.nn.Parameter)
+            and (t.numel() <= 1 or (t._base is None and t.is_contiguous()
+                                    and t.untyped_storage().nbytes() == t.numel() * t.element_size()))):
         # the constant is updated in place by in-place ops: give it a copy, never ``t``
         return mode.fake_tensor_converter.from_real_tensor(mode, t.clone(), make_constant=True)
     return mode.from_tensor(t)

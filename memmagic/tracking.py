@@ -857,10 +857,34 @@ class Tracking:
                     self._finish()
         return False
 
+    def _note_modules(self) -> None:
+        """Parameters and buffers of the modules the roots hold (a namespace) are what they
+        are, even when no forward ran: ``.cuda()``/``.to()`` replace buffers without the
+        registration hook (``Module._apply`` assigns ``_buffers`` directly)."""
+        roots = self._roots
+        if not isinstance(roots, dict):
+            return
+        t = self.tracker
+        for value in list(roots.values()):
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            for v in items:
+                if not isinstance(v, torch.nn.Module):
+                    continue
+                try:
+                    for b in v.buffers():
+                        t.note(b, Category.BUFFERS)
+                    for p in v.parameters():
+                        t.note(p, Category.PARAMETERS)
+                        if p.grad is not None:
+                            t.note(p.grad, Category.GRADIENTS)
+                except Exception:  # a module that cannot list its tensors: leave it
+                    continue
+
     def _finish(self) -> None:
         t = self.tracker
         try:
             self._hooks.final_notes()
+            self._note_modules()
         finally:
             t.close()
         self.result = TrackResult(

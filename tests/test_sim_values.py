@@ -154,3 +154,25 @@ def test_placeholders_print_as_placeholders_and_the_note_names_lines():
     note = next(n for n in out.report.notes if "depend on data were read" in n)
     # lines of the cell, not internal reads: three lines read placeholders
     assert note.count("line ") == 3 and "line 7 (item)" in note
+
+
+def test_values_a_known_operand_decides_and_fills_and_real_small_tensors():
+    seen = {}
+    host = torch.ones(2, 16, dtype=torch.long)     # a tokenizer's mask from a real cell
+    out, ns = run("""
+        import torch
+        ids = torch.randint(0, 128, (2, 16), device="cuda")
+        seen["fills"] = (torch.ones_like(ids).all().item(), torch.zeros_like(ids).any().item(),
+                         torch.full_like(ids, 3).max().item(), ids.new_zeros(2).tolist())
+        done = torch.full((2,), True, device="cuda") | (ids[:, 0] == 5)   # True | data
+        none = torch.zeros(2, dtype=torch.bool, device="cuda") & (ids[:, 0] == 5)
+        seen["decided"] = (done.all().item(), none.any().item())
+        seen["mixed"] = ((ids[:, 0] == 5) | (ids[:, 1] == 5)).tolist()   # data | data: unknown
+        seen["host"] = host.to("cuda").all().item()
+        host.zero_()                                  # the cell's copy, not the real tensor
+    """, {"seen": Recorder(seen), "host": host})
+    assert out.error is None, out.error
+    assert seen["fills"] == (True, False, 3, [0, 0])
+    assert seen["decided"] == (True, False)
+    assert seen["mixed"] == [False, False]            # placeholders
+    assert seen["host"] is True and int(host.sum()) == 32

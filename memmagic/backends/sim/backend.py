@@ -59,8 +59,8 @@ def clear_op_cache() -> None:
 class _SimTracking(Tracking):
     """Tracking with the simulation's tracker (and no scan of the process's tensors)."""
 
-    def __init__(self, tracker: SimTracker) -> None:
-        super().__init__(tracker._include, tracker._round, seed=False)
+    def __init__(self, tracker: SimTracker, namespace: dict | None = None) -> None:
+        super().__init__(tracker._include, tracker._round, seed=False, roots=namespace)
         self.tracker = tracker
         self._hooks = _RoleHooks(tracker)
 
@@ -147,7 +147,7 @@ class SimBackend(Backend):
         fast = card.op_cache(self.op_cache)
         tracker.fast = fast
         hits0, misses0 = (fast.hits, fast.misses) if fast else (0, 0)
-        tracking = _SimTracking(tracker)
+        tracking = _SimTracking(tracker, namespace)
         patches = Patches()
         libs: list = []
         policy: list = []  # the CUDA autocast policy, installed when autocast is first entered

@@ -306,6 +306,19 @@ _VALUE_FACTORIES = {
 }
 
 
+# Factories from another tensor whose values are one fill value: (op, the fill from args)
+_FILL_FACTORIES = {
+    _aten.ones_like.default: lambda a, k: 1, _aten.zeros_like.default: lambda a, k: 0,
+    _aten.full_like.default: lambda a, k: a[1], _aten.new_ones.default: lambda a, k: 1,
+    _aten.new_zeros.default: lambda a, k: 0, _aten.new_full.default: lambda a, k: a[2],
+}
+_VALUE_FACTORIES = _VALUE_FACTORIES | set(_FILL_FACTORIES)
+# ops whose result a known operand decides alone: x | True, x & False, x * 0 (a GPU's
+# stopping criteria: ``unfinished & ~(max_len_done | eos_hit)``)
+_OR_OPS = {_aten.bitwise_or.Tensor, _aten.logical_or.default}
+_AND_OPS = {_aten.bitwise_and.Tensor, _aten.logical_and.default, _aten.mul.Tensor}
+
+
 def _with_values(func, args, kwargs, out):
     """``out`` (a fake factory output) with its real values as its constant, when small."""
     if (not isinstance(out, torch.Tensor) or out.numel() > CONSTANT_NUMEL
@@ -314,9 +327,34 @@ def _with_values(func, args, kwargs, out):
     mode = getattr(out, "fake_mode", None)
     if mode is None:
         return out
+    fill = _FILL_FACTORIES.get(func)
     with _priv.no_python_modes():
-        real = func(*args, **{**kwargs, "device": CPU})
+        if fill is not None:
+            real = torch.full(tuple(out.shape), fill(args, kwargs), dtype=out.dtype)
+        else:
+            real = func(*args, **{**kwargs, "device": CPU})
     return _priv.constant_fake(mode, real, out)
+
+
+def _absorbed(func, args, out):
+    """``out`` with its values where one known operand decides them (all-True for or,
+    all-False or zero for and/mul); ``out`` unchanged otherwise."""
+    if (not isinstance(out, torch.Tensor) or out.numel() > CONSTANT_NUMEL
+            or _priv.fake_constant(out) is not None or len(args) < 2):
+        return out
+    mode = getattr(out, "fake_mode", None)
+    if mode is None:
+        return out
+    for a in args[:2]:
+        const = _priv.fake_constant(a) if isinstance(a, torch.Tensor) else None
+        if const is None:
+            continue
+        with _priv.no_python_modes():
+            if func in _OR_OPS and out.dtype == torch.bool and bool(const.all()):
+                return _priv.constant_fake(mode, torch.ones(tuple(out.shape), dtype=torch.bool), out)
+            if func in _AND_OPS and not bool(const.any()) and not out.dtype.is_floating_point:
+                return _priv.constant_fake(mode, torch.zeros(tuple(out.shape), dtype=out.dtype), out)
+    return out
 
 
 def _device_rule(func) -> str:
@@ -752,6 +790,8 @@ class SimTracker(StorageTracker):
             out = func(*args, **kwargs) if fast is None else fast(func, args, kwargs)
             if func in _VALUE_FACTORIES:
                 out = _with_values(func, args, kwargs, out)
+            elif func in _OR_OPS or func in _AND_OPS:
+                out = _absorbed(func, args, out)
             info = self._op_info.get(func)
             if info is None:
                 info = self._op_info[func] = _op_info(func)

@@ -31,6 +31,7 @@ from typing import Any, Iterator
 import torch
 
 from ... import _torch_private as _priv
+from .device import CONSTANT_NUMEL
 from .errors import SimulatedValueError
 
 __all__ = ["Sandbox", "SimulatedValue", "sanitize_value", "contains_fake"]
@@ -190,7 +191,7 @@ class Sandbox:
         if _priv.is_fake(t):
             memo[key] = t
             return t
-        f = _priv.fake_copy(self.fake_mode, t)
+        f = _priv.fake_copy(self.fake_mode, t, CONSTANT_NUMEL)
         memo[key] = f
         self.fakes.append((t, f))
         return f
