@@ -235,7 +235,20 @@ def constant_numel_limit_holder():
     return fake_tensor, "CONSTANT_NUMEL_LIMIT"
 
 
-__all__ += ["fake_device", "fake_constant", "constant_fake", "constant_numel_limit_holder"]
+def drop_constant(t: torch.Tensor) -> None:
+    """Forget the constant of a fake tensor (and of its aliases): its values are unknown.
+    FakeTensorMode computes ops on constants for real, uninitialized ones too
+    (``new_empty`` of a constant is a constant of garbage that later indexes memory)."""
+    const = getattr(t, "constant", None)
+    mode = getattr(t, "fake_mode", None)
+    if const is None or mode is None:
+        return
+    mode.fake_tensor_converter.invalidate_constant_aliases(const)
+    t.constant = None
+
+
+__all__ += ["fake_device", "fake_constant", "constant_fake", "constant_numel_limit_holder",
+            "drop_constant"]
 
 
 def fake_mode_deepcopy(mode: FakeTensorMode, memo: dict) -> FakeTensorMode:

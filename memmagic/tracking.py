@@ -397,6 +397,7 @@ def scan_existing() -> list[tuple[torch.Tensor, Category]]:
     found: list[tuple[torch.Tensor, Category]] = []
     graph_roots: list = []
     cache = _KIND_CACHE
+    gc.collect()  # garbage that is only waiting for the collector is not the program's
     for obj in gc.get_objects():  # the hot loop of a scan: one dict lookup per object
         kind = cache.get(type(obj), "?")
         if kind is None:

@@ -241,3 +241,14 @@ def test_sdp_priority_order_follows_sdpa_kernel():
         order = priv.sdp_priority_order()
         assert order[:2] == ["math", "flash"] and set(order) == set(default)
     assert priv.sdp_priority_order() == default
+
+
+def test_drop_constant_forgets_the_values():
+    mode = priv.new_fake_mode()
+    with mode:
+        like = torch.empty(3)
+    fake = priv.constant_fake(mode, torch.tensor([1.0, 2.0, 3.0]), like)
+    assert priv.fake_constant(fake) is not None
+    priv.drop_constant(fake)
+    assert priv.fake_constant(fake) is None
+    priv.drop_constant(fake)  # no constant: nothing to do

@@ -316,6 +316,10 @@ _VALUE_FACTORIES = _VALUE_FACTORIES | set(_FILL_FACTORIES)
 # ops whose result a known operand decides alone: x | True, x & False, x * 0 (a GPU's
 # stopping criteria: ``unfinished & ~(max_len_done | eos_hit)``)
 _OR_OPS = {_aten.bitwise_or.Tensor, _aten.logical_or.default}
+# ops whose outputs hold no values (uninitialized memory): never constants
+_UNINITIALIZED = {_aten.empty.memory_format, _aten.empty_like.default, _aten.new_empty.default,
+                  _aten.new_empty_strided.default, _aten.empty_strided.default,
+                  _aten.empty_permuted.default}
 _AND_OPS = {_aten.bitwise_and.Tensor, _aten.logical_and.default, _aten.mul.Tensor}
 
 
@@ -334,6 +338,22 @@ def _with_values(func, args, kwargs, out):
         else:
             real = func(*args, **{**kwargs, "device": CPU})
     return _priv.constant_fake(mode, real, out)
+
+
+def _drop_unfounded(args, kwargs, out) -> None:
+    """Outputs may carry values only when every tensor input did: the meta kernels of ops
+    on unknown data (``_embedding_bag``) make their outputs with ``new_empty`` on a known
+    input, which FakeTensorMode turns into constants of uninitialized memory."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if not any(getattr(o, "constant", None) is not None for o in outs if isinstance(o, torch.Tensor)):
+        return
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (tuple, list)) else (a,)):
+            if _priv.is_fake(t) and t.constant is None:  # real tensors are known
+                for o in outs:
+                    if isinstance(o, torch.Tensor):
+                        _priv.drop_constant(o)
+                return
 
 
 def _absorbed(func, args, out):
@@ -792,6 +812,10 @@ class SimTracker(StorageTracker):
                 out = _with_values(func, args, kwargs, out)
             elif func in _OR_OPS or func in _AND_OPS:
                 out = _absorbed(func, args, out)
+            elif func in _UNINITIALIZED and isinstance(out, torch.Tensor):
+                _priv.drop_constant(out)
+            else:
+                _drop_unfounded(args, kwargs, out)
             info = self._op_info.get(func)
             if info is None:
                 info = self._op_info[func] = _op_info(func)
