@@ -15,6 +15,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from test_sim_compat import SDPARecorder  # noqa: E402  (one recorder for both files)
+
 OPTS = "--backend sim --gpu T4 -o -q --no-chart"
 BLOCK = 512  # the CUDA caching allocator rounds every tensor up to 512 B
 
@@ -188,24 +190,6 @@ def test_a_timm_like_drop_path_schedule_uses_the_real_values(ip):
 
 
 # -- 4. gradient checkpointing + SDPA takes the GPU's path, across cells -------------------------
-class SDPARecorder:
-    """Wraps F.scaled_dot_product_attention; records (is_causal, attn_mask shape or None).
-    Handed into the cell through the namespace (deepcopy returns the recorder itself)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-        self.orig = None
-
-    def __call__(self, *args, **kwargs):
-        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-        causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
-        self.calls.append((bool(causal), None if mask is None else tuple(mask.shape)))
-        return self.orig(*args, **kwargs)
-
-    def __deepcopy__(self, memo):
-        return self
-
-
 CKPT_BUILD = """\
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
