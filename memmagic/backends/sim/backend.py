@@ -162,7 +162,7 @@ class SimBackend(Backend):
         sandbox = Sandbox(namespace, fake_mode, self._replacements(autocast),
                           card.shadow if self.session is not None else None)
         saved_globals = _save_globals()
-        value = error = None
+        value = error = shown = None
         sdpa = None
         _ACTIVE.append(self)
         try:
@@ -180,6 +180,7 @@ class SimBackend(Backend):
                 with fake_mode, tracking, DeviceRewriteMode(state):
                     tracker.start_clock()
                     value = run(namespace)
+                    shown = _shown(value)  # its repr, while fake tensors print as on a GPU
             finally:
                 running[0] = False
                 try:
@@ -200,7 +201,7 @@ class SimBackend(Backend):
             # tensors: a caller keeping the error must not keep them on the card
             release_own_frames(exc.__traceback__)
         card.cells += 1
-        value = sanitize_value(value)
+        value = sanitize_value(value, shown=shown, live=self.session is not None)
         self.last_run_stats = {"ops": tracker.ops,
                                "cache_hits": fast.hits - hits0 if fast else 0,
                                "cache_misses": fast.misses - misses0 if fast else 0}
@@ -345,6 +346,17 @@ class SimBackend(Backend):
 
 
 # -- helpers ----------------------------------------------------------------------------------
+def _shown(value: Any) -> str | None:
+    """The repr a GPU run would show for a cell's value (None: not one to show)."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return None
+    try:
+        text = repr(value)
+    except Exception:
+        return None
+    return text if len(text) <= 5000 else text[:5000] + " ..."
+
+
 def _reads_note(read_ops: dict) -> str:
     """Which lines of the cell read values the simulation does not have."""
     lines: dict[str, set[str]] = {}

@@ -53,12 +53,13 @@ class SimulatedValue:
     other use raises :class:`SimulatedValueError` with a one-line message. ``live``: the
     value lives on a persistent simulated GPU (later simulated cells get it)."""
 
-    __slots__ = ("_name", "_what", "_state")
+    __slots__ = ("_name", "_what", "_state", "_shown")
 
-    def __init__(self, name: str, what: str, live: bool = False) -> None:
+    def __init__(self, name: str, what: str, live: bool = False, shown: str | None = None) -> None:
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_what", what)
         object.__setattr__(self, "_state", "live" if live else "rerun")
+        object.__setattr__(self, "_shown", shown)
 
     def _forget(self) -> None:
         """The simulated GPU it lived on was reset."""
@@ -78,6 +79,9 @@ class SimulatedValue:
             f"{object.__getattribute__(self, '_advice')()}")
 
     def __repr__(self) -> str:
+        shown = object.__getattribute__(self, "_shown")
+        if shown is not None:  # what the GPU run would show
+            return f"{shown}\n[an object of the simulated GPU: a real cell cannot use it]"
         return (f"<simulated {object.__getattribute__(self, '_what')} "
                 f"'{object.__getattribute__(self, '_name')}': "
                 f"{object.__getattribute__(self, '_advice')()}>")
@@ -146,12 +150,14 @@ def contains_fake(value: Any, limit: int = 10_000) -> bool:
     return any(_priv.is_fake(t) for t in _reachable_tensors(value, limit))
 
 
-def sanitize_value(value: Any, name: str = "the cell's value") -> Any:
-    """The value a simulated cell returns, safe to hand to the notebook."""
+def sanitize_value(value: Any, name: str = "the cell's value", shown: str | None = None,
+                   live: bool = False) -> Any:
+    """The value a simulated cell returns, safe to hand to the notebook. ``shown``: its
+    repr taken inside the simulation (what a GPU run would print, values aside)."""
     if value is None or isinstance(value, _ATOMIC):
         return value
     if contains_fake(value):
-        return SimulatedValue(name, _describe(value))
+        return SimulatedValue(name, _describe(value), live=live, shown=shown)
     return value
 
 
