@@ -9,7 +9,10 @@ import html
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from .trace import ModuleRow, Trace
 
 __all__ = ["Category", "MemoryReport", "Footer", "format_bytes", "parse_bytes"]
 
@@ -151,7 +154,16 @@ class MemoryReport:
     # stay within the card) and the bytes live when it failed; None when none failed
     failed_request: int | None = None
     live_at_failure: int | None = None
-    peak_phase: str | None = None  # forward / backward / optimizer (tracker-based runs)
+    # forward / backward / recompute / optimizer / other (tracker-based runs)
+    peak_phase: str | None = None
+    # the autograd node at a backward peak ("softmax backward"), the optimizer at a step's
+    # ("Adam, foreach")
+    peak_label: str | None = None
+    # per module (full dotted paths): activations saved by its ops live at the peak, the
+    # most it held, parameters and gradients it owns; largest first (see modules_at)
+    modules: tuple["ModuleRow", ...] = field(default=(), repr=False)
+    # the full record of the run (tracker-based backends): storages, ops, events in order
+    trace: "Trace | None" = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -160,6 +172,7 @@ class MemoryReport:
         object.__setattr__(self, "breakdown_before", _frozen_breakdown(self.breakdown_before))
         object.__setattr__(self, "notes", tuple(self.notes))
         object.__setattr__(self, "timeline", tuple(tuple(p) for p in self.timeline))
+        object.__setattr__(self, "modules", tuple(self.modules))
 
     # -- derived numbers ---------------------------------------------------------------
     @property
@@ -211,8 +224,23 @@ class MemoryReport:
             "gpu_name": self.gpu_name, "gpu_memory": self.gpu_memory,
             "error": self.error, "notes": list(self.notes),
             "failed_request": self.failed_request, "live_at_failure": self.live_at_failure,
-            "peak_phase": self.peak_phase, "peak_words": self.peak_words,
+            "peak_phase": self.peak_phase, "peak_label": self.peak_label,
+            "peak_words": self.peak_words,
+            "modules": [dict(module=r.module, activations=r.activations,
+                             activations_max=r.activations_max, share=r.share,
+                             parameters=r.parameters, gradients=r.gradients)
+                        for r in self.modules],
         }
+
+    def modules_at(self, depth: int | None = 2) -> list["ModuleRow"]:
+        """The per-module table summed to ``depth`` levels of the module tree (1: the root
+        modules, 2: their children, None: every module on its own), largest activations
+        first. The rows' activations sum to the activations category at the peak."""
+        from .trace import module_rows_at
+
+        if depth is not None and depth < 1:
+            raise ValueError(f"depth must be 1 or more (or None for every module), not {depth!r}")
+        return module_rows_at(self.modules, depth, self.peak)
 
     # -- rendering ---------------------------------------------------------------------
     def __str__(self) -> str:
@@ -254,27 +282,37 @@ class MemoryReport:
 
     @property
     def peak_words(self) -> str | None:
-        """Where the peak was, as a student reads it: "during backward, in `GPT.blocks.3.attn`
-        (softmax backward)", "during optimizer.step() (_foreach_sqrt)"; None if unknown."""
+        """Where the peak was, as a student reads it: "during loss.backward() in
+        `model.blocks.3.attn` (softmax backward)", "during optimizer.step() (Adam,
+        foreach: _foreach_sqrt)"; None if unknown. Internal op names only follow in
+        parentheses."""
         op = _op_name(self.peak_op)
-        module = ".".join(self.peak_module.split("/")) if self.peak_module else None
+        module = self.peak_module
         phase = self.peak_phase
+        label = self.peak_label
         if phase is None and module is None and op is None:
             return None
         if phase == "optimizer":
             text = "during optimizer.step()"
         elif phase == "backward":
-            text = "during backward (loss.backward())"
+            text = "during loss.backward()"
             if op and op.endswith("_backward"):
                 op = op[: -len("_backward")].lstrip("_") + " backward"
+        elif phase == "recompute":
+            text = "while loss.backward() recomputed a checkpointed forward"
         elif phase == "forward":
             text = "during forward"
         else:
-            text = "at"
+            text = "outside forward, backward and optimizer steps"
         if module:
             text += f" in `{module}`"
-        if op:
-            text += f" ({op})" if text != "at" else f" {op}"
+        detail = label if label and label != op else None
+        if detail and op:
+            detail = f"{detail}: {op}"
+        elif op:
+            detail = op
+        if detail:
+            text += f" ({detail})"
         return text
 
     def breakdown_rows(self) -> list[tuple[str, int, float]]:
@@ -310,16 +348,33 @@ class MemoryReport:
             lines.append(f"    {name:<16}{format_bytes(value):>12}  {share:6.1%}")
         if self.backend == "cuda" and self.unattributed:
             lines.append(f"    {'unattributed':<16}{format_bytes(self.unattributed):>12}")
+        rows = self._module_rows()
+        if rows:
+            lines.append("  activations by module at peak:")
+            for r in rows:
+                lines.append(f"    {r.module:<28}{format_bytes(r.activations):>12}  {r.share:6.1%}")
         if self.error:
             lines.append(f"  cell failed: {self.error}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
+    def _module_rows(self, top: int = 5) -> list["ModuleRow"]:
+        """The display's per-module rows: the deepest level (up to 3) that splits the
+        activations into more than one row, top ``top`` by activations at the peak."""
+        if not self.modules or not self.breakdown.get(Category.ACTIVATIONS.value):
+            return []
+        best = self.modules_at(1)
+        for depth in (2, 3):
+            rows = self.modules_at(depth)
+            if len([r for r in rows if r.activations]) > len([r for r in best if r.activations]):
+                best = rows
+        return [r for r in best if r.activations][:top]
+
     def _repr_html_(self) -> str:
         esc = html.escape
         head = (
             f"<b>memmagic</b> <code>{esc(self.backend)}</code> {esc(self.device)}"
-            f" <span style='color:#666'>({esc(self.source)})</span>"
+            f" <span style='{_MUTED}'>({esc(self.source)})</span>"
         )
         rows = "".join(
             f"<tr><th style='text-align:left'>{esc(k)}</th><td style='text-align:left'>{esc(v)}</td></tr>"
@@ -333,15 +388,32 @@ class MemoryReport:
                 f"<td style='text-align:right'>{share:.1%}</td>"
                 f"<td style='width:12em'><div style='background:{COLORS[name]};height:0.8em;width:{pct:.1f}%'></div></td></tr>"
             )
-        notes = "".join(f"<li>{esc(n)}</li>" for n in self.notes)
-        err = f"<p style='color:#b00'>cell failed: {esc(self.error)}</p>" if self.error else ""
+        mods = "".join(
+            f"<tr><td><code>{esc(r.module)}</code></td><td style='text-align:right'>{esc(format_bytes(r.activations))}</td>"
+            f"<td style='text-align:right'>{r.share:.1%}</td></tr>" for r in self._module_rows())
+        if mods:
+            mods = ("<table><tr><th style='text-align:left'>activations by module (at peak)</th>"
+                    f"<th>bytes</th><th>share</th></tr>{mods}</table>")
+        notes = ""
+        if self.notes:
+            items = "".join(f"<li>{esc(n)}</li>" for n in self.notes)
+            count = len(self.notes)
+            notes = (f"<details style='{_MUTED}'><summary>{count} note{'s' if count != 1 else ''}: "
+                     f"where these numbers come from and what they leave out</summary>"
+                     f"<ul>{items}</ul></details>")
+        err = f"<p style='{_ERROR}'>cell failed: {esc(self.error)}</p>" if self.error else ""
         return (
             f"<div class='memmagic-report'>{head}{err}"
             f"<table>{rows}</table>"
             f"<table><tr><th>category (at peak)</th><th>bytes</th><th>share</th><th></th></tr>{''.join(bars)}</table>"
-            + (f"<ul style='color:#666'>{notes}</ul>" if notes else "")
-            + "</div>"
+            + mods + notes + "</div>"
         )
+
+
+# Colours that follow the notebook's theme (JupyterLab's and VS Code's CSS variables),
+# with fallbacks readable on a light background.
+_MUTED = "color:var(--jp-ui-font-color2, var(--vscode-descriptionForeground, #555))"
+_ERROR = "color:var(--jp-error-color1, var(--vscode-errorForeground, #c62828));font-weight:bold"
 
 
 class Footer:
@@ -358,6 +430,6 @@ class Footer:
         p.text(self.text)
 
     def _repr_html_(self) -> str:
-        color = "#b00" if self.fits is False else "#666"
-        return (f"<div class='memmagic-footer' style='color:{color};font-size:85%'>"
+        style = _ERROR if self.fits is False else _MUTED
+        return (f"<div class='memmagic-footer' style='{style};font-size:85%'>"
                 f"{html.escape(self.text)}</div>")

@@ -13,7 +13,9 @@ in ``finally``. While it runs, ``torch.compile``'d code runs eagerly (:class:`Ea
 
 from __future__ import annotations
 
+import bisect
 import gc
+import sys
 import time
 import types
 import warnings
@@ -32,23 +34,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _torch_private as _priv
 from .report import Category
+from .trace import PRIORITY as _PRIORITY, Trace
 
-__all__ = ["StorageTracker", "Tracking", "TrackResult", "scan_existing", "Pool"]
+__all__ = ["StorageTracker", "Tracking", "TrackResult", "scan_existing", "Pool", "Trace"]
 
 # Which pool a tensor's storage counts in: "device" (the measured device), "host", or None.
 Pool = str
 IncludeFn = Callable[[torch.Tensor], "Pool | None"]
 
-# A storage keeps the most specific role it ever had.
-_PRIORITY = {
-    Category.OTHER: 0,
-    Category.ACTIVATIONS: 1,
-    Category.OPTIMIZER_STATE: 2,
-    Category.GRADIENTS: 3,
-    Category.BUFFERS: 4,
-    Category.PARAMETERS: 5,
-    Category.WORKSPACES: 6,
-}
+# A storage keeps the most specific role it ever had: trace.PRIORITY (Category is a str
+# enum, so its members and their values are the same keys).
 
 
 def _identity(n: int) -> int:
@@ -81,6 +76,8 @@ class TrackResult:
     timeline: list[tuple[int, int]] = field(default_factory=list)  # (op index, live device bytes)
     breakdown_before: dict[str, int] = field(default_factory=dict)
     compiled_calls: int = 0  # calls of torch.compile'd code, which ran eagerly
+    trace: Trace | None = None
+    peak_label: str | None = None  # the autograd node (backward) or optimizer (step) at the peak
 
 
 class StorageTracker(TorchDispatchMode):
@@ -112,11 +109,25 @@ class StorageTracker(TorchDispatchMode):
         self.peak_module: str | None = None
         self.peak_phase: str | None = None
         self.ops = 0
+        # dotted paths of the modules whose forward runs, outermost first ("model.blocks.1")
         self.module_stack: list[str] = []
-        self.phase_override: str | None = None
+        self.phase_override: str | None = None  # "optimizer" while a step runs
         self._mutating: dict[object, bool] = {}
         self._closed = False
         self.quiet = 0  # >0 while memmagic itself runs ops (the saved-tensor hook's detach)
+        # the trace: (name, module, phase) of every op; which module first saved each
+        # storage for backward; which module owns each parameter and gradient storage
+        self.op_log: list[tuple[str, str | None, str, str | None]] = []
+        self.saver: dict[int, str | None] = {}
+        self.owner: dict[int, str] = {}
+        # autograd node numbers at which the module path changed (forward), to name the
+        # module a backward op belongs to
+        self._seq_starts: list[int] = []
+        self._seq_paths: list[str | None] = []
+        self.record_frames = False  # keep the user's stack for each new storage (snapshots)
+        self.frames: dict[int, tuple] = {}
+        self.peak_label: str | None = None  # backward: the autograd node ("softmax backward")
+        self.step_label: str | None = None  # the optimizer whose step runs ("Adam")
 
     # -- storage bookkeeping ----------------------------------------------------------
     def _on_free(self, key: int, serial: int) -> None:
@@ -139,11 +150,67 @@ class StorageTracker(TorchDispatchMode):
 
     def _peak_context(self) -> None:
         self.peak_op = self._last_op
-        self.peak_module = "/".join(self.module_stack) if self.module_stack else None
+        phase, module, label = self.context()
+        self.peak_phase, self.peak_module, self.peak_label = phase, module, label
+
+    def context(self) -> tuple[str, str | None, str | None]:
+        """(phase, module path, autograd node label) of the op running now. In backward the
+        module is the one whose forward made the autograd node being run."""
         if self.phase_override:
-            self.peak_phase = self.phase_override
+            label = self.step_label
+            if label and self._last_op and self._last_op.startswith(("_foreach_", "_fused_")):
+                label += ", foreach" if self._last_op.startswith("_foreach_") else ", fused"
+            return self.phase_override, self.module_stack[-1] if self.module_stack else None, label
+        if _priv.in_backward():
+            if self.module_stack:  # a checkpointed forward, run again for backward
+                return "recompute", self.module_stack[-1], None
+            node = _priv.current_autograd_node()
+            if node is None:
+                return "backward", None, None
+            seq, node_name = node
+            i = bisect.bisect_right(self._seq_starts, seq) - 1
+            return "backward", self._seq_paths[i] if i >= 0 else None, _node_label(node_name)
+        if self.module_stack:
+            return "forward", self.module_stack[-1], None
+        return ("forward" if self._grad_op else "other"), None, None
+
+    _grad_op = False  # the op running now made an autograd node (outside modules)
+    _last_seq = -1
+
+    def enter_module(self, path: str) -> None:
+        self.module_stack.append(path)
+        self._mark_path(path)
+
+    def exit_module(self) -> None:
+        if self.module_stack:
+            self.module_stack.pop()
+        self._mark_path(self.module_stack[-1] if self.module_stack else None)
+
+    def _mark_path(self, path: str | None) -> None:
+        if _priv.in_backward():
+            return  # recompute: its nodes are run by the backward that made them
+        seq = _priv.next_sequence_nr()
+        if self._seq_starts and self._seq_starts[-1] == seq:
+            self._seq_paths[-1] = path
         else:
-            self.peak_phase = "backward" if _priv.in_backward() else "forward"
+            self._seq_starts.append(seq)
+            self._seq_paths.append(path)
+
+    def log_op(self, name: str, args: tuple, kwargs: dict | None) -> None:
+        """The per-op bookkeeping every tracker shares: count the op, remember its name,
+        module and phase (for the trace and the peak's words)."""
+        self.ops += 1
+        self._last_op = name
+        if not self.module_stack and not self.phase_override:
+            # outside modules an op is part of the forward when it made an autograd node
+            # (its node was made before the op dispatched here, so the count moved on)
+            seq = _priv.next_sequence_nr()
+            self._grad_op = seq != self._last_seq
+            self._last_seq = seq
+        else:
+            self._grad_op = False
+        phase, module, label = self.context()
+        self.op_log.append((name, module, phase, label))
 
     def track(self, t: torch.Tensor, role: Category = Category.OTHER) -> int | None:
         """Start tracking ``t``'s storage (if not yet tracked); return its serial or None."""
@@ -166,8 +233,11 @@ class StorageTracker(TorchDispatchMode):
             except TypeError:
                 return None
             self._live[key] = entry
+            if self.record_frames:
+                self.frames[serial] = _user_frames()
             self._add(entry, entry.nbytes)
-        self.note_serial(entry.serial, role)
+        if role is not Category.OTHER:
+            self.note_serial(entry.serial, role)
         return entry.serial
 
     def _recheck_size(self, t: torch.Tensor) -> None:
@@ -197,6 +267,8 @@ class StorageTracker(TorchDispatchMode):
         """Autograd started (+1) or stopped (-1) holding this storage for backward."""
         if not self._closed:
             self.saved_events.append((len(self.events), serial, delta))
+            if delta > 0 and serial not in self.saver:
+                self.saver[serial] = self.module_stack[-1] if self.module_stack else None
 
     def note_serial(self, serial: int, role: Category) -> None:
         old = self.roles.get(serial, Category.OTHER)
@@ -224,15 +296,14 @@ class StorageTracker(TorchDispatchMode):
         self.events.clear()
         self.peak = dict(self.current)
         self.peak_event = -1
-        self.peak_op = self.peak_module = self.peak_phase = None
+        self.peak_op = self.peak_module = self.peak_phase = self.peak_label = None
 
     # -- dispatch -----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.quiet:
             return out
-        self.ops += 1
-        self._last_op = func.__name__ if hasattr(func, "__name__") else str(func)
+        self.log_op(func.__name__ if hasattr(func, "__name__") else str(func), args, kwargs)
         mutating = self._mutating.get(func)
         if mutating is None:
             schema = getattr(func, "_schema", None)
@@ -261,57 +332,66 @@ class StorageTracker(TorchDispatchMode):
         for entry in self._live.values():
             entry.ref = None
 
+    def trace(self) -> Trace:
+        """The run's :class:`~memmagic.trace.Trace`: a copy of the tables, restricted to
+        the storages of this run (a tracker that lasts across cells keeps growing)."""
+        events, saved_events = list(self.events), list(self.saved_events)
+        seed = dict(self._seed)
+        serials = set(seed)
+        serials.update(e[0] for e in events)
+        serials.update(e[1] for e in saved_events)
+        pool_of, roles, saver, owner = self.pool_of, self.roles, self.saver, self.owner
+        return Trace(
+            ops=list(self.op_log), events=events, saved_events=saved_events,
+            pool_of={s: pool_of[s] for s in serials if s in pool_of},
+            roles={s: Category(roles[s]).value for s in serials if s in roles},
+            seed=seed, saver={s: saver[s] for s in serials if s in saver},
+            owner={s: owner[s] for s in serials if s in owner},
+            frames={s: self.frames[s] for s in serials if s in self.frames},
+            peak_event=self.peak_event, before=self.before["device"])
+
     def breakdown_at(self, event_index: int) -> dict[str, int]:
         """Device bytes per category after event ``event_index`` (-1: at the start)."""
-        live = dict(self._seed)
-        for serial, delta, _ in self.events[: event_index + 1]:
-            live[serial] = live.get(serial, 0) + delta
-        saved: dict[int, int] = {}
-        for n_events, serial, delta in self.saved_events:
-            if n_events > event_index + 1:
-                break
-            saved[serial] = saved.get(serial, 0) + delta
-        out = {c.value: 0 for c in Category}
-        for serial, nbytes in live.items():
-            if nbytes and self.pool_of[serial] == "device":
-                role = self.roles.get(serial, Category.OTHER)
-                if _PRIORITY[role] < _PRIORITY[Category.ACTIVATIONS] and saved.get(serial, 0) > 0:
-                    role = Category.ACTIVATIONS
-                out[role.value] += nbytes
-        return out
+        return self.trace().breakdown_at(event_index)
 
     def timeline(self, max_points: int = 2000) -> list[tuple[int, int]]:
-        """(op index, live device bytes) at the end of each op that allocated or freed on
-        the device, preceded by the op's own high-water mark where that is above both its
-        start and its end; thinned
-        to ``max_points`` (the peak is always kept). One op's frees (a graph released at
-        once) come in an order that can change from run to run; their sum cannot."""
-        cur = self.before["device"]
-        points: list[tuple[int, int]] = [(0, cur)]
-        op_now, start, high = 0, cur, cur
-        for serial, delta, op in self.events:
-            if self.pool_of[serial] != "device":
-                continue
-            if op != op_now:
-                self._close_op(points, op_now, start, high, cur)
-                op_now, start, high = op, cur, cur
-            cur += delta
-            if cur > high:
-                high = cur
-        self._close_op(points, op_now, start, high, cur)
-        if len(points) > max_points:
-            peak_i = max(range(len(points)), key=lambda i: points[i][1])
-            step = len(points) / max_points
-            keep = {int(i * step) for i in range(max_points)} | {len(points) - 1, peak_i}
-            points = [p for i, p in enumerate(points) if i in keep]
-        return points
+        """(op index, live device bytes) through the run: :meth:`Trace.timeline` summed."""
+        return [(op, sum(c.values())) for op, c in self.trace().timeline(max_points)]
 
-    @staticmethod
-    def _close_op(points: list[tuple[int, int]], op: int, start: int, high: int, end: int) -> None:
-        if high > end and high > start:  # the op went above both where it began and ended
-            points.append((op, high))
-        if points[-1] != (op, end):
-            points.append((op, end))
+
+def _node_label(node_name: str) -> str:
+    """``SoftmaxBackward0`` -> ``softmax backward``; ``AccumulateGrad`` -> ``accumulate grad``."""
+    head, sep, tail = node_name.rpartition("Backward")
+    if sep and (not tail or tail.isdigit()):
+        return f"{_snake(head)} backward"
+    return _snake(node_name)
+
+
+def _snake(name: str) -> str:
+    out = []
+    for i, ch in enumerate(name):
+        if ch.isupper() and i and (not name[i - 1].isupper() or
+                                   (i + 1 < len(name) and name[i + 1].islower())):
+            out.append(" ")
+        out.append(ch.lower())
+    return "".join(out).replace("_", " ").strip()
+
+
+_OWN_FILES = (__file__.rsplit("/", 1)[0] + "/",)
+
+
+def _user_frames(limit: int = 8) -> tuple[tuple[str, int, str], ...]:
+    """(file, line, function) of the Python frames outside torch and memmagic, innermost
+    first: where the program asked for a storage."""
+    out = []
+    f = sys._getframe(2)
+    torch_dir = torch.__file__.rsplit("/", 1)[0] + "/"
+    while f is not None and len(out) < limit:
+        name = f.f_code.co_filename
+        if not (name.startswith(torch_dir) or name.startswith(_OWN_FILES)):
+            out.append((name, f.f_lineno, f.f_code.co_name))
+        f = f.f_back
+    return tuple(out)
 
 
 # -- tensors that exist before a run --------------------------------------------------------
@@ -550,40 +630,50 @@ def reachable_existing(roots: Iterable[object], max_objects: int = MAX_WALK
 class _RoleHooks:
     """Global module / optimizer / saved-tensor hooks that tell the tracker what storages are."""
 
-    def __init__(self, tracker: StorageTracker) -> None:
+    def __init__(self, tracker: StorageTracker, namespaces: list[dict] | None = None) -> None:
         self.t = tracker
         self.params: dict[int, weakref.ref] = {}  # tensors hash by id but compare elementwise
+        self.param_path: dict[int, str] = {}  # id(parameter) -> path of the module owning it
         self.optimizers: dict[int, weakref.ref] = {}  # whose step began (it may not end)
-        self._names: dict[int, str] = {}
+        self._names: dict[int, str] = {}  # id(module) -> its name in its parent (or root name)
         self._qual: dict[int, str] = {}  # id(module) -> its qualified name in its root
+        self._paths: dict[int, str] = {}  # id(module) -> the first full path it ran under
+        self._namespaces = namespaces or []  # where a root module's variable name is found
         self._handles: list = []
         self._parents: list = []  # modules whose forward runs, beside tracker.module_stack
         self._saved_ctx = None
         self.channel = _Channel(tracker)
 
+    def _root_name(self, module, kind: type | None = None) -> str:
+        """The variable that holds a root module in the notebook (``model``), else its type
+        (``kind``: the type to name it by, for a compiled wrapper the module it wraps)."""
+        for ns in self._namespaces:
+            try:
+                for k, v in ns.items():
+                    if v is module and isinstance(k, str) and not k.startswith("_"):
+                        return k
+            except RuntimeError:  # the namespace changed while we looked
+                continue
+        return (kind or type(module)).__name__
+
     def _pre_forward(self, module, args):
         t = self.t
-        for p in module._parameters.values():
-            if p is not None:
-                t.note(p, Category.PARAMETERS)
-                self.params.setdefault(id(p), weakref.ref(p))
-                if p.grad is not None:
-                    t.note(p.grad, Category.GRADIENTS)
-        for b in module._buffers.values():
-            if b is not None:
-                t.note(b, Category.BUFFERS)
         inner = _compiled_inner(module)
         if inner is not None:  # torch.compile's wrapper: the module it wraps stands for it
-            if t.module_stack and self._parent is not None and id(inner) not in self._names:
-                for child_name, child in self._parent._modules.items():
-                    if child is module:
-                        self._names[id(inner)] = child_name
-                        break
+            if id(inner) not in self._names:
+                if t.module_stack and self._parent is not None:
+                    for child_name, child in self._parent._modules.items():
+                        if child is module:
+                            self._names[id(inner)] = child_name
+                            break
+                elif not t.module_stack:
+                    self._names[id(inner)] = self._root_name(module, type(inner))
             return
+        path = None if t.module_stack else self._paths.get(id(module))
         name = self._names.get(id(module))
-        if name is None:
-            name = type(module).__name__
+        if path is None and name is None:
             if not t.module_stack:
+                name = self._root_name(module)
                 # a root: the qualified names of what it contains, so that a module called
                 # from a container that is never called itself (a ModuleList) is named by
                 # its path ("blocks.1"), not its type
@@ -592,6 +682,7 @@ class _RoleHooks:
                 except Exception:
                     pass
             else:
+                name = type(module).__name__
                 parent = self._parent
                 if parent is not None:
                     for child_name, child in parent._modules.items():
@@ -603,7 +694,26 @@ class _RoleHooks:
                         if mine and theirs is not None and mine.startswith(theirs):
                             name = mine[len(theirs):].lstrip(".") or name
             self._names[id(module)] = name
-        t.module_stack.append(name)
+        if path is None:
+            # a module called with no module running whose path is known (checkpoint's
+            # recompute of a block, a block called on its own) keeps that path
+            path = f"{t.module_stack[-1]}.{name}" if t.module_stack else name
+            self._paths.setdefault(id(module), path)
+        owner = t.owner
+        for p in module._parameters.values():
+            if p is not None:
+                t.note(p, Category.PARAMETERS)
+                self.params.setdefault(id(p), weakref.ref(p))
+                self.param_path.setdefault(id(p), path)
+                serial = t.serial_of(p)
+                if serial is not None and serial not in owner:
+                    owner[serial] = path
+                if p.grad is not None:
+                    t.note(p.grad, Category.GRADIENTS)
+        for b in module._buffers.values():
+            if b is not None:
+                t.note(b, Category.BUFFERS)
+        t.enter_module(path)
         self._parents.append(module)
 
     def _param_registered(self, module, name, param):
@@ -623,8 +733,7 @@ class _RoleHooks:
         if _compiled_inner(module) is not None:
             return
         t = self.t
-        if t.module_stack:
-            t.module_stack.pop()
+        t.exit_module()
         if self._parents:
             self._parents.pop()
         for b in module._buffers.values():  # BatchNorm replaces running stats in place or anew
@@ -649,6 +758,7 @@ class _RoleHooks:
                 for v in state.values():
                     t.note(v, Category.OPTIMIZER_STATE)
         t.phase_override = None if post else "optimizer"
+        t.step_label = None if post else type(opt).__name__
 
     @staticmethod
     def _pack(tensor):
@@ -695,13 +805,21 @@ class _RoleHooks:
                 if isinstance(state, dict):
                     for v in state.values():
                         self.t.note(v, Category.OPTIMIZER_STATE)
-        for ref in list(self.params.values()):
+        owner = self.t.owner
+        for key, ref in list(self.params.items()):
             p = ref()
             if p is None:
                 continue
             self.t.note(p, Category.PARAMETERS)  # .to()/.half() gave it a new storage
+            path = self.param_path.get(key)
+            serial = self.t.serial_of(p)
+            if path is not None and serial is not None:
+                owner.setdefault(serial, path)
             if p.grad is not None:
                 self.t.note(p.grad, Category.GRADIENTS)
+                serial = self.t.serial_of(p.grad)
+                if path is not None and serial is not None:
+                    owner.setdefault(serial, path)
 
     def uninstall(self) -> None:
         self.channel.tracker = None
@@ -805,6 +923,13 @@ def _compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
 
 
 # -- the context manager the backends use -----------------------------------------------
+def _namespaces(roots) -> list[dict]:
+    """The dicts among ``roots`` (a notebook's namespace): where root modules are named."""
+    if isinstance(roots, dict):
+        return [roots]
+    return [r for r in (roots or ()) if isinstance(r, dict)]
+
+
 class Tracking:
     """Track live storages while the body runs; ``result`` is set on exit (also on error).
 
@@ -819,7 +944,7 @@ class Tracking:
         that walk is too large, through the garbage collector (complete but slower)."""
         self.tracker = StorageTracker(include, round_bytes)
         self._roots = roots
-        self._hooks = _RoleHooks(self.tracker)
+        self._hooks = _RoleHooks(self.tracker, _namespaces(roots))
         self._compiled = EagerCompiled()
         self._seed = seed
         self.result: TrackResult | None = None
@@ -888,11 +1013,12 @@ class Tracking:
             self._note_modules()
         finally:
             t.close()
+        trace = t.trace()
         self.result = TrackResult(
             before=t.before["device"],
             peak=t.peak["device"],
             after=t.current["device"],
-            breakdown=t.breakdown_at(t.peak_event),
+            breakdown=trace.breakdown_at(t.peak_event),
             peak_op=t.peak_op,
             peak_module=t.peak_module,
             peak_phase=t.peak_phase,
@@ -900,7 +1026,9 @@ class Tracking:
             host_peak=t.peak["host"],
             host_after=t.current["host"],
             ops=t.ops,
-            timeline=t.timeline(),
-            breakdown_before=t.breakdown_at(-1),
+            timeline=[(op, sum(c.values())) for op, c in trace.timeline()],
+            breakdown_before=trace.breakdown_at(-1),
             compiled_calls=self._compiled.calls,
+            trace=trace,
+            peak_label=t.peak_label,
         )

@@ -166,7 +166,7 @@ def test_compiled_module_named_as_its_module_and_no_hook_warning(clean_state):
         plain = memmagic.measure(lambda: model(x), backend="cpu")
         r = memmagic.measure(lambda: compiled(x), backend="cpu")
     assert not [w for w in seen if "global hooks" in str(w.message)]
-    assert r.peak_module == plain.peak_module == "Sequential/1"
+    assert r.peak_module == plain.peak_module == "Sequential.1"
     assert warnings.filters == filters
 
 

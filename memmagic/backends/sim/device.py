@@ -30,7 +30,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -676,8 +675,12 @@ class SimTracker(StorageTracker):
         self.max_ops, self.max_seconds = max_ops, max_seconds
         self.deadline = float("inf")
         self.ops = 0
-        self.events.clear()
-        self.saved_events.clear()
+        self.events = []  # new lists: the last report's trace keeps its own
+        self.saved_events = []
+        self.op_log = []
+        self.frames = {}
+        self._seq_starts, self._seq_paths = [], []
+        self.step_label = None
         self.module_stack.clear()
         self.phase_override = None
         self._last_op = None
@@ -741,17 +744,19 @@ class SimTracker(StorageTracker):
             self.cuda_reserved_peak = a.reserved
 
     def _oom_error(self, full: AllocatorFull) -> SimulatedOutOfMemoryError:
-        where = "/".join(self.module_stack) if self.module_stack else None
-        phase = "backward" if _priv.in_backward() else None
+        phase, where, label = self.context()
         op = self._last_op
         free = max(full.capacity - full.reserved, 0)
         live = self.current["device"]  # what the report counts live at the failure
         cached = max(full.reserved - live, 0)
         loc = f"aten.{op}" if op else "an allocation"
+        if label:
+            loc += f" ({label})"
         if where:
             loc += f" in module {where}"
-        elif phase:
-            loc += " during backward"
+        loc += {"forward": " during forward", "backward": " during backward (loss.backward())",
+                "recompute": " while backward recomputed a checkpointed forward",
+                "optimizer": " during optimizer.step()"}.get(phase, "")
         msg = (f"CUDA out of memory (simulated). Tried to allocate {format_bytes(full.size)}. "
                f"GPU 0 has a total capacity of {format_bytes(full.capacity)} of which "
                f"{format_bytes(free)} is free. Of the allocated memory "
@@ -830,8 +835,7 @@ class SimTracker(StorageTracker):
             if dev is not None and dev.type == "cuda":
                 raise SimulationUnsupported(
                     f"a CUDA tensor slipped through the simulation at aten.{name}; {RERUN_HINT}")
-            self.ops = n
-            self._last_op = name
+            self.log_op(name, args, kwargs)
             serial0 = self._serial
             if mutating:
                 self._visit(out, True)
@@ -844,13 +848,9 @@ class SimTracker(StorageTracker):
                     if serial is not None:
                         s.zero_read_serials.add(serial)
             elif isinstance(out, torch.Tensor):
-                self._track_output(out, pool)
+                self.track(out)  # in the pool (and rounding) of s.pending, set above
             elif seq:
-                for o in out:
-                    if isinstance(o, torch.Tensor):
-                        self._track_output(o, pool)
-                    elif isinstance(o, (list, tuple)):
-                        self._visit(o, False)
+                self._visit(out, False)
             if self._out_unsure and self._serial > serial0:
                 self._unsure.update(range(serial0 + 1, self._serial + 1))
             return out
@@ -871,30 +871,6 @@ class SimTracker(StorageTracker):
             self._add(entry, entry.nbytes)  # raises the OOM a GPU would raise here
             self._live[-entry.serial] = entry  # never freed: no storage, a key of its own
             ws.held[key] = entry.nbytes
-
-    def _track_output(self, t: torch.Tensor, pool: str) -> None:
-        """``track(t)`` for an op's output (what StorageTracker.track does, with the pool
-        and rounding of the current op known)."""
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):
-            return  # sparse and other storage-less tensors
-        key = _priv.storage_key(st)
-        if key in self._live:
-            return  # a view of a storage already tracked
-        self._serial += 1
-        serial = self._serial
-        nbytes = st.nbytes()
-        if pool == "device" and self.s.cuda:
-            nbytes = round_request(nbytes)
-        entry = _Entry(serial, nbytes, pool)
-        self.pool_of[serial] = pool
-        try:
-            entry.ref = weakref.ref(st, lambda _r, k=key, s=serial: self._on_free(k, s))
-        except TypeError:
-            return
-        self._live[key] = entry
-        self._add(entry, nbytes)
 
     def _pool_from_inputs(self, func, args, kwargs) -> str:
         """The pool of the op's outputs: "device" when any input tensor is on the simulated

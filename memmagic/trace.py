@@ -1,0 +1,354 @@
+"""The record of one tracker-based run: which op, module and phase made each storage, when
+it was freed, and the allocations and frees in order. Plain data; importing this module
+needs no torch.
+
+A :class:`Trace` is what the tracker (:mod:`memmagic.tracking`) leaves behind; the report
+summarises it, and the timeline, the per-module table and the snapshot writer read it.
+Op indices count the tracked ops of the run from 1; index 0 is "before the run".
+All sizes are ``int`` bytes, as the allocator would hold them (512-byte rounding on a
+simulated GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from .report import Category
+
+__all__ = ["Trace", "Storage", "ModuleRow", "PHASES", "CATEGORY_ORDER", "PRIORITY",
+           "NO_MODULE", "module_rows_at"]
+
+# What an op was part of. "recompute": a checkpointed forward run again during backward.
+PHASES = ("forward", "backward", "recompute", "optimizer", "other")
+NO_MODULE = "(outside modules)"
+
+# A storage keeps the most specific role it ever had (activations is a state, see below).
+PRIORITY = {
+    Category.OTHER.value: 0,
+    Category.ACTIVATIONS.value: 1,
+    Category.OPTIMIZER_STATE.value: 2,
+    Category.GRADIENTS.value: 3,
+    Category.BUFFERS.value: 4,
+    Category.PARAMETERS.value: 5,
+    Category.WORKSPACES.value: 6,
+}
+CATEGORY_ORDER = tuple(c.value for c in Category)
+_ACT = Category.ACTIVATIONS.value
+_OTHER = Category.OTHER.value
+
+
+@dataclass(frozen=True)
+class Storage:
+    """One storage the run saw. ``op`` is the index of the op that made it (0: it existed
+    before the run); ``freed`` the op index at which it was released (None: live at the
+    end). ``category`` is its role (an "other" storage counts as activations while autograd
+    holds it for backward); ``saved_by`` the module whose op first saved it for backward."""
+
+    serial: int
+    nbytes: int
+    pool: str
+    category: str
+    op: int
+    op_name: str | None
+    module: str | None
+    phase: str | None
+    freed: int | None
+    saved_by: str | None
+    frames: tuple[tuple[str, int, str], ...] = ()  # (file, line, function), innermost first
+
+
+@dataclass(frozen=True)
+class ModuleRow:
+    """One module of the per-module table. ``activations``: bytes it saved for backward
+    that were live at the peak; ``activations_max``: the most it held saved at any moment;
+    ``share``: activations / the run's peak; ``parameters``/``gradients``: bytes of the
+    parameters it owns directly (children's count in their own rows) and their grads."""
+
+    module: str
+    activations: int
+    activations_max: int
+    share: float
+    parameters: int
+    gradients: int
+
+    @property
+    def depth(self) -> int:
+        return 0 if self.module == NO_MODULE else self.module.count(".") + 1
+
+
+def _truncate(path: str, depth: int | None) -> str:
+    if depth is None or path == NO_MODULE:
+        return path
+    return ".".join(path.split(".")[:max(depth, 1)])
+
+
+def module_rows_at(rows: Sequence[ModuleRow], depth: int | None, peak: int) -> list[ModuleRow]:
+    """``rows`` (one per module path) summed up to ``depth`` levels (1: the root module;
+    None: as they are), largest activations first. Attribution is additive, so the
+    activations of the rows always sum to the same total."""
+    acc: dict[str, list[int]] = {}
+    for r in rows:
+        key = _truncate(r.module, depth)
+        a = acc.setdefault(key, [0, 0, 0, 0])
+        a[0] += r.activations
+        a[1] += r.activations_max
+        a[2] += r.parameters
+        a[3] += r.gradients
+    out = [ModuleRow(k, v[0], v[1], v[0] / peak if peak else 0.0, v[2], v[3])
+           for k, v in acc.items()]
+    out.sort(key=lambda r: (-r.activations, -r.parameters, r.module))
+    return out
+
+
+class Trace:
+    """What a tracker recorded in one run (see the module docstring).
+
+    ``ops[i - 1]`` is (name, module path, phase, label) of op ``i`` (label: the autograd
+    node a backward op runs for, "softmax backward", or the optimizer of a step, "Adam"); ``events`` are
+    (serial, delta bytes, op index) in order; ``saved_events`` are (number of events
+    before it, serial, +1 saved / -1 released by autograd); ``seed`` maps the serials
+    that existed before the run to their bytes.
+    """
+
+    def __init__(self, *, ops: list[tuple[str, str | None, str, str | None]],
+                 events: list[tuple[int, int, int]],
+                 saved_events: list[tuple[int, int, int]],
+                 pool_of: dict[int, str], roles: dict[int, str], seed: dict[int, int],
+                 saver: dict[int, str | None], owner: dict[int, str],
+                 frames: dict[int, tuple] | None = None,
+                 peak_event: int = -1, before: int = 0) -> None:
+        self.ops = ops
+        self.events = events
+        self.saved_events = saved_events
+        self.pool_of = pool_of
+        self.roles = roles
+        self.seed = seed
+        self.saver = saver
+        self.owner = owner
+        self.frames = frames or {}
+        self.peak_event = peak_event
+        self.before = before
+        self._storages: list[Storage] | None = None
+
+    def __repr__(self) -> str:
+        return f"<Trace: {len(self.ops)} ops, {len(self.events)} events>"
+
+    # -- ops ----------------------------------------------------------------------------
+    def op(self, index: int) -> tuple[str, str | None, str, str | None] | None:
+        """(name, module, phase, label) of op ``index`` (1-based); None for 0 or out of range."""
+        return self.ops[index - 1] if 0 < index <= len(self.ops) else None
+
+    def phase_spans(self) -> list[tuple[str, int, int]]:
+        """(phase, first op, last op) for each run of consecutive ops in one phase."""
+        spans: list[tuple[str, int, int]] = []
+        for i, (_, _, phase, _) in enumerate(self.ops, start=1):
+            if spans and spans[-1][0] == phase:
+                spans[-1] = (phase, spans[-1][1], i)
+            else:
+                spans.append((phase, i, i))
+        return spans
+
+    @property
+    def peak_op_index(self) -> int:
+        """The op during which the device peak was reached (0: the peak is the start)."""
+        return self.events[self.peak_event][2] if self.peak_event >= 0 else 0
+
+    # -- categories over time -------------------------------------------------------------
+    def _category(self, serial: int, saved: dict[int, int]) -> str:
+        role = self.roles.get(serial, _OTHER)
+        if PRIORITY[role] < PRIORITY[_ACT] and saved.get(serial, 0) > 0:
+            return _ACT
+        return role
+
+    def _replay(self) -> Iterator[tuple[int, int, dict[str, int], dict[int, int], dict[int, int], list[int]]]:
+        """Yield (event index, op index, device bytes per category, live bytes, saved counts,
+        serials changed by this step) after each event, starting with (-1, 0, ...) for the
+        start; the dicts are the replay's own (copy what you keep)."""
+        live = {s: n for s, n in self.seed.items() if self.pool_of.get(s) == "device"}
+        saved: dict[int, int] = {}
+        cats = dict.fromkeys(CATEGORY_ORDER, 0)
+        sv = self.saved_events
+        j = 0
+        changed: list[int] = []
+
+        def apply_saved(upto: int) -> None:
+            nonlocal j
+            while j < len(sv) and sv[j][0] <= upto:
+                _, serial, d = sv[j]
+                j += 1
+                nbytes = live.get(serial, 0)
+                old = self._category(serial, saved)
+                saved[serial] = saved.get(serial, 0) + d
+                new = self._category(serial, saved)
+                changed.append(serial)
+                if nbytes and old != new:
+                    cats[old] -= nbytes
+                    cats[new] += nbytes
+
+        for s, n in live.items():
+            cats[self._category(s, saved)] += n
+        apply_saved(0)
+        yield -1, 0, cats, live, saved, list(live)
+        for i, (serial, delta, op) in enumerate(self.events):
+            changed = []
+            if self.pool_of.get(serial) == "device":
+                cats[self._category(serial, saved)] += delta
+                n = live.get(serial, 0) + delta
+                if n:
+                    live[serial] = n
+                else:
+                    live.pop(serial, None)
+                changed.append(serial)
+            apply_saved(i + 1)
+            yield i, op, cats, live, saved, changed
+
+    def breakdown_at(self, event_index: int) -> dict[str, int]:
+        """Device bytes per category after event ``event_index`` (-1: at the start)."""
+        for i, _, cats, _, _, _ in self._replay():
+            if i == event_index:
+                return dict(cats)
+        raise IndexError(f"no event {event_index} in this trace ({len(self.events)} events)")
+
+    def timeline(self, max_points: int = 2000) -> list[tuple[int, dict[str, int]]]:
+        """(op index, device bytes per category) at the end of each op that allocated or
+        freed on the device, preceded by the op's own high point where that is above both
+        its start and its end; thinned to ``max_points`` (the peak is always kept)."""
+        points: list[tuple[int, dict[str, int]]] = []
+        op_now, start_total, high_total, high = 0, None, -1, None
+        prev_total = 0
+        last_cats: dict[str, int] = {}
+        peak_point = -1
+        for i, op, cats, _, _, _ in self._replay():
+            total = sum(cats.values())
+            if i == -1:
+                points.append((0, dict(cats)))
+                prev_total, last_cats = total, dict(cats)
+                op_now, start_total, high_total = 0, total, total
+                continue
+            if op != op_now:
+                self._close(points, op_now, start_total, high_total, high, prev_total, last_cats)
+                op_now, start_total, high_total, high = op, prev_total, prev_total, None
+            if total > high_total:
+                high_total, high = total, dict(cats)
+            if i == self.peak_event:
+                peak_point = len(points)  # index the op's points will start at
+            prev_total, last_cats = total, dict(cats)
+        self._close(points, op_now, start_total, high_total, high, prev_total, last_cats)
+        if len(points) > max_points:
+            peak_i = max(range(len(points)), key=lambda k: sum(points[k][1].values()))
+            step = len(points) / max_points
+            keep = {int(k * step) for k in range(max_points)} | {len(points) - 1, peak_i}
+            points = [p for k, p in enumerate(points) if k in keep]
+        del peak_point
+        return points
+
+    @staticmethod
+    def _close(points, op, start, high_total, high, end_total, end_cats) -> None:
+        if high is not None and high_total > end_total and high_total > (start or 0):
+            points.append((op, high))
+        if points[-1][0] != op or sum(points[-1][1].values()) != end_total:
+            points.append((op, dict(end_cats)))
+
+    # -- storages -------------------------------------------------------------------------
+    def storages(self) -> list[Storage]:
+        """Every storage of the run (those that existed before it too), in serial order."""
+        if self._storages is not None:
+            return self._storages
+        made: dict[int, int] = {}
+        freed: dict[int, int] = {}
+        size: dict[int, int] = dict(self.seed)
+        cur: dict[int, int] = dict(self.seed)
+        for serial, delta, op in self.events:
+            n = cur.get(serial, 0)
+            if n == 0 and delta > 0 and serial not in made and serial not in self.seed:
+                made[serial] = op
+            n += delta
+            cur[serial] = n
+            if n > size.get(serial, 0):
+                size[serial] = n
+            if n <= 0 and delta < 0:
+                freed[serial] = op
+            elif serial in freed:
+                del freed[serial]
+        out = []
+        for serial in sorted(size):
+            op = made.get(serial, 0)
+            info = self.op(op)
+            saved_by = self.saver.get(serial)
+            out.append(Storage(
+                serial=serial, nbytes=size[serial], pool=self.pool_of.get(serial, "device"),
+                category=self.roles.get(serial, _OTHER), op=op,
+                op_name=info[0] if info else None, module=info[1] if info else None,
+                phase=info[2] if info else None, freed=freed.get(serial),
+                saved_by=saved_by if serial in self.saver else None,
+                frames=self.frames.get(serial, ())))
+        self._storages = out
+        return out
+
+    # -- per module -------------------------------------------------------------------------
+    def module_rows(self, peak: int) -> list[ModuleRow]:
+        """One row per module path (full paths, leaf attribution): activations saved by the
+        module's own ops that are live at the peak (they sum to the activations category
+        there), the most it held saved at once, and the parameters it owns and their grads.
+        Storages saved outside any module are the row :data:`NO_MODULE`."""
+        act_peak: dict[str, int] = {}
+        act_now: dict[str, int] = {}
+        act_max: dict[str, int] = {}
+        saver = self.saver
+
+        def module_of(serial: int) -> str:
+            return saver.get(serial) or NO_MODULE
+
+        # a storage counts for its saver while it is live, saved, and of a role below
+        # activations (what the activations category counts); only the serials a step
+        # changed are looked at
+        counted: dict[int, int] = {}  # serial -> bytes counted for its module now
+        for i, _, _, live, saved, changed in self._replay():
+            touched: set[str] = set()
+            for serial in changed:
+                n = live.get(serial, 0)
+                now = n if (n and saved.get(serial, 0) > 0
+                            and self._category(serial, saved) == _ACT) else 0
+                was = counted.get(serial, 0)
+                if now != was:
+                    m = module_of(serial)
+                    act_now[m] = act_now.get(m, 0) + now - was
+                    if now:
+                        counted[serial] = now
+                    else:
+                        counted.pop(serial, None)
+                    touched.add(m)
+            for m in touched:
+                if act_now[m] > act_max.get(m, 0):
+                    act_max[m] = act_now[m]
+            if i == self.peak_event:
+                act_peak = {m: n for m, n in act_now.items() if n}
+        params: dict[str, int] = {}
+        grads: dict[str, int] = {}
+        final = self._final_sizes()
+        for serial, path in self.owner.items():
+            if self.pool_of.get(serial) != "device":
+                continue
+            role = self.roles.get(serial)
+            n = final.get(serial, 0)
+            if role == Category.PARAMETERS.value:
+                params[path] = params.get(path, 0) + n
+            elif role == Category.GRADIENTS.value:
+                grads[path] = grads.get(path, 0) + n
+        names = set(act_peak) | set(act_max) | set(params) | set(grads)
+        rows = [ModuleRow(m, act_peak.get(m, 0), act_max.get(m, 0),
+                          act_peak.get(m, 0) / peak if peak else 0.0,
+                          params.get(m, 0), grads.get(m, 0)) for m in names]
+        rows.sort(key=lambda r: (-r.activations, -r.parameters, r.module))
+        return rows
+
+    def _final_sizes(self) -> dict[int, int]:
+        """Largest size of each storage over the run (its bytes)."""
+        size = dict(self.seed)
+        cur = dict(self.seed)
+        for serial, delta, _ in self.events:
+            cur[serial] = cur.get(serial, 0) + delta
+            if cur[serial] > size.get(serial, 0):
+                size[serial] = cur[serial]
+        return size
