@@ -54,6 +54,20 @@ def made_by_newest_node(t: torch.Tensor) -> bool:
     return fn is not None and fn._sequence_nr() == torch._C._autograd._get_sequence_nr() - 1
 
 
+def next_sequence_nr() -> int:
+    """The number the next autograd node made on this thread will get (nodes are numbered
+    in creation order; inside an op's dispatch its own node already has the one before)."""
+    return torch._C._autograd._get_sequence_nr()
+
+
+def current_autograd_node() -> tuple[int, str] | None:
+    """(sequence number, class name) of the autograd node whose backward runs now on this
+    thread, e.g. ``(41, "SoftmaxBackward0")``; None outside backward. The number is the one
+    the node got when its forward op ran (compare :func:`next_sequence_nr`)."""
+    node = torch._C._current_autograd_node()
+    return None if node is None else (node._sequence_nr(), type(node).__name__)
+
+
 def global_module_hook_counts() -> dict[str, int]:
     """Sizes of nn.Module's global hook registries (all 0 when nobody installed any)."""
     names = (

@@ -196,11 +196,17 @@ class StorageTracker(TorchDispatchMode):
             self._seq_starts.append(seq)
             self._seq_paths.append(path)
 
+    # False: count ops but keep no per-op record (the trace then has no ops; benchmarks
+    # use it to time what the per-op record costs, side by side)
+    trace_ops = True
+
     def log_op(self, name: str, args: tuple, kwargs: dict | None) -> None:
         """The per-op bookkeeping every tracker shares: count the op, remember its name,
         module and phase (for the trace and the peak's words)."""
         self.ops += 1
         self._last_op = name
+        if not self.trace_ops:
+            return
         if not self.module_stack and not self.phase_override:
             # outside modules an op is part of the forward when it made an autograd node
             # (its node was made before the op dispatched here, so the count moved on)
@@ -359,12 +365,20 @@ class StorageTracker(TorchDispatchMode):
         return [(op, sum(c.values())) for op, c in self.trace().timeline(max_points)]
 
 
+_LABELS: dict[str, str] = {}
+
+
 def _node_label(node_name: str) -> str:
     """``SoftmaxBackward0`` -> ``softmax backward``; ``AccumulateGrad`` -> ``accumulate grad``."""
-    head, sep, tail = node_name.rpartition("Backward")
-    if sep and (not tail or tail.isdigit()):
-        return f"{_snake(head)} backward"
-    return _snake(node_name)
+    label = _LABELS.get(node_name)
+    if label is None:
+        head, sep, tail = node_name.rpartition("Backward")
+        if sep and (not tail or tail.isdigit()):
+            label = f"{_snake(head)} backward"
+        else:
+            label = _snake(node_name)
+        _LABELS[node_name] = label
+    return label
 
 
 def _snake(name: str) -> str:

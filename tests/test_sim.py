@@ -205,7 +205,7 @@ def test_out_of_memory_names_op_and_module():
     """, gpu_memory="96MiB")
     err = out.error
     assert isinstance(err, SimulatedOutOfMemoryError) and isinstance(err, torch.OutOfMemoryError)
-    assert "Tried to allocate 64.00 MiB" in str(err) and "module Sequential/0" in str(err)
+    assert "Tried to allocate 64.00 MiB" in str(err) and "in module model.0 during forward" in str(err)
     r = out.report
     assert r.fits is False and r.gpu_memory == 96 << 20
     # the failed request is reported apart; what was held never exceeds the card

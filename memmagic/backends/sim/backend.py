@@ -62,7 +62,7 @@ class _SimTracking(Tracking):
     def __init__(self, tracker: SimTracker, namespace: dict | None = None) -> None:
         super().__init__(tracker._include, tracker._round, seed=False, roots=namespace)
         self.tracker = tracker
-        self._hooks = _RoleHooks(tracker)
+        self._hooks = _RoleHooks(tracker, [namespace] if isinstance(namespace, dict) else None)
 
 
 class SimBackend(Backend):
