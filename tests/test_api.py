@@ -80,3 +80,19 @@ def test_nested_cpu_measure_keeps_the_outer_peak(clean_state):
 
     r = memmagic.measure(outer, backend="cpu")
     assert r.increment >= 4000 + 8000 + 4
+
+
+def test_track_reads_like_the_report_after_the_block():
+    import torch
+
+    import memmagic
+
+    with memmagic.track(backend="cpu") as m:
+        with pytest.raises(AttributeError, match="once the with-block has ended"):
+            m.peak
+        y = torch.ones(1024)
+    assert m.report is not None
+    assert m.increment == m.report.increment >= 4096
+    assert m.breakdown == m.report.breakdown and "peak" in m.summary()
+    assert repr(m).startswith("<Measurement : peak")
+    del y

@@ -37,9 +37,25 @@ class Outcome:
 
 
 class Measurement:
-    """What ``Backend.measuring()`` yields; ``report`` is set when the block exits."""
+    """What ``Backend.measuring()`` (and ``memmagic.track()``) yields; ``report`` is set
+    when the block exits, and the report's numbers read through it (``m.peak``,
+    ``m.breakdown``, ``m.summary()``)."""
 
     report: MemoryReport | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        report = self.report
+        if report is None:
+            raise AttributeError(
+                f"the measurement has no {name!r} yet: its numbers are there once the "
+                "with-block has ended (m.report, m.peak, ...)")
+        return getattr(report, name)
+
+    def __repr__(self) -> str:
+        return ("<Measurement: running>" if self.report is None
+                else f"<Measurement : {self.report}>")
 
 
 class Backend(ABC):
