@@ -259,3 +259,17 @@ def test_private_sequence_numbers_name_backward_nodes():
 def test_phase_names_are_the_documented_ones():
     assert set(PHASES) == {"forward", "backward", "recompute", "optimizer", "other"}
     assert NO_MODULE.startswith("(")
+
+
+def test_the_trace_needs_no_torch_and_tracking_no_presentation():
+    import subprocess
+    import sys
+
+    def loaded(imports: str, modules: tuple[str, ...]) -> str:
+        code = f"import sys, {imports}; print([m for m in {modules!r} if m in sys.modules])"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert loaded("memmagic.trace", ("torch", "IPython", "matplotlib")) == "[]"
+    assert loaded("memmagic.tracking, memmagic.trace, memmagic.backends.sim",
+                  ("IPython", "ipywidgets", "matplotlib")) == "[]"
