@@ -1,11 +1,14 @@
 """The private torch APIs the simulated device relies on (memmagic/_torch_private.py,
-below '# --- simulated device ---')."""
+below '# --- simulated device ---'), and the op cache built on them
+(memmagic/backends/sim/op_cache.py)."""
 
 from __future__ import annotations
 
 import torch
 
 from memmagic import _torch_private as priv
+from memmagic.backends.sim import op_cache
+from memmagic.backends.sim.op_cache import FakeOutputCache
 
 
 def test_fake_mode_and_copies():
@@ -73,6 +76,126 @@ def test_no_python_modes_and_loader_iter():
 def test_fake_tensor_device_property_exists():
     # the simulation patches FakeTensor.device (a Python property) during a run
     assert isinstance(priv.FakeTensor.__dict__["device"], property)
+    getter = priv.fake_tensor_device_getter()
+    with priv.new_fake_mode():
+        t = torch.ones(2)
+    assert getter(t) == t.device == torch.device("cpu")
+    t.fake_device = torch.device("meta")  # the getter reads the device the tensor stands for
+    assert getter(t) == torch.device("meta")
+
+
+def test_op_overload_and_default_constant_limit():
+    assert isinstance(torch.ops.aten.add.Tensor, priv.OpOverload)
+    assert not isinstance(torch.ops.aten.add, priv.OpOverload)
+    assert not isinstance(torch.add, priv.OpOverload)
+    module, name = priv.constant_numel_limit_holder()
+    assert isinstance(priv.DEFAULT_CONSTANT_NUMEL_LIMIT, int) and priv.DEFAULT_CONSTANT_NUMEL_LIMIT >= 1
+    assert getattr(module, name) == priv.DEFAULT_CONSTANT_NUMEL_LIMIT  # no run patched it
+
+
+def test_fake_device_attr_holds_the_device():
+    with priv.new_fake_mode():
+        t = torch.ones(2)
+    assert t.__dict__[priv.FAKE_DEVICE_ATTR] == torch.device("cpu")
+    t.fake_device = torch.device("meta")
+    assert t.__dict__[priv.FAKE_DEVICE_ATTR] == torch.device("meta")
+
+
+def test_parse_to_function_is_what_a_function_mode_sees():
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class M(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with M():
+        torch.nn.Linear(1, 1).to(torch.float64)
+    assert priv.PARSE_TO_FUNCTION in seen
+    assert priv.PARSE_TO_FUNCTION("cpu", torch.float16)[:2] == (torch.device("cpu"), torch.float16)
+
+
+def test_no_dispatch_skips_modes_and_subclasses():
+    with priv.new_fake_mode():
+        assert priv.is_fake(torch.empty(2))
+        with priv.no_dispatch():
+            t = torch.empty(2, device="meta")
+        assert not priv.is_fake(t) and t.device.type == "meta"
+
+
+def test_bare_fake_takes_a_constructed_fake_tensors_attributes():
+    mode = priv.new_fake_mode()
+    cpu = torch.device("cpu")
+    with priv.no_dispatch():
+        m1 = torch.empty_strided((2, 3), (3, 1), device="meta")
+        m2 = torch.empty_strided((2, 3), (3, 1), device="meta")
+    ref = priv.FakeTensor(mode, m1, cpu)
+    bare = priv.bare_fake(mode, m2, cpu)
+    assert type(bare) is priv.FakeTensor and bare.__dict__ == {}
+    bare.__dict__.update(ref.__dict__)
+    assert bare.device == ref.device == cpu and bare.fake_mode is mode
+    assert priv.dispatch_keys(bare) == priv.dispatch_keys(ref)
+    assert priv.dispatch_keys(bare) != priv.dispatch_keys(torch.ones(1))
+    with mode:
+        assert tuple((bare + 1).shape) == (2, 3)
+
+
+def test_register_fake_constant_memoizes_like_the_converter():
+    mode = priv.new_fake_mode()
+    const = torch.tensor(3.0)
+    with priv.no_dispatch():
+        meta = torch.empty_strided((), (), device="meta")
+    fake = priv.FakeTensor(mode, meta, const.device, constant=const)
+    priv.register_fake_constant(mode, const, fake)
+    assert mode.from_tensor(const) is fake  # the converter finds it again
+    with mode:
+        fake.add_(1)
+    assert priv.fake_constant(fake).item() == 4.0
+
+
+def test_fake_debug_enabled_reads_the_config():
+    from torch._subclasses.fake_tensor import FakeTensorConfig
+
+    assert priv.fake_debug_enabled() is bool(FakeTensorConfig.debug) is False
+
+
+def test_dataloader_iterator_slot_makes_the_iterator():
+    cls, name = priv.dataloader_iterator_slot()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(4)), batch_size=2)
+    original = cls.__dict__[name]
+    made = []
+    setattr(cls, name, lambda self: made.append(self) or original(self))
+    try:
+        assert len(list(loader)) == 2
+    finally:
+        setattr(cls, name, original)
+    assert made == [loader] and cls.__dict__[name] is original
+
+
+def test_destroy_library_takes_its_kernels_out():
+    ns = "memmagic_contract"
+    lib = torch.library.Library(ns, "DEF")  # noqa: TOR901
+    try:
+        lib.define("twice(Tensor x) -> Tensor")
+        lib.impl("twice", lambda x: x * 2, "CPU")
+        assert getattr(torch.ops, ns).twice(torch.ones(1)).item() == 2.0
+    finally:
+        priv.destroy_library(lib)
+    again = torch.library.Library(ns, "DEF")  # noqa: TOR901  (a second define works again)
+    try:
+        again.define("twice(Tensor x) -> Tensor")
+    finally:
+        priv.destroy_library(again)
+
+
+def test_default_foreach_slots():
+    slots = priv.default_foreach_slots()
+    assert {m.__name__ for m, _ in slots} >= {"torch.optim.adam", "torch.optim.sgd"}
+    for module, name in slots:
+        fused, foreach = getattr(module, name)([torch.ones(1)], differentiable=False, use_fused=False)
+        assert fused is False and foreach is False  # CPU tensors: single-tensor by default
 
 
 def test_mkldnn_rnn_layer_signature():
@@ -89,11 +212,12 @@ def test_fake_mode_deepcopy_is_patchable():
     assert priv.fake_mode_deepcopy(mode, {}) is mode
 
 
-# -- FakeOutputCache ------------------------------------------------------------------------------
+# -- FakeOutputCache (memmagic/backends/sim/op_cache.py: an engine, tested here next to the
+# -- primitives it uses) ------------------------------------------------------------------------------
 aten = torch.ops.aten
 
 
-class _Front(torch.utils._python_dispatch.TorchDispatchMode):
+class _Front(priv.TorchDispatchMode):
     """A dispatch mode above FakeTensorMode that sends every op through a FakeOutputCache,
     the way the simulation's tracker does."""
 
@@ -111,7 +235,7 @@ def _geometry(t):
 
 
 def test_op_cache_rules():
-    rule = priv._fake_cache_rule
+    rule = op_cache._fake_cache_rule
     assert rule(aten.add.Tensor) == "fresh"
     assert rule(aten._foreach_sqrt.default) == "fresh"  # returns a list
     assert rule(aten.add_.Tensor) == "self"
@@ -127,7 +251,7 @@ def test_op_cache_rules():
 
 def test_op_cache_builds_what_fake_tensor_mode_builds():
     mode = priv.new_fake_mode()
-    cache = priv.FakeOutputCache(mode, {})
+    cache = FakeOutputCache(mode, {})
     assert cache.template is not None  # the fast constructor matches FakeTensor's own
     with mode:
         x = torch.empty(4, 6)
@@ -158,7 +282,7 @@ def test_op_cache_builds_what_fake_tensor_mode_builds():
 
 def test_op_cache_keys_tell_int_float_and_bool_scalars_apart():
     mode = priv.new_fake_mode()
-    cache = priv.FakeOutputCache(mode, {})
+    cache = FakeOutputCache(mode, {})
     with mode:
         i = torch.empty(3, dtype=torch.int64)
     with mode, _Front(cache):
@@ -173,7 +297,7 @@ def test_op_cache_never_gives_an_aliasing_op_a_fresh_storage():
     # _unsafe_view says it returns a new tensor but shares its input's storage: a hit
     # must not invent memory
     mode = priv.new_fake_mode()
-    cache = priv.FakeOutputCache(mode, {})
+    cache = FakeOutputCache(mode, {})
     with mode:
         x = torch.empty(4, 6)
     with mode, _Front(cache):
@@ -186,7 +310,7 @@ def test_op_cache_never_gives_an_aliasing_op_a_fresh_storage():
 
 def test_op_cache_leaves_constants_and_in_place_ops_to_fake_tensor_mode():
     mode = priv.new_fake_mode()
-    cache = priv.FakeOutputCache(mode, {})
+    cache = FakeOutputCache(mode, {})
     step = priv.fake_copy(mode, torch.tensor(3.0))  # a fake tensor that knows its value
     with mode, _Front(cache):
         for _ in range(2):
@@ -199,7 +323,7 @@ def test_op_cache_leaves_constants_and_in_place_ops_to_fake_tensor_mode():
 
 def test_fast_lift_makes_the_constant_fake_tensor_mode_makes():
     mode = priv.new_fake_mode()
-    cache = priv.FakeOutputCache(mode, {})
+    cache = FakeOutputCache(mode, {})
     with mode:
         slow = torch.tensor(2.5, dtype=torch.float64)
     with mode, _Front(cache):
@@ -220,7 +344,7 @@ def test_fast_lift_makes_the_constant_fake_tensor_mode_makes():
 
 def test_op_cache_keys_generators_by_kind():
     mode = priv.new_fake_mode()
-    cache = priv.FakeOutputCache(mode, {})
+    cache = FakeOutputCache(mode, {})
     g = torch.Generator().manual_seed(0)
     state = g.get_state()
     with mode, _Front(cache):

@@ -25,6 +25,7 @@ from typing import Iterator
 
 import torch
 
+from .. import _torch_private as _priv
 from ..report import MemoryReport
 from ..tracking import Tracking
 from . import Backend, BackendUnavailable, Measurement, cuda_usable
@@ -81,7 +82,7 @@ class AllocatorProbe:
                 torch.cuda.memory_reserved(d), torch.cuda.max_memory_reserved(d))
 
     def _traces(self) -> list[dict]:
-        snap = torch.cuda.memory._snapshot(self.device)
+        snap = _priv.memory_snapshot(self.device)
         traces = snap.get("device_traces", [])
         return traces[self.device] if len(traces) > self.device else []
 
@@ -90,9 +91,8 @@ class AllocatorProbe:
         if existing:  # somebody records already: read theirs, change nothing
             self._start_len = len(existing)
             return
-        torch.cuda.memory._record_memory_history(
-            "all", context=None, stacks="python", max_entries=TRACE_ENTRIES,
-            device=self.device, clear_history=True)
+        _priv.record_memory_history("all", stacks="python", max_entries=TRACE_ENTRIES,
+                                    device=self.device, clear_history=True)
         self._we_record = True
         self._start_len = 0
 
@@ -106,7 +106,7 @@ class AllocatorProbe:
         finally:
             if self._we_record:
                 self._we_record = False
-                torch.cuda.memory._record_memory_history(None, device=self.device)
+                _priv.record_memory_history(None, device=self.device)
 
 
 class CUDABackend(Backend):

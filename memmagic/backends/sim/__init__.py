@@ -4,7 +4,7 @@ A cell written for a GPU runs unchanged on fake tensors (metadata, no data): the
 device is rewritten onto fake CPU tensors (:mod:`.device`), CUDA's kernels and autocast
 policy are modeled where the CPU's use memory differently (:mod:`.kernels`,
 :mod:`.autocast`), ops whose outputs FakeTensorMode computed once for such inputs are
-answered from metadata (``memmagic._torch_private.FakeOutputCache``), reserved memory comes from a model of the caching allocator
+answered from metadata (:mod:`.op_cache`), reserved memory comes from a model of the caching allocator
 (:mod:`.allocator`), ``torch.cuda`` queries answer from the simulation (:mod:`.cuda_api`),
 and the notebook's objects are swapped for fake copies during the run (:mod:`.sandbox`).
 """

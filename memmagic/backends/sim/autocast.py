@@ -132,7 +132,7 @@ def _fp32(op) -> Callable:
 
 
 def _set_opt_dtype(op) -> Callable:
-    arguments = op._schema.arguments
+    arguments = _priv.op_schema(op).arguments
     idx = next(i for i, a in enumerate(arguments) if a.name == "dtype")
     kw_only = arguments[idx].kwarg_only
 
@@ -221,8 +221,8 @@ def _policy_kernels() -> list[tuple[str, Callable]]:
 
 
 def install_cuda_autocast_policy() -> torch.library.Library:
-    """Register the CUDA autocast policy on the AutocastCPU key; ``_destroy()`` the returned
-    library to put the CPU policy back."""
+    """Register the CUDA autocast policy on the AutocastCPU key; destroy the returned
+    library (``_torch_private.destroy_library``) to put the CPU policy back."""
     kernels = _policy_kernels()
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
     try:
@@ -231,7 +231,7 @@ def install_cuda_autocast_policy() -> torch.library.Library:
             for name, kernel in kernels:
                 lib.impl(name, kernel, "AutocastCPU")
     except BaseException:
-        lib._destroy()
+        _priv.destroy_library(lib)
         raise
     return lib
 

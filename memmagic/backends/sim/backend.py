@@ -188,7 +188,7 @@ class SimBackend(Backend):
                 finally:
                     try:
                         for lib in reversed(libs):
-                            lib._destroy()
+                            _priv.destroy_library(lib)
                     finally:
                         try:
                             patches.restore()
@@ -225,7 +225,6 @@ class SimBackend(Backend):
     def _install(self, patches: Patches, libs: list, state: SimState, tracker: SimTracker,
                  autocast: dict[str, Any], notes: list[str]) -> None:
         import torch.amp.autocast_mode as amp_mode
-        import torch.utils.data as tud
 
         for mod in (torch, torch.amp, amp_mode):
             patches.set(mod, "autocast", autocast["autocast"])
@@ -247,7 +246,7 @@ class SimBackend(Backend):
             return CUDA0 if state.default_cuda and state.cuda else CPU
 
         fake_cls = _priv.FakeTensor
-        real_device = fake_cls.__dict__["device"].fget
+        real_device = _priv.fake_tensor_device_getter()
 
         def device(t):
             real = real_device(t)
@@ -284,7 +283,8 @@ class SimBackend(Backend):
         # nn.RNNBase asks whether cuDNN can take its weights (it warns on a CPU build)
         patches.set(cudnn, "is_acceptable", lambda tensor: False)
 
-        get_iter = tud.DataLoader._get_iterator
+        loader_cls, get_iter_attr = _priv.dataloader_iterator_slot()
+        get_iter = getattr(loader_cls, get_iter_attr)
 
         def _get_iterator(loader):
             n = loader.num_workers
@@ -298,7 +298,7 @@ class SimBackend(Backend):
             finally:
                 object.__setattr__(loader, "num_workers", n)
 
-        patches.set(tud.DataLoader, "_get_iterator", _get_iterator)
+        patches.set(loader_cls, get_iter_attr, _get_iterator)
 
     # -- the report -------------------------------------------------------------------------
     def _report(self, tracking: _SimTracking, tracker: SimTracker, state: SimState,
@@ -385,10 +385,10 @@ def _seed(tracker: SimTracker, state: SimState, sandbox: Sandbox, namespace: dic
     for value in namespace.values():
         if isinstance(value, torch.nn.Module):
             for m in value.modules():
-                for b in m._buffers.values():
+                for b in _priv.own_buffers(m).values():
                     if b is not None:
                         roles[id(b)] = Category.BUFFERS
-                for p in m._parameters.values():
+                for p in _priv.own_parameters(m).values():
                     if p is not None and p.grad is not None:
                         roles[id(p.grad)] = Category.GRADIENTS
         elif isinstance(value, torch.optim.Optimizer):

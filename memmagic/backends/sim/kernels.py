@@ -255,7 +255,7 @@ def _cuda_default_to_fused_or_foreach(params, differentiable, use_fused=False):
 
 def install_cuda_kernels(patches: Patches, capability: tuple[int, int]) -> dict[str, Any]:
     """Register the CUDA-behaviour kernels; returns {"library": lib, "sdpa": counter}.
-    The caller destroys the library (``lib._destroy()``) and restores ``patches``."""
+    The caller destroys the library (``_torch_private.destroy_library``) and restores ``patches``."""
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
     sdpa = _SDPAKernel(capability)
     try:
@@ -263,10 +263,10 @@ def install_cuda_kernels(patches: Patches, capability: tuple[int, int]) -> dict[
             warnings.simplefilter("ignore")
             lib.impl("dropout", _dropout, "AutogradCPU")
             lib.impl("scaled_dot_product_attention", sdpa, "AutogradCPU")
-        for mod in _priv.optimizer_modules_with_default_foreach():
-            patches.set(mod, "_default_to_fused_or_foreach", _cuda_default_to_fused_or_foreach)
+        for mod, attr in _priv.default_foreach_slots():
+            patches.set(mod, attr, _cuda_default_to_fused_or_foreach)
     except BaseException:
-        lib._destroy()
+        _priv.destroy_library(lib)
         raise
     return {"library": lib, "sdpa": sdpa}
 

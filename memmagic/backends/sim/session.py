@@ -30,6 +30,7 @@ from .allocator import AllocatorFull, CachingAllocatorModel
 from .device import SimState, SimTracker
 from .errors import SimulationUnsupported
 from .gpus import GPUSpec
+from .op_cache import FakeOutputCache
 from .workspaces import Workspaces
 
 __all__ = ["SimSession", "Card", "Shadow", "shell_session"]
@@ -70,7 +71,7 @@ class Card:
         if not on:
             return None
         if self.fast is None:
-            self.fast = _priv.FakeOutputCache(self.fake_mode, self._entries if self._entries is not None else {})
+            self.fast = FakeOutputCache(self.fake_mode, self._entries if self._entries is not None else {})
         return self.fast
 
     def retarget(self, target: GPUSpec | None) -> str | None:

@@ -1,0 +1,356 @@
+"""The simulation's op cache: outputs of fake ops built from their inputs' metadata.
+
+An engine, not a shim: it lives with its user (the simulated device) and reaches torch's
+private APIs only through :mod:`memmagic._torch_private` (the primitives it needs there:
+``no_dispatch``, ``op_schema``, ``bare_fake``, ``register_fake_constant``,
+``dispatch_keys``, ``FAKE_DEVICE_ATTR``, ``fake_debug_enabled``, ``storage_key``).
+Tested in tests/test_torch_private_sim.py (the op-cache section).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import _torch_private as _priv
+from ..._torch_private import FakeTensor, FakeTensorMode
+
+__all__ = ["FakeOutputCache", "FAKE_CACHE_MAX_ENTRIES"]
+
+_storage_key = _priv.storage_key
+# torch.tensor(x) of at most this many elements is lifted by the fast path (FakeTensorMode's
+# own bound on constants as torch ships it; the simulation raises the module global during
+# a run, the lift keeps to one element)
+_LIFT_NUMEL = _priv.DEFAULT_CONSTANT_NUMEL_LIMIT
+
+
+class FakeOutputCache:
+    """Outputs of fake ops from their inputs' metadata, without FakeTensorMode's dispatch.
+
+    FakeTensorMode spends ~100 us on every op, even on a hit of its own dispatch cache
+    (two thirds of it building that cache's key). This cache sits in front of it, in the
+    simulation's dispatch mode: the key is the op, the default dtype, inference mode and,
+    for each argument, a tensor's dtype/sizes/strides/offset/device or a plain value with
+    its type; the entry is what FakeTensorMode returned: the metadata of fresh outputs, the
+    geometry of views of the first argument, or that an in-place op returns its first
+    argument (or nothing). On a hit the outputs are made directly (``empty_strided`` on
+    meta wrapped in a FakeTensor), as FakeTensorMode's own cache does. Errors are never
+    stored (a key is stored only after FakeTensorMode ran the op). ``torch.tensor(x)`` of
+    one element becomes a fake constant without FakeTensorMode's converter. Everything
+    else falls through to FakeTensorMode: ops whose output sizes depend on values, ops
+    that resize or restride their arguments or mutate more than their first argument,
+    tensors carrying a constant (their values matter), complex tensors (conj/neg bits),
+    SymInts, real tensors and any argument the key does not know.
+    """
+
+    __slots__ = ("mode", "entries", "rules", "hits", "misses", "template")
+
+    def __init__(self, mode: FakeTensorMode, entries: dict | None = None) -> None:
+        """``entries``: a dict to share between runs of one configuration (the entries
+        depend on the op implementations installed, not on the fake mode)."""
+        self.mode = mode
+        self.entries: dict = {} if entries is None else entries
+        if len(self.entries) > FAKE_CACHE_MAX_ENTRIES:
+            self.entries.clear()
+        self.rules = _FAKE_CACHE_RULES  # func -> _fake_cache_rule(func)
+        self.hits = 0
+        self.misses = 0
+        self.template = _fake_template(mode)
+
+    def __call__(self, func, args, kwargs):
+        rule = self.rules.get(func, 0)
+        if rule == 0:
+            rule = self.rules[func] = _fake_cache_rule(func)
+        if rule is None:
+            return func(*args, **kwargs)
+        if rule == "lift":
+            out = _fast_lift(self.mode, func, args, kwargs)
+            if out is None:
+                return func(*args, **kwargs)
+            self.hits += 1
+            return out
+        key = _fake_cache_key(func, args, kwargs)
+        if key is None:
+            return func(*args, **kwargs)
+        entry = self.entries.get(key)
+        if entry is None:
+            self.misses += 1
+            out = func(*args, **kwargs)
+            self.entries[key] = _fake_cache_entry(rule, args, kwargs, out)
+            return out
+        kind = entry[0]
+        if kind == "bypass":
+            return func(*args, **kwargs)
+        self.hits += 1
+        if kind == "one":
+            return _fake_from_meta(self.mode, entry[1], self.template)
+        if kind == "self":
+            return args[0]
+        if kind == "view":
+            return _fake_view(self.mode, args[0], entry[1], self.template)
+        if kind == "void":
+            return None
+        mode, template = self.mode, self.template
+        if kind == "views":
+            base = args[0]
+            return [_fake_view(mode, base, g, template) for g in entry[1]]
+        outs = [None if m is None else _fake_from_meta(mode, m, template) for m in entry[1]]
+        return outs if kind == "list" else tuple(outs)
+
+
+FAKE_CACHE_MAX_ENTRIES = 200_000
+_FAKE_CACHE_RULES: dict = {}
+_NO_CACHE_TAGS = frozenset({torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output,
+                            torch.Tag.inplace_view})
+_NO_CACHE_NAMES = frozenset({"resize_", "resize_as_", "set_", "_resize_output_", "as_strided_",
+                             "_local_scalar_dense", "item", "lift_fresh", "lift_fresh_copy"})
+
+
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
+def _fast_lift(mode: FakeTensorMode, func, args, kwargs) -> FakeTensor | None:
+    """``torch.tensor(0.0)`` under FakeTensorMode without its meta converter (~200 us): a
+    real tensor of at most one element becomes a fake tensor carrying a copy of it as its
+    constant, registered as FakeTensorMode registers constants (writes to an alias make it
+    forget the value) and memoized as it memoizes them. None for anything else
+    (FakeTensorMode then converts it)."""
+    if kwargs or len(args) != 1:
+        return None
+    t = args[0]
+    if (type(t) is not torch.Tensor or t.numel() > _LIFT_NUMEL or t.requires_grad
+            or t.layout is not torch.strided or t.device.type != "cpu" or t.is_quantized
+            or t.dtype.is_complex or t.is_neg() or t.is_conj()):
+        return None
+    with _priv.no_dispatch():
+        const = func(t).clone()
+        meta = torch.empty_strided(const.shape, const.stride(), dtype=const.dtype, device="meta")
+    out = FakeTensor(mode, meta, const.device, constant=const)
+    _priv.register_fake_constant(mode, const, out)
+    return out
+
+
+def _alias_set(x) -> frozenset | None:
+    info = x.alias_info
+    return None if info is None else frozenset(info.before_set)
+
+
+def _fake_cache_rule(func):
+    """How FakeOutputCache treats ``func``: None (never cached), "fresh" (returns new
+    tensors), "view" (returns one view of its first argument), "views" (a list of them),
+    "self" (in place: returns its first argument), "void" (in place, returns nothing) or
+    "lift" (``torch.tensor``'s lift of a real tensor)."""
+    if not isinstance(func, _priv.OpOverload):
+        return None
+    if _NO_CACHE_TAGS.intersection(func.tags):
+        return None
+    if func in _LIFTS:
+        return "lift"
+    schema = _priv.op_schema(func)
+    if schema.name.split("::")[-1] in _NO_CACHE_NAMES:
+        return None
+    rets, params = schema.returns, schema.arguments
+    if not params or not rets and not schema.is_mutable:
+        return None
+    first = _alias_set(params[0]) if params else None
+    if func.is_view:
+        # views of the first argument: one (t, view, detach, transpose, ...) or a list of
+        # them (split, chunk, unbind)
+        if (len(rets) == 1 and first is not None
+                and sum(_alias_set(p) is not None for p in params) == 1):
+            kind = str(rets[0].type)
+            if (kind == "Tensor" and _alias_set(rets[0]) == first
+                    and not rets[0].alias_info.is_write):
+                return "view"
+            if kind == "List[Tensor]":  # Tensor(a)[]: the alias is on the elements
+                return "views"
+        return None
+    if schema.is_mutable:
+        # in place on the first argument only (``add_``, ``_foreach_mul_``): an ``out=``
+        # argument may be resized, other mutated arguments are not ours to reason about
+        mutated = [p for p in params if p.alias_info is not None and p.alias_info.is_write]
+        if len(mutated) != 1 or mutated[0] is not params[0] or params[0].kwarg_only:
+            return None
+        if not rets:
+            return "void"
+        if (len(rets) == 1 and _alias_set(rets[0]) == first
+                and str(rets[0].type) == str(params[0].type) == "Tensor"):
+            return "self"
+        return None
+    for r in rets:
+        if r.alias_info is not None or str(r.type) not in ("Tensor", "List[Tensor]"):
+            return None
+    return "fresh"
+
+
+def _fake_cache_part(a):
+    if isinstance(a, FakeTensor):
+        dtype = a.dtype
+        if a.constant is not None or dtype.is_complex or a.layout is not torch.strided:
+            return None  # a value that matters, or conj/neg bits: not keyed
+        return (dtype, a.shape, a.stride(), a.storage_offset(), a.fake_device)
+    cls = a.__class__
+    if cls is int or cls is float or cls is bool or cls is str or a is None:
+        return (cls, a)  # 1, 1.0 and True hash alike but promote differently
+    if cls is list or cls is tuple:
+        parts = []
+        for x in a:
+            p = _fake_cache_part(x)
+            if p is None:
+                return None
+            parts.append(p)
+        return (cls, tuple(parts))
+    if cls is torch.dtype or cls is torch.device or cls is torch.layout or cls is torch.memory_format:
+        return a
+    if cls is torch.Generator:
+        return cls  # which generator does not change an output's sizes (fake ops draw nothing)
+    return None  # a real tensor, a SymInt, anything else: not keyed
+
+
+def _fake_cache_key(func, args, kwargs):
+    parts = [func, torch.get_default_dtype(), torch.is_inference_mode_enabled()]
+    append = parts.append
+    for a in args:
+        p = _fake_cache_part(a)
+        if p is None:
+            return None
+        append(p)
+    if kwargs:
+        for k, a in kwargs.items():
+            p = _fake_cache_part(a)
+            if p is None:
+                return None
+            append(k)
+            append(p)
+    return tuple(parts)
+
+
+def _fake_meta(t, seen: set):
+    """(sizes, strides, dtype, device) of a fresh fake output, or None when it cannot be
+    rebuilt from metadata (not fake, a constant, a view into a larger or shared storage)."""
+    if not isinstance(t, FakeTensor) or t.constant is not None or t.layout is not torch.strided:
+        return None
+    if t.storage_offset() != 0 or t.dtype.is_complex or t.requires_grad:
+        return None
+    st = t.untyped_storage()
+    key = _storage_key(st)
+    if key in seen:
+        return None
+    seen.add(key)
+    shape, stride = tuple(t.shape), t.stride()
+    need = 0 if 0 in shape else (1 + sum((n - 1) * s for n, s in zip(shape, stride))) * t.element_size()
+    if st.nbytes() != need:
+        return None
+    return (shape, stride, t.dtype, t.fake_device)
+
+
+def _same_storage(a, b) -> bool:
+    if not (isinstance(a, FakeTensor) and isinstance(b, FakeTensor)):
+        return False
+    try:
+        return _storage_key(a.untyped_storage()) == _storage_key(b.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def _view_geometry(out, base):
+    """(sizes, strides, offset, dtype, device) of ``out``, a plain fake view of ``base``'s
+    storage, or None when it cannot be rebuilt from that."""
+    if (not isinstance(out, FakeTensor) or out.constant is not None
+            or out.layout is not torch.strided or out.dtype.is_complex or out.requires_grad
+            or not _same_storage(out, base)):
+        return None
+    return (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype, out.fake_device)
+
+
+def _fake_cache_entry(rule, args, kwargs, out) -> tuple:
+    """What FakeOutputCache stores for one key: ("one", meta), ("list"|"tuple", metas with
+    None for outputs not computed), ("view", geometry), ("views", geometries), ("self",),
+    ("void",) or ("bypass",) when the output cannot be rebuilt from metadata."""
+    bypass = ("bypass",)
+    if rule == "view" or (rule == "fresh" and args and _same_storage(out, args[0])):
+        # a view of the first argument (also an op that says it returns a new tensor but
+        # returns its input's storage, like _unsafe_view)
+        g = _view_geometry(out, args[0])
+        return bypass if g is None else ("view", g)
+    if rule == "views":
+        if not isinstance(out, list):
+            return bypass
+        geoms = [_view_geometry(o, args[0]) for o in out]
+        return bypass if None in geoms else ("views", tuple(geoms))
+    if rule == "self":
+        return ("self",) if out is args[0] else bypass
+    if rule == "void":
+        return ("void",) if out is None else bypass
+    seen: set = set()  # storages of the inputs and of earlier outputs: a fresh output owns its own
+    for a in (*args, *kwargs.values()):
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor):
+                try:
+                    seen.add(_storage_key(t.untyped_storage()))
+                except (RuntimeError, NotImplementedError, TypeError):
+                    return bypass
+    if isinstance(out, torch.Tensor):
+        m = _fake_meta(out, seen)
+        return bypass if m is None else ("one", m)
+    if isinstance(out, (list, tuple)):
+        metas = []
+        for o in out:
+            if o is None:  # an output not asked for (convolution_backward's output_mask)
+                metas.append(None)
+                continue
+            m = _fake_meta(o, seen)
+            if m is None:
+                return bypass
+            metas.append(m)
+        return ("list" if isinstance(out, list) else "tuple", tuple(metas))
+    return bypass
+
+
+def _fake_from_meta(mode: FakeTensorMode, meta, template: dict | None) -> FakeTensor:
+    """A fresh FakeTensor of ``meta``'s sizes, strides, dtype and device. With a
+    ``template`` (the ``__dict__`` of a FakeTensor made by its constructor), the
+    constructor's Python work is replaced by copying that dict: see _fake_template."""
+    shape, stride, dtype, device = meta
+    with _priv.no_dispatch():
+        empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    return _wrap_fake(mode, empty, device, template)
+
+
+def _wrap_fake(mode: FakeTensorMode, empty: torch.Tensor, device, template: dict | None) -> FakeTensor:
+    if template is None:
+        return FakeTensor(mode, empty, device)
+    t = _priv.bare_fake(mode, empty, device)
+    t.__dict__.update(template)
+    if device != template[_priv.FAKE_DEVICE_ATTR]:
+        t.fake_device = device
+    return t
+
+
+def _fake_view(mode: FakeTensorMode, base: FakeTensor, meta, template: dict | None) -> FakeTensor:
+    """A FakeTensor viewing ``base``'s storage with ``meta``'s geometry (what
+    FakeTensorMode's cache does for a view op)."""
+    shape, stride, offset, dtype, device = meta
+    with _priv.no_dispatch():
+        empty = torch.empty((0,), dtype=dtype, device="meta")
+        empty.set_(base.untyped_storage(), offset, shape, stride)
+    return _wrap_fake(mode, empty, device, template)
+
+
+def _fake_template(mode: FakeTensorMode) -> dict | None:
+    """The attributes FakeTensor's constructor gives a fresh CPU fake tensor, or None when
+    a tensor made by the fast path would differ from one made by the constructor (then
+    FakeOutputCache uses the constructor)."""
+    if _priv.fake_debug_enabled():
+        return None
+    cpu = torch.device("cpu")
+    with _priv.no_dispatch():
+        e1 = torch.empty_strided((2, 3), (3, 1), dtype=torch.float32, device="meta")
+    ref = FakeTensor(mode, e1, cpu)
+    template = dict(ref.__dict__)
+    if template.get(_priv.FAKE_DEVICE_ATTR) != cpu:  # where FakeTensor keeps its device
+        return None
+    fast = _fake_from_meta(mode, ((2, 3), (3, 1), torch.float32, cpu), template)
+    same = (type(fast) is type(ref) and fast.__dict__ == ref.__dict__
+            and _priv.dispatch_keys(fast) == _priv.dispatch_keys(ref)
+            and fast.device == ref.device and fast.requires_grad == ref.requires_grad)
+    return template if same else None
