@@ -1,7 +1,9 @@
 """Private torch APIs are reached only through memmagic/_torch_private.py.
 
-The rule this test applies to every memmagic/**/*.py other than _torch_private.py (read
-from the source with ``ast``, nothing is imported):
+The rule this test applies to every memmagic/**/*.py outside the private layer (read
+from the source with ``ast``, nothing is imported). The private layer is
+``_torch_private.py``, a ``_torch_private/`` package if it becomes one, and
+``_torch_private_*.py`` modules waiting to be merged into it (``_torch_private_dist.py``):
 
 1. No import of a torch module whose dotted path has a part with a leading underscore, in
    any form (``import torch._dynamo.eval_frame``, ``from torch._subclasses import ...``,
@@ -45,6 +47,13 @@ from memmagic import _torch_private as priv
 
 ROOT = pathlib.Path(memmagic.__file__).parent
 PRIVATE_MODULE = "_torch_private.py"
+
+
+def in_private_layer(rel: str) -> bool:
+    """Whether ``rel`` (a path under memmagic/) belongs to the private layer."""
+    first = rel.split("/")[0]
+    return first == PRIVATE_MODULE or first == "_torch_private" or (
+        first.startswith("_torch_private_") and first.endswith(".py"))
 
 # What remains, file -> the names it still uses (the lead is moving these behind
 # _torch_private; see the functions named in the comments).
@@ -194,7 +203,7 @@ def uses(attrs) -> dict[str, dict[str, list[int]]]:
     out = {}
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel == PRIVATE_MODULE:
+        if in_private_layer(rel):
             continue
         found = private_uses(path.read_text(), attrs)
         if found:
@@ -285,7 +294,15 @@ def _memmagic_imports(path: pathlib.Path) -> set[str]:
 
 
 def test_torch_private_is_the_bottom_layer():
-    assert _memmagic_imports(ROOT / PRIVATE_MODULE) == set()
+    layer = [p for p in ROOT.rglob("*.py") if in_private_layer(p.relative_to(ROOT).as_posix())]
+    assert ROOT / PRIVATE_MODULE in layer
+    assert {p.name: _memmagic_imports(p) for p in layer} == {p.name: set() for p in layer}
+
+
+def test_the_private_layer_is_named_by_its_prefix():
+    assert in_private_layer("_torch_private.py") and in_private_layer("_torch_private_dist.py")
+    assert in_private_layer("_torch_private/fake.py")
+    assert not in_private_layer("tracking.py") and not in_private_layer("backends/sim/op_cache.py")
 
 
 def test_the_op_cache_uses_torch_and_the_private_layer_only():
