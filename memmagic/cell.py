@@ -1,0 +1,465 @@
+"""The what-if engine: a cell's code held as an object that re-runs under a backend with a
+set of knobs and returns a :class:`~memmagic.report.MemoryReport`.
+
+The magic, the what-if panel, the sweep and the batch-size finder all run code through
+:class:`Cell`; nothing else re-runs it. Knows nothing of IPython or widgets.
+
+How a cell receives knobs (the convention): a cell that reads one of the plain variables
+``batch_size``, ``accum_steps``, ``micro_batch_size``, ``amp``, ``checkpointing``,
+``weights_dtype``, ``grad_mode``, ``offload``, ``optimizer_name``, ``inplace``,
+``gpu_name`` (and does not assign it itself) handles that knob: the variable holds the
+setting's value while the cell runs (``amp`` is None, ``torch.float16`` or
+``torch.bfloat16``; ``weights_dtype`` a torch dtype or None; ``batch_size`` the effective
+batch, or the micro-batch when memmagic applies the accumulation). A Python function
+cell receives the same names as keyword arguments it declares. Every other knob memmagic
+applies itself (see :mod:`memmagic.knobs`).
+
+>>> cell = Cell("x = torch.randn(batch_size, 1024, device='cuda', requires_grad=True)\\n"
+...             "(x * 2).sum().backward()", {"torch": torch}, defaults={"batch_size": 8})
+>>> cell.run(batch_size=64).peak > cell.run().peak
+True
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterable, Mapping
+
+from .backends import Outcome, get_backend, release_own_frames
+from .knobs import KNOBS, Applier, KnobError, Setting, knob_value
+from .report import MemoryReport
+
+__all__ = ["Cell", "RunInfo", "KnobError", "Setting", "EXTRA_VARIABLES"]
+
+# variables a cell may read beside the knobs' own
+EXTRA_VARIABLES = ("micro_batch_size",)
+_MISSING = object()
+
+
+@dataclass
+class RunInfo:
+    """What one run of a cell did (which knobs can apply to it)."""
+
+    models: list[str] = field(default_factory=list)      # class names of models called
+    blocks: int = 0                                      # blocks checkpointing can wrap
+    inplace_modules: int = 0
+    optimizers_built: list[str] = field(default_factory=list)
+    backward_calls: int = 0
+    built: list[str] = field(default_factory=list)       # names bound to models/optimizers it made
+    batch_names: tuple[str, ...] = ()                    # namespace batch tensors it resized
+    sim: bool = False
+    reads: frozenset[str] = frozenset()                  # knob variables the cell reads
+    batch_known: bool = False                            # a batch size to start from exists
+    notes: list[str] = field(default_factory=list)       # how memmagic applied the knobs
+
+    def has(self, need: str) -> bool:
+        """Whether a knob that ``needs`` this (see :attr:`memmagic.knobs.Knob.needs`) applies."""
+        if need == "model":
+            return bool(self.models)
+        if need == "batch":
+            return self.batch_known
+        if need == "accum":
+            return self.batch_known and self.backward_calls > 0 and not self.built
+        if need == "blocks":
+            return self.blocks > 0
+        if need == "backward":
+            return self.backward_calls > 0
+        if need == "optimizer":
+            return bool(self.optimizers_built)
+        if need == "inplace":
+            return self.inplace_modules > 0
+        if need == "sim":
+            return self.sim
+        raise ValueError(f"unknown need {need!r}")
+
+
+def _plain_compile(source: str) -> Callable[[dict], Any]:
+    """``run(ns)`` for plain Python source: exec it, the last expression is the value."""
+    tree = ast.parse(source, filename="<what-if cell>")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    body = compile(tree, "<what-if cell>", "exec")
+    tail = compile(last, "<what-if cell>", "eval") if last is not None else None
+
+    def run(ns: dict) -> Any:
+        exec(body, ns)
+        return eval(tail, ns) if tail is not None else None
+
+    return run
+
+
+def _names(source: str) -> tuple[set[str], set[str]]:
+    """(names the code loads, names it assigns); a regex guess where it does not parse."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        words = set(re.findall(r"(?<![\w.])([A-Za-z_]\w*)", source))
+        stored = set(re.findall(r"(?<![\w.])([A-Za-z_]\w*)\s*=(?!=)", source))
+        return words, stored
+    loads, stores = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (loads if isinstance(node.ctx, ast.Load) else stores).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            stores.add(node.name)
+        elif isinstance(node, ast.arg):
+            stores.add(node.arg)
+    return loads, stores
+
+
+def _code_names(fn: Callable) -> set[str]:
+    out: set[str] = set()
+    todo = [getattr(inspect.unwrap(fn), "__code__", None)]
+    while todo:
+        code = todo.pop()
+        if code is None:
+            continue
+        out.update(code.co_names)
+        todo.extend(c for c in code.co_consts if inspect.iscode(c))
+    return out
+
+
+def _batch_tensors(value: Any) -> list:
+    """The tensors of a batch-like value (a tensor, or a tuple/list/dict of tensors)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value] if value.dim() >= 1 else []
+    if isinstance(value, (tuple, list)):
+        items = list(value)
+    elif isinstance(value, dict):
+        items = list(value.values())
+    else:
+        return []
+    if not items or not all(isinstance(t, torch.Tensor) for t in items):
+        return []
+    return [t for t in items if t.dim() >= 1]
+
+
+def _resize(value: Any, batch: int, n: int) -> Any:
+    """``value`` with its tensors of first dimension ``batch`` resized to ``n`` rows
+    (repeated cyclically when growing)."""
+    import torch
+
+    def one(t):
+        if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != batch or n == batch:
+            return t
+        idx = torch.arange(n, device=t.device) % batch
+        return t.index_select(0, idx)
+
+    if isinstance(value, torch.Tensor):
+        return one(value)
+    if isinstance(value, tuple):
+        return type(value)(*map(one, value)) if hasattr(value, "_fields") else tuple(map(one, value))
+    if isinstance(value, list):
+        return [one(t) for t in value]
+    out = type(value)(value) if isinstance(value, dict) else value
+    for k, v in value.items():
+        out[k] = one(v)
+    return out
+
+
+class Cell:
+    """A cell's code (source text or a Python function) that re-runs under a backend with
+    knobs: :meth:`run` returns the :class:`MemoryReport` of one setting.
+
+    ``namespace``: the globals the code runs in (a notebook's ``user_ns``; a function's
+    own globals by default). ``backend``: "sim" (default: a simulated CUDA GPU, fast,
+    touches nothing real), "cpu", "cuda" or "auto"; ``backend_options`` go to it
+    (``gpu=``, ``gpu_memory=``, ``session=``). ``defaults``: the baseline setting (a
+    :class:`Setting` or a dict of knob values; the magic line's options). ``isolated``
+    (default): every run leaves the namespace's names as it found them (names the cell
+    makes are removed afterwards); on a real backend the objects the cell works on are
+    still changed for real (a training step trains the model). ``compile``: turns
+    source into ``run(ns)`` (the magic passes IPython's, with its transforms).
+    ``checkpoint_module``: the class name of the blocks checkpointing wraps (default:
+    the repeated children of a ModuleList / Sequential).
+    """
+
+    def __init__(self, code: str | Callable[..., Any], namespace: dict | None = None, *,
+                 backend: str = "sim", backend_options: Mapping[str, Any] | None = None,
+                 defaults: Setting | Mapping[str, Any] | None = None, isolated: bool = True,
+                 compile: Callable[[str], Callable[[dict], Any]] | None = None,
+                 checkpoint_module: str | None = None) -> None:
+        if isinstance(code, str):
+            if not code.strip():
+                raise ValueError("a Cell needs code to run")
+            self.source: str | None = code
+            self.function: Callable[..., Any] | None = None
+            self._run = (compile or _plain_compile)(code)
+            loads, stores = _names(code)
+            self.names = loads
+            self.namespace = namespace if namespace is not None else {}
+        elif callable(code):
+            self.source, self.function = None, code
+            self._run = None
+            try:
+                params = set(inspect.signature(code).parameters)
+            except (TypeError, ValueError):
+                params = set()
+            loads, stores = params, set()
+            self.names = _code_names(code)
+            if namespace is None:
+                g = getattr(inspect.unwrap(code), "__globals__", None)
+                namespace = g if isinstance(g, dict) else {}
+            self.namespace = namespace
+        else:
+            raise TypeError(f"a Cell runs source text or a function, not {type(code).__name__}")
+        variables = {k.var for k in KNOBS.values()} | set(EXTRA_VARIABLES)
+        # a variable the cell assigns itself is the cell's, not a knob
+        self.reads: frozenset[str] = frozenset((loads - stores) & variables)
+        self.backend_name = backend
+        self.backend_options = dict(backend_options or {})
+        self.isolated = bool(isolated)
+        self.checkpoint_module = checkpoint_module
+        if isinstance(defaults, Setting):
+            base = defaults
+        else:
+            base = Setting(**dict(defaults or {}))
+        if base.batch_size is None:
+            b = self._default_batch()
+            if b is not None:
+                base = base.replace(batch_size=b)
+        if "gpu" not in base.changed() and "gpu" in self.backend_options and \
+                isinstance(self.backend_options["gpu"], str) and "gpu_memory" not in self.backend_options:
+            try:
+                base = base.replace(gpu=self.backend_options["gpu"])
+            except KnobError:
+                pass
+        self.baseline: Setting = base
+        self.last_info: RunInfo | None = None
+
+    # -- public ---------------------------------------------------------------------------
+    def setting(self, setting: Setting | Mapping[str, Any] | None = None, **knobs: Any) -> Setting:
+        """The full setting of a run: the baseline, then ``setting``, then ``knobs``."""
+        values = self.baseline.changed()
+        if isinstance(setting, Setting):
+            values.update(setting.changed())
+        elif setting is not None:
+            values.update(setting)
+        values.update(knobs)
+        return Setting(**values)
+
+    def run(self, setting: Setting | Mapping[str, Any] | None = None, **knobs: Any) -> MemoryReport:
+        """Re-run the cell under ``setting`` (and/or knob keywords) and return its report.
+
+        The cell's own exception never propagates: the report says it failed
+        (``report.error``; an out-of-memory run has ``fits`` False). A setting that cannot
+        apply raises :class:`KnobError`."""
+        outcome = self.execute(setting, **knobs)
+        error = outcome.error
+        if error is not None:
+            release_own_frames(error.__traceback__)
+            traceback.clear_frames(error.__traceback__)
+        report = outcome.report
+        del outcome, error
+        return report
+
+    def execute(self, setting: Setting | Mapping[str, Any] | None = None, **knobs: Any) -> Outcome:
+        """Run once: the backend's :class:`~memmagic.backends.Outcome` (report, the cell's
+        value, its exception, for the caller to re-raise)."""
+        full = self.setting(setting, **knobs)
+        full.check_batch()
+        if full.accum_steps > 1 and full.batch_size is None:
+            raise KnobError("accum_steps splits a batch: the cell needs a batch size "
+                            "(read batch_size in the cell, or pass one with --batch-size)")
+        backend = self._backend(full)
+        info = RunInfo(sim=backend.name == "sim", reads=self.reads,
+                       batch_known=self.baseline.batch_size is not None)
+        ns = self.namespace
+        saved = dict(ns) if self.isolated else None
+        run = self._runner(full, info, "cpu" if backend.name == "cpu" else "cuda")
+        try:
+            outcome = backend.execute(run, ns)
+        finally:
+            if saved is not None:
+                _restore_names(ns, saved)
+            del saved
+        self.last_info = info
+        notes = list(info.notes)
+        handled = sorted(k.name for k in KNOBS.values() if k.var in self.reads)
+        if full != Setting():
+            notes.insert(0, f"what-if setting: {full.label()}")
+        if handled:
+            notes.append("handled by the cell itself: " + ", ".join(handled))
+        if notes:
+            outcome.report = replace(outcome.report, notes=outcome.report.notes + tuple(notes))
+        return outcome
+
+    def applicable(self, info: RunInfo | None = None) -> list[str]:
+        """The knobs that apply to this cell, judged from a run (the last one by default):
+        those whose variable the cell reads, and those memmagic can apply to what it ran."""
+        info = info or self.last_info
+        if info is None:
+            self.run()
+            info = self.last_info
+        assert info is not None
+        return [k.name for k in KNOBS.values() if k.var in self.reads or info.has(k.needs)]
+
+    # -- internals ----------------------------------------------------------------------------
+    def _default_batch(self) -> int | None:
+        """The batch size the cell runs with as written: the namespace's ``batch_size`` when
+        the cell reads it, else the first dimension of the batch tensors it names."""
+        ns = self.namespace
+        if "batch_size" in self.reads:
+            v = ns.get("batch_size")
+            return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+        names = self._batch_names()
+        return names[1] if names else None
+
+    def _batch_names(self) -> tuple[tuple[str, ...], int] | None:
+        """(names, batch) of the namespace values the cell names that look like its batch:
+        tensors (or tuples/lists/dicts of them) sharing the most common first dimension."""
+        ns = self.namespace
+        firsts: Counter = Counter()
+        cands: dict[str, list] = {}
+        for name in sorted(self.names):
+            if name.startswith("_") or name not in ns:
+                continue
+            ts = _batch_tensors(ns[name])
+            if ts:
+                cands[name] = ts
+                firsts.update({t.shape[0] for t in ts})
+        if not firsts:
+            return None
+        batch = firsts.most_common(1)[0][0]
+        names = tuple(n for n, ts in cands.items() if any(t.shape[0] == batch for t in ts))
+        return names, batch
+
+    def _backend(self, setting: Setting):
+        options = dict(self.backend_options)
+        if setting.gpu is not None and setting.gpu != self.baseline.gpu or \
+                (setting.gpu is not None and "gpu" not in options):
+            options["gpu"] = setting.gpu
+            options.pop("gpu_memory", None)
+        elif setting.gpu is None and self.baseline.gpu is not None:
+            options.pop("gpu", None)
+            options.pop("gpu_memory", None)
+        if setting.gpu is not None and self.backend_name != "sim":
+            raise KnobError("gpu picks the simulated card: it needs the sim backend")
+        return get_backend(self.backend_name, **options)
+
+    def _runner(self, setting: Setting, info: RunInfo, device_type: str) -> Callable[[dict], Any]:
+        cell = self
+
+        def run(ns: dict) -> Any:
+            __tracebackhide__ = True
+            applier = Applier(device_type, checkpoint_module=cell.checkpoint_module)
+            changed: dict[str, Any] = {}
+            try:
+                return cell._run_with(ns, setting, applier, changed, info)
+            finally:
+                for k, old in changed.items():
+                    if old is _MISSING:
+                        ns.pop(k, None)
+                    else:
+                        ns[k] = old
+                changed.clear()
+                info.models = list(applier.models)
+                info.blocks = applier.blocks
+                info.inplace_modules = applier.inplace_modules
+                info.optimizers_built = list(applier.optimizers_built)
+                info.backward_calls = applier.backward_calls
+                try:
+                    applier.close()
+                finally:
+                    info.notes = list(applier.notes)
+
+        return run
+
+    def _run_with(self, ns: dict, setting: Setting, applier: Applier, changed: dict,
+                  info: RunInfo) -> Any:
+        __tracebackhide__ = True
+        reads = self.reads
+        k = setting.accum_steps
+        engine_accum = k > 1 and "accum_steps" not in reads
+        batch = setting.micro_batch if engine_accum else setting.batch_size
+        for knob in KNOBS.values():
+            if knob.apply is not None and knob.var not in reads:
+                knob.apply(applier, getattr(setting, knob.name))
+        applier.install()
+        # the variables the cell reads
+        values: dict[str, Any] = {}
+        for knob in KNOBS.values():
+            if knob.var in reads:
+                v = getattr(setting, knob.name)
+                if knob.name == "batch_size":
+                    if batch is None:
+                        continue  # as written: the namespace's own batch_size
+                    v = batch
+                values[knob.var] = knob_value(knob.name, v)
+        if "micro_batch_size" in reads and setting.batch_size is not None:
+            values["micro_batch_size"] = setting.micro_batch
+        if self.function is None:
+            for name, v in values.items():
+                changed.setdefault(name, ns.get(name, _MISSING))
+                ns[name] = v
+        # a batch the cell does not size itself: the namespace's batch tensors
+        if batch is not None and "batch_size" not in reads:
+            found = self._batch_names()
+            if found is None:
+                raise KnobError("batch_size: the cell does not read batch_size and names no "
+                                "batch tensor of the namespace: make the batch with batch_size "
+                                "in the cell (e.g. x = torch.randn(batch_size, ...))")
+            names, b0 = found
+            if batch != b0:
+                for name in names:
+                    changed.setdefault(name, ns[name])
+                    ns[name] = _resize(ns[name], b0, batch)
+                applier.note(f"batch_size {batch}: {', '.join(names)} resized along dim 0 "
+                             f"(from {b0})")
+            info.batch_names = names
+        if not engine_accum:
+            before = {id(v) for v in ns.values()}
+            value = self._call(ns, values)
+            info.built = _built(ns, before)
+            return value
+        current = [0]
+        applier.gate_steps(lambda: current[0] == k, zero_grad=True)
+        applier.note(f"accum_steps {k}: the cell ran {k} times on micro-batches of {batch} "
+                     f"(effective batch {setting.batch_size}); optimizer steps held back and "
+                     "gradients kept until the last micro-step")
+        value = None
+        for i in range(1, k + 1):
+            current[0] = i
+            before = {id(v) for v in ns.values()} if i == 1 else None
+            value = self._call(ns, values)
+            if before is not None:
+                built = _built(ns, before)
+                if built:
+                    info.built = built
+                    raise KnobError(
+                        f"accum_steps: the cell builds {', '.join(built)} itself, so repeating "
+                        "it per micro-step would build it again: read accum_steps in the cell "
+                        "(for _ in range(accum_steps): ...) or build it in an earlier cell")
+        return value
+
+    def _call(self, ns: dict, values: dict[str, Any]) -> Any:
+        __tracebackhide__ = True
+        if self.function is not None:
+            return self.function(**values)
+        assert self._run is not None
+        return self._run(ns)
+
+
+def _built(ns: dict, before: set[int]) -> list[str]:
+    """Names bound to modules or optimizers that were not in the namespace before."""
+    import torch
+
+    return sorted(k for k, v in ns.items() if id(v) not in before
+                  and isinstance(v, (torch.nn.Module, torch.optim.Optimizer)))
+
+
+def _restore_names(ns: dict, saved: dict) -> None:
+    """Put the namespace's names back as they were (names made since are removed)."""
+    for k in [k for k in ns if k not in saved]:
+        del ns[k]
+    for k, v in saved.items():
+        if ns.get(k, _MISSING) is not v:
+            ns[k] = v

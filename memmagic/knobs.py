@@ -1,0 +1,792 @@
+"""What-if knobs: the settings a cell can be re-run under, each with how it is applied.
+
+A :class:`Knob` is data: its name (the plain variable a cell reads to handle the knob
+itself, see :mod:`memmagic.cell`), its values, its default (the cell as written) and how
+memmagic applies it to a cell that does not read the variable. A :class:`Setting` is one
+choice of values. Adding a knob is one entry in :data:`KNOBS` (and, when memmagic can
+apply it, one small ``apply`` function over an :class:`Applier`).
+
+Knobs and how memmagic applies them where the cell does not read the variable:
+
+================  ============================  =================================================
+knob (variable)   values                        applied by memmagic as
+================  ============================  =================================================
+``amp``           off / fp16 / bf16             autocast from each outermost module call until
+                                                the backward (the forward and the loss); fp16
+                                                adds a GradScaler (scale, unscale_, update)
+``batch_size``    int (effective batch)         tensors of the namespace the cell names whose
+                                                first dimension is the batch, resized
+``accum_steps``   int                           the cell repeated per micro-step on
+                                                batch_size / accum_steps, optimizer steps held
+                                                back and gradients kept until the last one
+``checkpointing`` on / off                      the repeated blocks of each model (children of a
+                                                ModuleList / Sequential, or a named module type)
+                                                run through torch.utils.checkpoint
+``weights_dtype`` fp32 / bf16 / fp16            each model converted (``model.half()``) at its
+                                                first call, floating inputs cast to match
+``grad_mode``     train / no_grad /             the cell under torch.no_grad() or
+                  inference_mode                torch.inference_mode(), models in eval(), its
+                                                backward() calls and optimizer steps skipped
+``offload``       on / off                      torch.autograd.graph.save_on_cpu around the cell
+``optimizer``     sgd / sgd-momentum / adam /   the optimizer the cell builds (any torch.optim
+                  adamw / adafactor             class) replaced by this one, same parameters
+``inplace``       on / off                      ``inplace=True`` on activation and dropout
+                                                modules that have the flag
+``gpu``           a card of the simulated       the simulated backend's target: fits or not
+                  device's table
+================  ============================  =================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+__all__ = ["Knob", "KNOBS", "Setting", "Applier", "KnobError", "make_optimizer",
+           "AMP_CHOICES", "WEIGHT_DTYPES", "GRAD_MODES", "OPTIMIZERS", "knob_value"]
+
+AMP_CHOICES = ("off", "fp16", "bf16")
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
+GRAD_MODES = ("train", "no_grad", "inference_mode")
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "adafactor")
+_AS_WRITTEN = "as written"
+
+
+class KnobError(ValueError):
+    """A knob value the cell cannot be run with; the message says what to do instead."""
+
+
+def _dtype(name: str | None):
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, None: None,
+            "off": None}[name]
+
+
+# -- the knobs --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Knob:
+    """One what-if knob.
+
+    ``name`` is both the :class:`Setting` field and the variable a cell reads to handle
+    the knob itself (``variable`` when they differ); ``default`` is the baseline (the cell
+    as written; None means "whatever the cell does"). ``kind`` is "choice", "int" or
+    "bool"; ``choices`` the allowed values of a choice (None allowed as the default);
+    ``low``/``high`` an int's range. ``how`` says in words how memmagic applies it where
+    the cell does not read the variable; ``apply(applier, value)`` does it (None: the
+    engine itself applies it: batch size, accumulation, target GPU). ``cell_value`` maps a
+    setting's value to what the cell's variable holds (``amp="fp16"`` -> ``torch.float16``).
+    """
+
+    name: str
+    label: str
+    kind: str
+    default: Any
+    how: str
+    choices: tuple = ()
+    low: int | None = None
+    high: int | None = None
+    apply: Callable[["Applier", Any], None] | None = field(default=None, repr=False)
+    cell_value: Callable[[Any], Any] | None = field(default=None, repr=False)
+    variable: str | None = None
+    # what a run of the cell must show for memmagic to apply the knob (see RunInfo.has):
+    # "model" (a module was called), "batch", "accum", "blocks", "backward", "optimizer"
+    # (the cell builds one), "inplace", "sim" (the simulated backend)
+    needs: str = "model"
+
+    @property
+    def var(self) -> str:
+        """The variable a cell reads to handle this knob itself."""
+        return self.variable or self.name
+
+    def check(self, value: Any) -> Any:
+        """``value`` validated (and normalised: "on" -> True, "32" -> 32) for this knob."""
+        if value is None and self.default is None:
+            return None
+        if self.kind == "bool":
+            if isinstance(value, str) and value.lower() in ("on", "true", "1", "yes"):
+                return True
+            if isinstance(value, str) and value.lower() in ("off", "false", "0", "no"):
+                return False
+            if isinstance(value, bool):
+                return value
+            raise KnobError(f"{self.name} is on or off (True/False), not {value!r}")
+        if self.kind == "int":
+            try:
+                n = int(value)
+            except (TypeError, ValueError):
+                n = None
+            if n is None or isinstance(value, bool) or (isinstance(value, float) and n != value):
+                raise KnobError(f"{self.name} needs a whole number, not {value!r}")
+            if (self.low is not None and n < self.low) or (self.high is not None and n > self.high):
+                raise KnobError(f"{self.name} must be between {self.low} and {self.high}, not {n}")
+            return n
+        v = value.lower() if isinstance(value, str) else value
+        if self.name == "gpu":
+            return _check_gpu(value)
+        if v not in self.choices:
+            raise KnobError(f"{self.name} must be one of {', '.join(map(str, self.choices))}, "
+                            f"not {value!r}")
+        return v
+
+    def show(self, value: Any) -> str:
+        """The value in words, for labels."""
+        if value is None:
+            return _AS_WRITTEN
+        if self.kind == "bool":
+            return "on" if value else "off"
+        return str(value)
+
+
+def _check_gpu(value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
+        return None
+    from .backends.sim.gpus import GPUS
+
+    key = str(value).lower()
+    if key not in GPUS:
+        raise KnobError(f"gpu must be one of {', '.join(g.name for g in GPUS.values())}, "
+                        f"not {value!r}")
+    return GPUS[key].name
+
+
+def _gpu_names() -> tuple[str, ...]:
+    try:
+        from .backends.sim.gpus import GPUS
+    except ImportError:  # pragma: no cover
+        return ()
+    return tuple(g.name for g in GPUS.values())
+
+
+# -- applying knobs -----------------------------------------------------------------------
+class Applier:
+    """Installs the knobs memmagic applies around one run of a cell, and takes every
+    change away again in :meth:`close` (also after an exception).
+
+    Knob ``apply`` functions call :meth:`around` (a context for the whole run),
+    :meth:`at_call` (at each outermost module call: a model), :meth:`patch`,
+    :meth:`gate_steps` and :meth:`note`. The applier also records what the run did
+    (models called, blocks found, optimizers built, backward calls): the engine uses it to
+    tell which knobs apply to a cell."""
+
+    def __init__(self, device_type: str, *, checkpoint_module: str | None = None) -> None:
+        self.device_type = device_type  # autocast's device: "cuda" (cuda, sim) or "cpu"
+        self.checkpoint_module = checkpoint_module
+        self.notes: list[str] = []
+        self._stack = contextlib.ExitStack()
+        self._at_call: list[tuple[Callable[[Any, tuple], tuple | None], bool]] = []
+        self._on_backward: list[Callable[[Any], Any]] = []
+        self._restore: list[Callable[[], None]] = []
+        self._depth = 0
+        self._seen_roots: set[int] = set()
+        self._inside: set[int] = set()  # ids of modules under a root already called
+        self._hooks: list = []
+        self._closed = False
+        # what the run did
+        self.models: list[str] = []          # class names of the models called
+        self.blocks = 0                      # blocks checkpointing could wrap
+        self.inplace_modules = 0             # modules with an inplace flag
+        self.optimizers_built: list[str] = []
+        self.backward_calls = 0
+        self.steps_run = 0
+        self.steps_skipped = 0
+        # step gates: an optimizer step runs when every gate says so
+        self._gates: list[Callable[[], bool]] = []
+        self._zero_gate = False
+        self._grads_pending = False  # a backward ran since the last optimizer step that ran
+        self._scaler_factory: Callable[[], Any] | None = None
+        self._scaler = None
+        self._on_leave_forward: list[Callable[[], None]] = []
+
+    # -- the API knobs use ------------------------------------------------------------------
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def around(self, cm: contextlib.AbstractContextManager) -> None:
+        """Enter ``cm`` now, for the whole run; exited by :meth:`close`."""
+        self._stack.enter_context(cm)
+
+    def at_call(self, fn: Callable[[Any, tuple], tuple | None], *, every: bool = False) -> None:
+        """Call ``fn(module, args)`` at the first outermost call of each model (not one of
+        its submodules), or at every such call with ``every``; it may return new
+        positional ``args``."""
+        self._at_call.append((fn, every))
+
+    def on_backward(self, fn: Callable[[Any], Any]) -> None:
+        """Call ``fn(tensor)`` before each ``backward()``; it returns the tensor to
+        differentiate (a GradScaler's scaled loss) or None to skip the backward."""
+        self._on_backward.append(fn)
+
+    def on_leave_forward(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` where a forward pass ends: at backward, at an optimizer step, and
+        at the end of the run."""
+        self._on_leave_forward.append(fn)
+
+    def patch(self, obj: Any, attr: str, value: Any) -> None:
+        """Set ``obj.attr = value`` until :meth:`close` (an instance attribute is removed
+        again if there was none)."""
+        had = attr in getattr(obj, "__dict__", {})
+        old = getattr(obj, "__dict__", {}).get(attr) if had else None
+        setattr(obj, attr, value)
+
+        def undo() -> None:
+            if had:
+                setattr(obj, attr, old)
+            else:
+                try:
+                    delattr(obj, attr)
+                except AttributeError:
+                    pass
+        self._restore.append(undo)
+
+    def undo_later(self, fn: Callable[[], None]) -> None:
+        self._restore.append(fn)
+
+    def gate_steps(self, gate: Callable[[], bool], *, zero_grad: bool = False) -> None:
+        """Let an optimizer step run only when ``gate()`` is true; with ``zero_grad``,
+        ``zero_grad()`` calls only clear gradients when no backward ran since the last step
+        that ran (accumulated gradients are kept)."""
+        self._gates.append(gate)
+        self._zero_gate = self._zero_gate or zero_grad
+
+    def use_grad_scaler(self, factory: Callable[[], Any]) -> None:
+        """Scale each backward's tensor with a GradScaler made (once, in the run) by
+        ``factory``; unscale before each optimizer step and update after it."""
+        self._scaler_factory = factory
+
+    # -- installation -------------------------------------------------------------------------
+    def install(self) -> None:
+        """Install the hooks and patches every run needs (the knobs add theirs before)."""
+        import torch
+        from torch.nn.modules import module as _module_mod
+
+        self._hooks.append(_module_mod.register_module_forward_pre_hook(self._pre))
+        self._hooks.append(_module_mod.register_module_forward_hook(self._post, always_call=True))
+        applier = self
+        orig_backward = torch.autograd.backward
+
+        def backward(tensors, *args, **kwargs):
+            # loss.backward() comes here too (Tensor.backward calls torch.autograd.backward)
+            if isinstance(tensors, torch.Tensor):
+                tensors = applier._before_backward(tensors)
+                if tensors is None:
+                    return None
+            else:
+                applier._leave_forward()
+                applier.backward_calls += 1
+                applier._grads_pending = True
+            return orig_backward(tensors, *args, **kwargs)
+
+        backward.__doc__ = orig_backward.__doc__
+        self.patch(torch.autograd, "backward", backward)
+        self._patch_optimizers()
+
+    def _patch_optimizers(self) -> None:
+        import torch
+
+        applier = self
+        for cls in _optimizer_classes():
+            step = cls.__dict__.get("step")
+            if step is not None:
+                self.patch(cls, "step", _gated_step(step, applier))
+        zero = torch.optim.Optimizer.zero_grad
+        mzero = torch.nn.Module.zero_grad
+
+        def zero_grad(opt, *args, **kwargs):
+            if applier._zero_gate and applier._grads_pending:
+                return None
+            return zero(opt, *args, **kwargs)
+
+        def module_zero_grad(mod, *args, **kwargs):
+            if applier._zero_gate and applier._grads_pending:
+                return None
+            return mzero(mod, *args, **kwargs)
+
+        self.patch(torch.optim.Optimizer, "zero_grad", zero_grad)
+        self.patch(torch.nn.Module, "zero_grad", module_zero_grad)
+        init = torch.optim.Optimizer.__init__
+
+        def opt_init(opt, *args, **kwargs):
+            applier.optimizers_built.append(type(opt).__name__)
+            return init(opt, *args, **kwargs)
+
+        self.patch(torch.optim.Optimizer, "__init__", opt_init)
+
+    def close(self) -> None:
+        """Take every hook, patch and context away (idempotent; raises the first error only
+        after trying all)."""
+        if self._closed:
+            return
+        self._closed = True
+        errors: list[BaseException] = []
+        for fn in (self._leave_forward,):
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - restore everything first
+                errors.append(exc)
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        try:
+            self._stack.close()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+        for undo in reversed(self._restore):
+            try:
+                undo()
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+        self._restore.clear()
+        self._at_call.clear()
+        self._on_backward.clear()
+        self._on_leave_forward.clear()
+        self._scaler = None
+        self._scaler_factory = None
+        self._seen_roots.clear()
+        self._inside.clear()
+        if errors:
+            raise errors[0]
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _pre(self, module, args):
+        from . import _torch_private as priv
+
+        self._depth += 1
+        if self._depth != 1 or id(module) in self._inside or priv.in_backward():
+            return None
+        first = id(module) not in self._seen_roots
+        if first:
+            self._seen_roots.add(id(module))
+            self.models.append(type(module).__name__)
+            for m in module.modules():
+                self._inside.add(id(m))
+            self._inside.discard(id(module))
+            self.blocks += len(find_blocks(module, self.checkpoint_module))
+            self.inplace_modules += sum(1 for m in module.modules()
+                                        if isinstance(getattr(m, "inplace", None), bool))
+        for fn, every in self._at_call:
+            if first or every:
+                out = fn(module, args)
+                if out is not None:
+                    args = out
+        return args
+
+    def _post(self, module, args, output):
+        self._depth = max(0, self._depth - 1)
+        return None
+
+    def _before_backward(self, tensor):
+        self._leave_forward()
+        for fn in self._on_backward:
+            tensor = fn(tensor)
+            if tensor is None:
+                return None
+        if self._scaler_factory is not None:
+            if self._scaler is None:
+                self._scaler = self._scaler_factory()
+            tensor = self._scaler.scale(tensor)
+        self.backward_calls += 1
+        self._grads_pending = True
+        return tensor
+
+    def _leave_forward(self) -> None:
+        for fn in self._on_leave_forward:
+            fn()
+
+
+def _gated_step(step: Callable, applier: Applier) -> Callable:
+    """An optimizer class's ``step`` that runs only when the applier's gate allows, with
+    the GradScaler's unscale_/update around it when one is in use."""
+
+    def gated(opt, *args, **kwargs):
+        applier._leave_forward()
+        if not all(g() for g in applier._gates):
+            applier.steps_skipped += 1
+            return None
+        scaler = applier._scaler
+        if scaler is not None:
+            scaler.unscale_(opt)
+        out = step(opt, *args, **kwargs)
+        if scaler is not None:
+            scaler.update()
+        applier.steps_run += 1
+        applier._grads_pending = False
+        return out
+
+    gated.__wrapped__ = step  # type: ignore[attr-defined]
+    if getattr(step, "hooked", False):  # torch's profile/hook wrapper is inside: keep it
+        gated.hooked = True  # type: ignore[attr-defined]
+    return gated
+
+
+def _optimizer_classes() -> list[type]:
+    import torch
+
+    out, todo = [], [torch.optim.Optimizer]
+    while todo:
+        cls = todo.pop()
+        out.append(cls)
+        todo.extend(cls.__subclasses__())
+    return out
+
+
+def find_blocks(model: Any, type_name: str | None = None) -> list[Any]:
+    """The modules checkpointing wraps in ``model``: with ``type_name``, the outermost
+    modules of that class name; otherwise the children of the outermost ModuleList /
+    Sequential containers that hold at least two modules of one class that has
+    submodules of its own (a model's repeated blocks)."""
+    import torch.nn as nn
+
+    found: list = []
+    stack = [model]
+    while stack:
+        m = stack.pop(0)
+        if type_name is not None:
+            if m is not model and type(m).__name__ == type_name:
+                found.append(m)
+                continue
+        elif isinstance(m, (nn.ModuleList, nn.Sequential)):
+            kids = list(m.children())
+            kinds: dict[type, int] = {}
+            for k in kids:
+                if any(True for _ in k.children()):
+                    kinds[type(k)] = kinds.get(type(k), 0) + 1
+            if any(n >= 2 for n in kinds.values()):
+                found.extend(k for k in kids if kinds.get(type(k), 0) >= 2)
+                continue
+        stack.extend(m.children())
+    return found
+
+
+# -- apply functions ------------------------------------------------------------------------
+def _apply_amp(a: Applier, value: str) -> None:
+    if value == "off":
+        return
+    import torch
+
+    dtype = _dtype(value)
+    active: list = []
+
+    def enter(module, args):
+        if not active:
+            cm = torch.autocast(a.device_type, dtype=dtype)
+            cm.__enter__()
+            active.append(cm)
+        return None
+
+    def leave() -> None:
+        while active:
+            active.pop().__exit__(None, None, None)
+
+    a.at_call(enter, every=True)
+    a.on_leave_forward(leave)
+    if value == "fp16":
+        a.use_grad_scaler(lambda: torch.amp.GradScaler(a.device_type))
+    a.note(f"amp {value}: autocast({a.device_type!r}, {str(dtype).replace('torch.', '')}) "
+           "from each model call until its backward (the forward and the loss)"
+           + ("; a GradScaler scales the loss and unscales before each step" if value == "fp16" else ""))
+
+
+def _apply_checkpointing(a: Applier, value: bool) -> None:
+    if not value:
+        return
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    wrapped: list = []
+
+    def wrap(module, args):
+        for block in find_blocks(module, a.checkpoint_module):
+            if "forward" in block.__dict__:
+                continue
+            fwd = type(block).forward.__get__(block)
+            a.patch(block, "forward", partial(_checkpointed, checkpoint, fwd))
+            wrapped.append(type(block).__name__)
+        return None
+
+    def describe() -> None:
+        if wrapped:
+            kinds = sorted(set(wrapped))
+            a.note(f"checkpointing: {len(wrapped)} block(s) ({', '.join(kinds)}) run through "
+                   "torch.utils.checkpoint (use_reentrant=False)")
+    a.at_call(wrap)
+    a.on_leave_forward(describe)
+
+
+def _checkpointed(checkpoint, fwd, *args, **kwargs):
+    import torch
+
+    if not torch.is_grad_enabled():
+        return fwd(*args, **kwargs)
+    return checkpoint(fwd, *args, use_reentrant=False, **kwargs)
+
+
+def _apply_weights(a: Applier, value: str | None) -> None:
+    if value is None:
+        return
+    import torch
+
+    dtype = _dtype(value)
+
+    def convert(module, args):
+        params = [p for p in module.parameters() if p.is_floating_point()]
+        before = {p.dtype for p in params}
+        if before != {dtype}:
+            module.to(dtype)
+        a.note(f"weights {value}: each model converted with .to({str(dtype).replace('torch.', '')}) "
+               "at its first call, floating inputs cast to match")
+        return None
+
+    def cast(module, args):
+        return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                     and x.dtype != dtype else x for x in args)
+
+    a.at_call(convert)
+    a.at_call(cast, every=True)
+
+
+def _apply_grad_mode(a: Applier, value: str) -> None:
+    if value == "train":
+        return
+    import torch
+
+    a.around(torch.inference_mode() if value == "inference_mode" else torch.no_grad())
+    skipped: list[int] = []
+
+    def skip_backward(tensor):
+        skipped.append(1)
+        return None
+
+    def to_eval(module, args):
+        flags = [(m, m.training) for m in module.modules()]
+        module.eval()
+
+        def undo() -> None:
+            for m, t in flags:
+                m.training = t
+        a.undo_later(undo)
+        return None
+
+    a.on_backward(skip_backward)
+    a.at_call(to_eval)
+    a.gate_steps(lambda: False)
+    a.note(f"grad_mode {value}: the cell ran under torch.{value}() with its models in eval(); "
+           "backward() calls and optimizer steps were skipped")
+
+
+def _apply_offload(a: Applier, value: bool) -> None:
+    if not value:
+        return
+    import torch
+
+    a.around(torch.autograd.graph.save_on_cpu(pin_memory=a.device_type == "cuda"))
+    a.note("offload: tensors saved for backward kept on the CPU "
+           "(torch.autograd.graph.save_on_cpu) and copied back for backward")
+
+
+def _apply_inplace(a: Applier, value: bool) -> None:
+    if not value:
+        return
+
+    def set_inplace(module, args):
+        n = 0
+        for m in module.modules():
+            if isinstance(getattr(m, "inplace", None), bool) and not m.inplace:
+                a.patch(m, "inplace", True)
+                n += 1
+        if n:
+            a.note(f"inplace: inplace=True on {n} activation/dropout module(s) "
+                   "(functional calls in forward code are unchanged)")
+        return None
+
+    a.at_call(set_inplace)
+
+
+def make_optimizer(name: str, params: Iterable, lr: float = 1e-3, **kwargs: Any):
+    """A torch optimizer by knob name: "sgd", "sgd-momentum" (0.9), "adam", "adamw",
+    "adafactor" (torch.optim.Adafactor: factored second moments, no first moment)."""
+    import torch
+
+    name = KNOBS["optimizer"].check(name)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, **kwargs)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, **kwargs)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, **kwargs)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, **kwargs)
+    return torch.optim.Adafactor(params, lr=lr, **kwargs)
+
+
+def _apply_optimizer(a: Applier, value: str | None) -> None:
+    if value is None:
+        return
+    import torch
+
+    chosen = {"sgd": torch.optim.SGD, "sgd-momentum": torch.optim.SGD, "adam": torch.optim.Adam,
+              "adamw": torch.optim.AdamW, "adafactor": torch.optim.Adafactor}[value]
+    replaced: list[str] = []
+    building: list[int] = []
+
+    def factory(cls):
+        def build(params, *args, **kwargs):
+            if building:  # make_optimizer itself, or a subclass's super().__init__
+                return cls(params, *args, **kwargs)
+            lr = kwargs.get("lr", args[0] if args and isinstance(args[0], (int, float)) else 1e-3)
+            replaced.append(cls.__name__)
+            building.append(1)
+            try:
+                opt = make_optimizer(value, params, lr=lr)
+            finally:
+                building.pop()
+            a.note(f"optimizer {value}: {', '.join(sorted(set(replaced)))} built by the cell "
+                   f"replaced by {type(opt).__name__}"
+                   + (" (momentum 0.9)" if value == "sgd-momentum" else "")
+                   + " with the same parameters and learning rate")
+            return opt
+        return build
+
+    for name in ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam",
+                 "RMSprop", "Rprop", "ASGD", "LBFGS", "SparseAdam", "Adafactor"):
+        cls = getattr(torch.optim, name, None)
+        if cls is not None:
+            a.patch(torch.optim, name, factory(cls))
+    del chosen
+
+
+def _amp_value(v: str):
+    return _dtype(v)
+
+
+KNOBS: dict[str, Knob] = {k.name: k for k in [
+    Knob("amp", "AMP", "choice", "off", "autocast from each model call until its backward; "
+         "fp16 with a GradScaler", choices=AMP_CHOICES, apply=_apply_amp, cell_value=_amp_value, needs="model"),
+    Knob("batch_size", "batch size", "int", None, "the namespace's batch tensors the cell "
+         "names, resized along their first dimension", low=1, high=1 << 20, needs="batch"),
+    Knob("accum_steps", "accumulation steps", "int", 1, "the cell repeated per micro-step on "
+         "batch_size / accum_steps, optimizer steps held back until the last", low=1, high=1024,
+         needs="accum"),
+    Knob("checkpointing", "checkpointing", "bool", False, "the models' repeated blocks run "
+         "through torch.utils.checkpoint", apply=_apply_checkpointing, needs="blocks"),
+    Knob("weights_dtype", "weights dtype", "choice", None, "each model converted at its first "
+         "call (model.half() / .to(bfloat16))", choices=WEIGHT_DTYPES, apply=_apply_weights,
+         cell_value=_dtype, needs="model"),
+    Knob("grad_mode", "mode", "choice", "train", "the cell under no_grad / inference_mode, "
+         "models in eval(), backward and steps skipped", choices=GRAD_MODES,
+         apply=_apply_grad_mode, needs="backward"),
+    Knob("offload", "offload activations", "bool", False, "save_on_cpu around the cell",
+         apply=_apply_offload, needs="backward"),
+    Knob("optimizer", "optimizer", "choice", None, "the optimizer the cell builds replaced",
+         choices=OPTIMIZERS, apply=_apply_optimizer, variable="optimizer_name",
+         needs="optimizer"),
+    Knob("inplace", "in-place activations", "bool", False, "inplace=True on activation and "
+         "dropout modules", apply=_apply_inplace, needs="inplace"),
+    Knob("gpu", "target GPU", "choice", None, "the simulated card: fits or not",
+         choices=(), variable="gpu_name", needs="sim"),
+]}
+
+
+def knob_value(name: str, value: Any) -> Any:
+    """What a cell's variable for knob ``name`` holds when the setting is ``value``."""
+    knob = KNOBS[name]
+    return knob.cell_value(value) if knob.cell_value is not None else value
+
+
+# -- settings ------------------------------------------------------------------------------
+class Setting:
+    """One choice of knob values; unset knobs are at their default (the cell as written).
+
+    Immutable and hashable: ``Setting(amp="fp16", batch_size=64)``,
+    ``s.replace(accum_steps=4)``, ``s.amp``. ``batch_size`` is the effective batch (samples
+    per optimizer step); :attr:`micro_batch` is what one forward sees."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, **values: Any) -> None:
+        items = {}
+        for name, value in values.items():
+            knob = KNOBS.get(name)
+            if knob is None:
+                raise TypeError(f"unknown knob {name!r}; knobs: {', '.join(KNOBS)}")
+            v = knob.check(value)
+            if v != knob.default or (v is None) != (knob.default is None):
+                items[name] = v
+        object.__setattr__(self, "_items", tuple((k, items[k]) for k in KNOBS if k in items))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        knob = KNOBS.get(name)
+        if knob is None:
+            raise AttributeError(f"no knob {name!r}; knobs: {', '.join(KNOBS)}")
+        return dict(object.__getattribute__(self, "_items")).get(name, knob.default)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("a Setting is immutable: use setting.replace(...)")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Setting) and self._items == other._items
+
+    def __hash__(self) -> int:
+        return hash(self._items)
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        """(knob, value) for the knobs set away from their default."""
+        return iter(self._items)
+
+    def changed(self) -> dict[str, Any]:
+        return dict(self._items)
+
+    def replace(self, **values: Any) -> "Setting":
+        merged = dict(self._items)
+        merged.update(values)
+        return Setting(**merged)
+
+    @property
+    def micro_batch(self) -> int | None:
+        """The batch of one forward: batch_size / accum_steps (None without a batch size)."""
+        if self.batch_size is None:
+            return None
+        return self.batch_size // self.accum_steps
+
+    def check_batch(self) -> None:
+        """KnobError when the batch does not split into accum_steps equal micro-batches."""
+        b, k = self.batch_size, self.accum_steps
+        if b is not None and b % k:
+            raise KnobError(f"batch_size {b} does not split into {k} equal micro-batches: "
+                            f"pick a multiple of {k} (e.g. {max(k, math.ceil(b / k) * k)})")
+
+    def label(self) -> str:
+        """Short and deterministic: "amp fp16, batch 64 (4 x 16), ckpt" ("as written" when
+        nothing is set)."""
+        parts = []
+        for name, value in self._items:
+            if name == "batch_size":
+                continue
+            if name == "accum_steps":
+                continue
+            knob = KNOBS[name]
+            short = {"checkpointing": "ckpt", "weights_dtype": "weights", "grad_mode": "",
+                     "offload": "offload", "inplace": "inplace", "optimizer": "",
+                     "amp": "amp", "gpu": "on"}[name]
+            if knob.kind == "bool":
+                parts.append(short if value else f"no {short}")
+            else:
+                parts.append(f"{short} {value}".strip())
+        if self.batch_size is not None or self.accum_steps != 1:
+            b = self.batch_size
+            if self.accum_steps != 1:
+                parts.insert(0, f"batch {b if b is not None else '?'} "
+                                f"({self.accum_steps} x {self.micro_batch if b is not None else '?'})")
+            else:
+                parts.insert(0, f"batch {b}")
+        return ", ".join(parts) if parts else _AS_WRITTEN
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self._items)
+        return f"Setting({inner})"
