@@ -1,0 +1,376 @@
+"""Memory per GPU when a cell's model is sharded with FSDP2 over N GPUs, simulated.
+
+The cell runs on the simulated GPU as rank 0 of a fake process group of N ranks (torch's
+"fake" backend: collectives return at once, no GPUs, no network). When the cell builds an
+optimizer, the modules that own its parameters are sharded first with FSDP2's
+``fully_shard`` (each element of a ``ModuleList`` -- transformer blocks, stages -- then the
+root), as a training script would do before making its optimizer; the optimizer then
+gets the sharded parameters. The report is rank 0's: its shards of parameters, gradients
+and optimizer state, the parameters FSDP2 all-gathers around each block's forward and
+backward, the reduce-scatter buffers, and the cell's activations for the batch the cell
+uses (each rank trains on a batch of that size). Nothing is divided by N by hand.
+
+Knows nothing of IPython.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+import weakref
+
+from .report import MemoryReport, format_bytes
+
+__all__ = ["ShardResult", "simulate_fsdp", "shard_memory", "ShardingUnsupported",
+           "WORLD_SIZES"]
+
+WORLD_SIZES = (2, 4, 8)
+
+
+class ShardingUnsupported(RuntimeError):
+    """The cell cannot be simulated under FSDP2; the message says why."""
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    """Rank 0's memory with the cell's model sharded over ``world_size`` GPUs. Bytes.
+
+    ``report`` is the simulated run's report (None when it could not run: ``reason`` says
+    why). ``sharded`` names the modules ``fully_shard`` was applied to."""
+
+    world_size: int
+    report: MemoryReport | None
+    sharded: tuple[str, ...] = ()
+    reason: str | None = None
+
+    @property
+    def peak(self) -> int | None:
+        """Peak live bytes per GPU (rank 0), None when the run failed."""
+        return None if self.report is None else self.report.peak
+
+    @property
+    def reserved_peak(self) -> int | None:
+        r = self.report
+        return None if r is None else (r.reserved_peak if r.reserved_peak is not None else r.peak)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.report is None else self.report.fits
+
+    def label(self) -> str:
+        return f"shard over {self.world_size} GPUs (FSDP2)"
+
+    def __str__(self) -> str:
+        if self.report is None:
+            return f"{self.label()}: not simulated: {self.reason}"
+        return f"{self.label()}: {format_bytes(self.peak)} per GPU"
+
+
+# -- the tracker and wrapper subclasses (DTensor) -----------------------------------------
+@contextmanager
+def _wrapper_aware_tracking() -> Iterator[None]:
+    """While active, memmagic's trackers count a wrapper tensor subclass (FSDP2's DTensor
+    parameters, gradients and optimizer state) by its inner tensors (the local shard), and
+    the simulation takes an op's device from them; FSDP2's storage resizes of unsharded
+    parameters (which bypass the dispatcher) are counted.
+
+    Stand-in until tracking.py / backends/sim/device.py do this themselves (requested):
+    a wrapper subclass has no memory of its own, and its ops dispatch their inner ops
+    below the tracker's dispatch mode, so the tracker must look through it."""
+    from . import _torch_private_dist as dist_priv
+    from . import tracking
+    from ._torch_private import storage_key
+    from .backends.sim import device as sim_device
+
+    inner, is_wrapper = dist_priv.wrapper_inner_tensors, dist_priv.is_wrapper_subclass
+    st = tracking.StorageTracker
+    sim = sim_device.SimTracker
+    orig = {name: st.__dict__[name] for name in ("track", "note", "serial_of", "_recheck_size")}
+    orig_pool = sim.__dict__.get("_pool_from_inputs")
+
+    def track(self, t, role=tracking.Category.OTHER):
+        if is_wrapper(t):
+            serial = None
+            for i in inner(t):
+                s = track(self, i, role)
+                serial = serial if serial is not None else s
+            return serial
+        return orig["track"](self, t, role)
+
+    def note(self, t, role):
+        if is_wrapper(t):
+            for i in inner(t):
+                note(self, i, role)
+            return None
+        return orig["note"](self, t, role)
+
+    def serial_of(self, t):
+        if is_wrapper(t):
+            for i in inner(t):
+                s = serial_of(self, i)
+                if s is not None:
+                    return s
+            return None
+        return orig["serial_of"](self, t)
+
+    def recheck(self, t):
+        if is_wrapper(t):
+            for i in inner(t):
+                recheck(self, i)
+            return None
+        return orig["_recheck_size"](self, t)
+
+    def unwrap(a):
+        if is_wrapper(a):
+            return inner(a)[0] if inner(a) else a
+        if type(a) in (list, tuple):
+            return type(a)(unwrap(x) for x in a)
+        return a
+
+    def pool_from_inputs(self, func, args, kwargs):
+        return orig_pool(self, func, tuple(unwrap(a) for a in args),
+                         {k: unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs)
+
+    def resized(t) -> None:
+        active = tracking._ACTIVE
+        tr = active[-1].t if active else None
+        if tr is None:
+            return
+        entry = tr._live.get(storage_key(t.untyped_storage()))
+        if entry is None:
+            return
+        s = getattr(tr, "s", None)  # the simulation rounds by the pool of the op running
+        old = getattr(s, "pending", None)
+        if s is not None:
+            s.pending = entry.pool
+        try:
+            tr._recheck_size(t)
+        finally:
+            if s is not None:
+                s.pending = old
+
+    with ExitStack() as stack:
+        try:
+            st.track, st.note, st.serial_of, st._recheck_size = track, note, serial_of, recheck
+            if orig_pool is not None:
+                sim._pool_from_inputs = pool_from_inputs
+            stack.enter_context(dist_priv.fsdp_storage_resize_hook(resized))
+            stack.enter_context(dist_priv.fsdp_device_handle_without_streams())
+            yield
+        finally:
+            for name, fn in orig.items():
+                setattr(st, name, fn)
+            if orig_pool is not None:
+                sim._pool_from_inputs = orig_pool
+
+
+# -- sharding the cell's model when it makes its optimizer -----------------------------------
+class _AutoShard:
+    """Applies ``fully_shard`` to the modules owning an optimizer's parameters when the
+    optimizer is made (``Optimizer.__init__``), and hands it the sharded parameters."""
+
+    def __init__(self, mesh: Any, namespace: Mapping[str, Any]) -> None:
+        self.mesh = mesh
+        self.namespace = namespace
+        self.modules: list[weakref.ref] = []  # made during the run, in order
+        self.children: set[int] = set()
+        self.sharded: list[str] = []
+        self.done: set[int] = set()
+        self.errors: list[BaseException] = []
+
+    @contextmanager
+    def installed(self) -> Iterator["_AutoShard"]:
+        import torch
+        import torch.nn.modules.module as module_mod
+
+        seen: set[int] = set()
+
+        def saw(module) -> None:
+            if id(module) not in seen:
+                seen.add(id(module))
+                self.modules.append(weakref.ref(module))
+
+        def on_param(module, name, param):
+            saw(module)
+
+        def on_child(module, name, child):
+            saw(module)
+            if child is not None:
+                self.children.add(id(child))
+                saw(child)
+
+        opt_cls = torch.optim.Optimizer
+        original_init = opt_cls.__dict__["__init__"]
+        auto = self
+
+        def __init__(opt, params, defaults):
+            return original_init(opt, auto.shard_for(params), defaults)
+
+        handles = []
+        try:
+            handles.append(module_mod.register_module_parameter_registration_hook(on_param))
+            handles.append(module_mod.register_module_module_registration_hook(on_child))
+            opt_cls.__init__ = __init__
+            yield self
+        finally:
+            opt_cls.__init__ = original_init
+            for h in handles:
+                h.remove()
+
+    def _roots(self) -> list[tuple[str, Any]]:
+        import torch
+
+        out: list[tuple[str, Any]] = []
+        ids: set[int] = set()
+        for name, value in list(self.namespace.items()):
+            if isinstance(value, torch.nn.Module) and id(value) not in ids:
+                out.append((name, value))
+                ids.add(id(value))
+        for ref in self.modules:
+            m = ref()
+            if m is not None and id(m) not in self.children and id(m) not in ids:
+                out.append((type(m).__name__, m))
+                ids.add(id(m))
+        return out
+
+    def shard_for(self, params: Any) -> Any:
+        """``params`` as given to an optimizer, with the parameters of modules just sharded
+        replaced by their sharded versions."""
+        import torch
+
+        items = list(params)
+        groups = [g for g in items if isinstance(g, dict)]
+        flat = [p for g in groups for p in g["params"]] if groups else items
+        wanted = {id(p) for p in flat if isinstance(p, torch.Tensor)}
+        replace: dict[int, Any] = {}
+        for name, root in self._roots():
+            if id(root) in self.done:
+                continue
+            owned = [(m, n, p) for m in root.modules() for n, p in m._parameters.items()
+                     if p is not None]
+            if not any(id(p) in wanted for _, _, p in owned):
+                continue
+            self._shard(name, root)
+            self.done.add(id(root))
+            for m, n, p in owned:
+                new = m._parameters.get(n)
+                if new is not None and new is not p:
+                    replace[id(p)] = new
+        if not replace:
+            return items
+
+        def swap(ps):
+            return [replace.get(id(p), p) for p in ps]
+
+        if groups:
+            return [{**g, "params": swap(list(g["params"]))} for g in items]
+        return swap(items)
+
+    def _shard(self, name: str, root: Any) -> None:
+        import torch
+        from torch.distributed.fsdp import fully_shard
+
+        blocks: list[tuple[str, Any]] = []
+        taken: set[int] = set()
+        for path, m in root.named_modules():
+            if isinstance(m, torch.nn.ModuleList):
+                for i, child in enumerate(m):
+                    if id(child) in taken or not any(True for _ in child.parameters()):
+                        continue
+                    if any(id(a) in taken for a in _ancestors(root, child)):
+                        continue
+                    blocks.append((f"{name}.{path}.{i}" if path else f"{name}.{i}", child))
+                    taken.add(id(child))
+        for label, block in blocks:
+            fully_shard(block, mesh=self.mesh)
+            self.sharded.append(label)
+        fully_shard(root, mesh=self.mesh)
+        self.sharded.append(name)
+
+
+def _ancestors(root: Any, module: Any) -> list[Any]:
+    """The modules between ``root`` and ``module`` (exclusive), outermost first."""
+    path: list[Any] = []
+
+    def walk(m, trail) -> bool:
+        for child in m.children():
+            if child is module:
+                path.extend(trail)
+                return True
+            if walk(child, trail + [child]):
+                return True
+        return False
+
+    walk(root, [])
+    return path
+
+
+# -- the runs -----------------------------------------------------------------------------------
+RunFn = Callable[[dict], Any]
+
+
+def _as_run(cell: str | RunFn) -> RunFn:
+    if callable(cell):
+        return cell
+    if not isinstance(cell, str):
+        raise TypeError(f"cell must be source text or a function of the namespace, not {type(cell).__name__}")
+    code = compile(cell, "<cell>", "exec")
+
+    def run(ns: dict) -> None:
+        exec(code, ns)
+
+    return run
+
+
+def simulate_fsdp(cell: str | RunFn, namespace: Mapping[str, Any] | None = None, *,
+                  world_size: int, gpu: Any = None, gpu_memory: int | str | None = None
+                  ) -> ShardResult:
+    """Run ``cell`` (source text, or a function of the namespace) on a simulated GPU as
+    rank 0 of ``world_size`` ranks, its model sharded with FSDP2 when it makes its
+    optimizer. ``namespace`` is copied (the cell's names do not land in it). Returns the
+    :class:`ShardResult`; one whose ``report`` is None says why it could not run."""
+    from . import _torch_private_dist as dist_priv
+    from .backends.sim import SimBackend
+
+    world_size = int(world_size)
+    if world_size < 2:
+        raise ValueError(f"world_size must be 2 or more (1 GPU is the plain run), not {world_size}")
+    run = _as_run(cell)
+    ns = dict(namespace or {})
+    backend = SimBackend(gpu=gpu, gpu_memory=gpu_memory)
+    try:
+        with ExitStack() as stack:
+            stack.enter_context(dist_priv.fake_process_group(world_size))
+            stack.enter_context(_wrapper_aware_tracking())
+            auto = _AutoShard(dist_priv.device_mesh("cuda", world_size), ns)
+            stack.enter_context(auto.installed())
+            outcome = backend.execute(run, ns)
+    except RuntimeError as exc:  # a process group exists already
+        return ShardResult(world_size, None, reason=str(exc))
+    error = outcome.error
+    report = outcome.report
+    if not auto.sharded:
+        why = ("the cell made no optimizer over a model's parameters: FSDP2 shards a model "
+               "before its optimizer is made, so simulate the cell that builds both")
+        if error is not None:
+            why = f"the cell failed before sharding: {report.error}"
+        return ShardResult(world_size, None, reason=why)
+    if error is not None and not _is_oom(error):
+        return ShardResult(world_size, None, tuple(auto.sharded),
+                           reason=f"FSDP2 could not run this model in the simulation: {report.error}")
+    return ShardResult(world_size, report, tuple(auto.sharded))
+
+
+def _is_oom(error: BaseException) -> bool:
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def shard_memory(cell: str | RunFn, namespace: Mapping[str, Any] | None = None, *,
+                 world_sizes: Sequence[int] = WORLD_SIZES, gpu: Any = None,
+                 gpu_memory: int | str | None = None) -> list[ShardResult]:
+    """:func:`simulate_fsdp` for each of ``world_sizes`` (default 2, 4, 8 GPUs)."""
+    return [simulate_fsdp(cell, namespace, world_size=n, gpu=gpu, gpu_memory=gpu_memory)
+            for n in world_sizes]
