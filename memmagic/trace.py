@@ -117,7 +117,8 @@ class Trace:
                  pool_of: dict[int, str], roles: dict[int, str], seed: dict[int, int],
                  saver: dict[int, str | None], owner: dict[int, str],
                  frames: dict[int, tuple] | None = None,
-                 peak_event: int = -1, before: int = 0) -> None:
+                 peak_event: int = -1, before: int = 0,
+                 allocator_log: object | None = None) -> None:
         self.ops = ops
         self.events = events
         self.saved_events = saved_events
@@ -127,6 +128,9 @@ class Trace:
         self.saver = saver
         self.owner = owner
         self.frames = frames or {}
+        # the allocator's own history of the run where a backend keeps one (the sim's
+        # CachingAllocatorModel: an AllocatorLog); the snapshot writer reads it
+        self.allocator_log = allocator_log
         self.peak_event = peak_event
         self.before = before
         self._storages: list[Storage] | None = None

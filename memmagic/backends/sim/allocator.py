@@ -17,14 +17,22 @@ constants and rules of c10's ``CUDACachingAllocator.cpp`` with default settings 
 
 It does not model streams, CUDA graphs, or memory other processes or the CUDA context
 (hundreds of MiB) take on the card.
+
+While a log is on (:meth:`CachingAllocatorModel.start_log`), every action is recorded as
+the CUDA allocator's history records it (``torch.cuda.memory._record_memory_history``):
+"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free" and "oom",
+with the model's addresses; :meth:`~CachingAllocatorModel.take_log` returns them with
+the segments and blocks held at that moment (what ``torch.cuda.memory._snapshot()``
+calls "segments"). :mod:`memmagic.snapshot` writes both as a memory_viz snapshot.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Callable
 
-__all__ = ["CachingAllocatorModel", "round_request", "segment_size", "AllocatorFull",
+__all__ = ["CachingAllocatorModel", "AllocatorLog", "round_request", "segment_size", "AllocatorFull",
            "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER", "MIN_LARGE_ALLOC",
            "ROUND_LARGE"]
 
@@ -68,6 +76,27 @@ class _Block:
     free: bool = True
     prev: "_Block | None" = None
     next: "_Block | None" = None
+    requested: int = 0          # bytes asked for (while allocated)
+    key: object = None          # who holds it (while allocated)
+
+
+@dataclass(frozen=True)
+class AllocatorLog:
+    """What the model did while its log was on, and what it held when the log was taken.
+
+    ``entries``: one dict per action, in order: ``action`` ("alloc", "free_requested",
+    "free_completed", "segment_alloc", "segment_free", "oom"), ``addr`` (absent for
+    "oom"), ``size`` (bytes requested for an alloc or free, the segment's size, or the
+    failed request), ``key`` (who the block is for: the tracker's storage serial; None
+    for segments), ``op`` (the log's clock when it happened: the op index in a simulated
+    run) and, for "oom", ``device_free`` (capacity less reserved bytes).
+    ``segments``: one dict per segment held at the end: ``address``, ``total_size``,
+    ``small`` and ``blocks`` (``address``, ``size``, ``requested``, ``key``, ``allocated``)
+    in address order. All sizes in bytes.
+    """
+
+    entries: list[dict]
+    segments: list[dict]
 
 
 @dataclass(eq=False)
@@ -100,6 +129,50 @@ class CachingAllocatorModel:
         self.reserved_peak = 0
         self.segments_peak = 0
         self.num_alloc_retries = 0
+        self._log: list[dict] | None = None
+        self._clock: Callable[[], int] | None = None
+
+    # -- history --------------------------------------------------------------------------
+    def start_log(self, clock: Callable[[], int] | None = None) -> None:
+        """Record every action from now on in a fresh log; ``clock()`` (if given) stamps
+        each entry's ``op``."""
+        self._log, self._clock = [], clock
+
+    def stop_log(self) -> None:
+        """Stop recording and drop the log."""
+        self._log, self._clock = None, None
+
+    @property
+    def logging(self) -> bool:
+        return self._log is not None
+
+    def take_log(self, *, keep_logging: bool = False) -> AllocatorLog:
+        """The log so far and the segments held now; the log stops unless
+        ``keep_logging`` (then the entries are a copy and recording goes on)."""
+        entries = list(self._log or ())
+        if not keep_logging:
+            self.stop_log()
+        segments = []
+        for seg in sorted(self._segments, key=lambda g: g.addr):
+            blocks = []
+            b = seg.head
+            while b is not None:
+                blocks.append({"address": b.addr, "size": b.size,
+                               "requested": 0 if b.free else b.requested,
+                               "key": None if b.free else b.key, "allocated": not b.free})
+                b = b.next
+            segments.append({"address": seg.addr, "total_size": seg.size, "small": seg.small,
+                             "blocks": blocks})
+        return AllocatorLog(entries, segments)
+
+    def _record(self, action: str, addr: int | None, size: int, key: object = None,
+                **extra: int) -> None:
+        entry = {"action": action, "addr": addr, "size": size, "key": key,
+                 "op": self._clock() if self._clock is not None else None}
+        if addr is None:
+            del entry["addr"]
+        entry.update(extra)
+        self._log.append(entry)  # type: ignore[union-attr]
 
     # -- free lists ---------------------------------------------------------------------
     def _insert_free(self, b: _Block) -> None:
@@ -131,6 +204,9 @@ class CachingAllocatorModel:
                 self.empty_cache()
                 self.num_alloc_retries += 1
                 if self.reserved + seg_size > self.capacity:
+                    if self._log is not None:
+                        self._record("oom", None, nbytes,
+                                     device_free=max(self.capacity - self.reserved, 0))
                     raise AllocatorFull(size, self.allocated, self.reserved, self.capacity)
             block = self._new_segment(seg_size, small)
         block.free = False
@@ -143,7 +219,10 @@ class CachingAllocatorModel:
             block.size = size
             self._insert_free(tail)
         block.segment.blocks_in_use += 1
+        block.requested, block.key = nbytes, key
         self._live[key] = block
+        if self._log is not None:
+            self._record("alloc", block.addr, nbytes, key)
         self.allocated += block.size
         self.allocated_peak = max(self.allocated_peak, self.allocated)
         return block.size
@@ -153,6 +232,10 @@ class CachingAllocatorModel:
         block = self._live.pop(key, None)
         if block is None:
             return
+        if self._log is not None:
+            self._record("free_requested", block.addr, block.requested, key)
+            self._record("free_completed", block.addr, block.requested, key)
+        block.requested, block.key = 0, None
         self.allocated -= block.size
         block.segment.blocks_in_use -= 1
         for nb in (block.prev, block.next):  # merge with free neighbours
@@ -183,6 +266,8 @@ class CachingAllocatorModel:
             if seg.blocks_in_use == 0:
                 self._remove_free(seg.head)
                 released += seg.size
+                if self._log is not None:
+                    self._record("segment_free", seg.addr, seg.size)
             else:
                 keep.append(seg)
         self._segments = keep
@@ -199,6 +284,8 @@ class CachingAllocatorModel:
         block = _Block(seg.addr, seg_size, seg, True)
         seg.head = block
         self._segments.append(seg)
+        if self._log is not None:
+            self._record("segment_alloc", seg.addr, seg_size)
         self.reserved += seg_size
         self.reserved_peak = max(self.reserved_peak, self.reserved)
         self.segments_peak = max(self.segments_peak, len(self._segments))

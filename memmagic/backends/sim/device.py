@@ -393,7 +393,7 @@ def _device_rule(func) -> str:
 
 def _op_info(func) -> tuple[bool, str, bool]:
     """(mutates its inputs, name, outputs need a fix-up) of an op, computed once."""
-    schema = getattr(func, "_schema", None)
+    schema = _priv.op_schema(func)
     mutating = bool(schema is not None and schema.is_mutable) or func in _FOUND_INF_OPS
     fixup = func is _RNN_LAYER or func is _RNN_LAYER_BACKWARD or func in _BATCH_NORMS
     return mutating, func.__name__, fixup
@@ -431,7 +431,7 @@ class DeviceRewriteMode(TorchFunctionMode):
             T.new_tensor: self._new, T.new: self._new,
             T.tolist: self._tolist, T.numpy: self._numpy, T.__array__: self._array,
             T.__repr__: self._repr, T.__str__: self._repr,
-            torch._C._nn._parse_to: self._parse_to, T.__deepcopy__: self._deepcopy,
+            _priv.PARSE_TO_FUNCTION: self._parse_to, T.__deepcopy__: self._deepcopy,
             T.item: self._marked_read,  # (int(t) and float(t) return plain numbers: Python
                                         # makes exact ints and floats of what __int__ gives)
         }
@@ -691,6 +691,17 @@ class SimTracker(StorageTracker):
         if a is not None:
             a.reserved_peak = a.reserved
             a.allocated_peak = a.allocated
+            # the cell's allocator history (for memory_viz snapshots), stamped with op indices
+            a.start_log(clock=lambda: self.ops)
+
+    def trace(self) -> Trace:
+        """The run's trace, with the allocator model's history of the cell attached as
+        ``allocator_log`` (:class:`~.allocator.AllocatorLog`; None without a CUDA model)."""
+        trace = super().trace()
+        a = self.allocator
+        if a is not None and a.logging:
+            trace.allocator_log = a.take_log(keep_logging=True)
+        return trace
 
     def close(self) -> None:
         """A persistent card keeps listening for frees between cells (a tensor deleted in
@@ -929,7 +940,7 @@ class SimTracker(StorageTracker):
             rule = self._device_rules[func] = _device_rule(func)
         if rule == "any" or _priv.in_backward():
             return
-        schema = getattr(func, "_schema", None)
+        schema = _priv.op_schema(func)
         names = [a.name for a in schema.arguments] if schema is not None else []
         live, unsure = self._live, self._unsure
 
