@@ -1,0 +1,316 @@
+"""Sweeps and the batch-size finder, on top of the what-if engine (:class:`~memmagic.cell.Cell`).
+
+:func:`sweep` runs a knob (the batch size by default) across values for each strategy (a
+combination of other knobs: AMP, checkpointing, ...) and returns a :class:`Sweep`: the
+reports per strategy, the largest value that fits the card for each, and a chart.
+:func:`find_batch_size` returns the largest batch size that fits a memory budget with a
+safety margin (doubling, then bisection), as a :class:`BatchSearch` that says how it
+found it. Knows nothing of IPython or widgets.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from .knobs import KNOBS, KnobError, Setting
+from .report import MemoryReport, format_bytes
+
+if TYPE_CHECKING:
+    from .cell import Cell
+
+__all__ = ["Sweep", "sweep", "default_strategies", "parse_values", "BatchSearch",
+           "find_batch_size", "need"]
+
+
+def need(report: MemoryReport) -> int:
+    """What must fit on the card: the reserved peak where known, else the peak (bytes)."""
+    return report.reserved_peak if report.reserved_peak is not None else report.peak
+
+
+def _fits(report: MemoryReport, limit: int | None) -> bool:
+    if report.error is not None or report.failed_request is not None:
+        return False
+    return limit is None or need(report) <= limit
+
+
+def parse_values(text: str, knob: str = "batch_size") -> tuple[int, ...]:
+    """Knob values from ``"1:512"`` (the powers of two from 1 to 512, both ends included)
+    or ``"8,16,24"`` (those values)."""
+    k = KNOBS.get(knob)
+    if k is None or k.kind != "int":
+        ints = [n for n, kk in KNOBS.items() if kk.kind == "int"]
+        raise ValueError(f"a sweep runs an integer knob ({', '.join(ints)}), not {knob!r}")
+    s = str(text).replace(" ", "")
+    try:
+        if ":" in s:
+            lo_s, hi_s = s.split(":", 1)
+            lo, hi = int(lo_s), int(hi_s)
+            if lo < 1 or hi < lo:
+                raise ValueError
+            vals = []
+            v = 1
+            while v <= hi:
+                if v >= lo:
+                    vals.append(v)
+                v *= 2
+            if not vals or vals[0] != lo:
+                vals.insert(0, lo)
+            if vals[-1] != hi:
+                vals.append(hi)
+            out = tuple(vals)
+        else:
+            out = tuple(sorted({int(x) for x in s.split(",") if x}))
+    except ValueError:
+        raise ValueError(f"sweep values are LO:HI (powers of two between them, e.g. 1:512) or "
+                         f"a list (8,16,32), not {text!r}") from None
+    if not out:
+        raise ValueError(f"no values in {text!r}")
+    for v in out:
+        k.check(v)
+    return out
+
+
+def default_strategies(cell: "Cell", applicable: Sequence[str] | None = None) -> dict[str, Setting]:
+    """One strategy per combination of AMP (off / bf16) and checkpointing (off / on), of
+    those that apply to ``cell``: up to four, named "fp32", "amp bf16", "ckpt", ..."""
+    names = applicable if applicable is not None else cell.applicable()
+    axes: list[list[tuple[str, dict[str, Any]]]] = []
+    if "amp" in names:
+        axes.append([("fp32", {}), ("amp bf16", {"amp": "bf16"})])
+    if "checkpointing" in names:
+        axes.append([("", {}), ("ckpt", {"checkpointing": True})])
+    out: dict[str, Setting] = {}
+    for combo in itertools.product(*axes) if axes else [()]:
+        label = " + ".join(n for n, _ in combo if n) or "as written"
+        values: dict[str, Any] = {}
+        for _, v in combo:
+            values.update(v)
+        out[label] = Setting(**values)
+    return out
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """Reports of a knob run across ``values`` for each strategy. ``curves[strategy]`` is
+    (value, report) per value; ``capacity`` (bytes) the card's memory where known."""
+
+    knob: str
+    values: tuple[int, ...]
+    curves: Mapping[str, tuple[tuple[int, MemoryReport], ...]]
+    capacity: int | None = None
+    capacity_name: str | None = None
+    wall_s: float = 0.0
+    strategies: Mapping[str, Setting] = field(default_factory=dict, repr=False)
+
+    def largest_fitting(self) -> dict[str, int | None]:
+        """Per strategy, the largest value whose run fits the card (None: none fits); without
+        a capacity, the largest value that ran without error."""
+        out: dict[str, int | None] = {}
+        for name, pts in self.curves.items():
+            ok = [v for v, r in pts if _fits(r, self.capacity)]
+            out[name] = max(ok) if ok else None
+        return out
+
+    def __str__(self) -> str:
+        best = self.largest_fitting()
+        where = (f"fits {self.capacity_name or 'the GPU'} ({format_bytes(self.capacity)})"
+                 if self.capacity is not None else "runs")
+        parts = [f"{name}: {self.knob} {v if v is not None else 'none'}" for name, v in best.items()]
+        return (f"sweep of {self.knob} {self.values[0]}..{self.values[-1]} "
+                f"({len(self.values)} values x {len(self.curves)} strategies, "
+                f"{self.wall_s:.1f} s); largest that {where}: " + "; ".join(parts))
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(f"<Sweep : {self}>")
+
+    def figure(self):
+        """A ``matplotlib.figure.Figure`` of peak against the knob, one line per strategy."""
+        from .plots import plot_sweep
+
+        curves = {name: [(v, r if r.error is None else None) for v, r in pts]
+                  for name, pts in self.curves.items()}
+        ax = plot_sweep(curves, capacity=self.capacity, capacity_name=self.capacity_name,
+                        knob=self.knob)
+        return ax.figure
+
+    def chart(self):
+        """The sweep as a displayable chart with a one-line text repr."""
+        from .plots import Chart
+
+        return Chart(self.figure(), f"<memmagic chart: sweep of {self.knob} "
+                                    f"{self.values[0]}..{self.values[-1]}, "
+                                    f"{len(self.curves)} strategies>")
+
+
+def sweep(cell: "Cell", knob: str = "batch_size", values: Sequence[int] | str = "1:512",
+          strategies: Mapping[str, Setting] | None = None, *,
+          setting: Setting | Mapping[str, Any] | None = None,
+          capacity: int | None = None, stop_after_failure: bool = True) -> Sweep:
+    """Run ``knob`` across ``values`` for each strategy (default: :func:`default_strategies`)
+    on top of ``setting``. ``capacity`` (bytes) defaults to the target GPU of the runs.
+    With ``stop_after_failure`` a strategy stops at its first run that fails or runs out
+    of memory (larger values would too): its curve has no points beyond it."""
+    vals = parse_values(values, knob) if isinstance(values, str) else tuple(sorted(set(values)))
+    if knob not in KNOBS or KNOBS[knob].kind != "int":
+        raise ValueError(f"a sweep runs an integer knob, not {knob!r}")
+    strats = dict(strategies) if strategies is not None else default_strategies(cell)
+    base = cell.setting(setting)
+    t0 = time.perf_counter()
+    curves: dict[str, tuple[tuple[int, MemoryReport], ...]] = {}
+    cap, cap_name = capacity, None
+    for name, strat in strats.items():
+        pts: list[tuple[int, MemoryReport]] = []
+        s0 = base.replace(**strat.changed())
+        for v in vals:
+            try:
+                s = s0.replace(**{knob: v})
+                s.check_batch()
+            except KnobError:
+                continue  # a batch accumulation cannot split: not a point of this curve
+            r = cell.run(s)
+            pts.append((v, r))
+            if cap is None and r.gpu_memory is not None:
+                cap = r.gpu_memory
+            if cap_name is None and r.gpu_name is not None:
+                cap_name = r.gpu_name
+            if stop_after_failure and (r.error is not None or r.failed_request is not None):
+                break
+        curves[name] = tuple(pts)
+    return Sweep(knob, vals, curves, cap, cap_name, time.perf_counter() - t0, strats)
+
+
+# -- the batch-size finder -----------------------------------------------------------------
+@dataclass(frozen=True)
+class BatchSearch:
+    """The largest batch size that fits ``limit`` = ``budget`` x (1 - ``margin``) bytes.
+
+    ``trials`` holds (batch size, bytes needed or None when the run failed, fits) in the
+    order they ran; ``method`` is "simulation" (runs on the simulated GPU) or "trials"
+    (real runs on the GPU, each out-of-memory error caught and cleaned up after)."""
+
+    batch_size: int | None
+    budget: int
+    margin: float
+    trials: tuple[tuple[int, int | None, bool], ...]
+    method: str
+    device: str = ""
+    report: MemoryReport | None = field(default=None, repr=False)
+
+    @property
+    def limit(self) -> int:
+        return int(self.budget * (1 - self.margin))
+
+    @property
+    def how(self) -> str:
+        """How the size was found, in words."""
+        ups = []
+        for b, _n, fits in self.trials:
+            ups.append(f"{b} {'fits' if fits else 'does not'}")
+        where = "on the simulated GPU" if self.method == "simulation" else "by real runs on the GPU"
+        verdict = (f"{self.batch_size} is the largest batch" if self.batch_size is not None
+                   else "no batch size tried")
+        return (f"{verdict} whose {'reserved ' if self.method == 'simulation' else ''}peak stays "
+                f"under {format_bytes(self.limit)} ({1 - self.margin:.0%} of "
+                f"{format_bytes(self.budget)}); {len(self.trials)} runs {where} "
+                f"({self.device}), doubling then bisecting: " + ", ".join(ups))
+
+    def __str__(self) -> str:
+        return self.how
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(f"<BatchSearch : batch_size={self.batch_size}; {self.how}>")
+
+
+def find_batch_size(cell: "Cell", *, budget: int | str | None = None, margin: float = 0.1,
+                    setting: Setting | Mapping[str, Any] | None = None, low: int = 1,
+                    high: int = 1 << 16, method: str = "simulation") -> BatchSearch:
+    """The largest batch size (a multiple of the setting's accumulation steps) whose run
+    needs at most ``budget * (1 - margin)`` bytes (the reserved peak on the simulated GPU).
+
+    ``budget`` defaults to the target card's memory (``gpu=`` of the cell or setting; on a
+    real GPU, ``torch.cuda.get_device_properties().total_memory``). ``method``:
+    "simulation" runs the cell on the simulated GPU (the cell's backend must be "sim");
+    "trials" runs it for real on a CUDA GPU, catching each out-of-memory error and
+    emptying the allocator's cache after every run. Doubles from ``low`` until a run does
+    not fit (or ``high``), then bisects."""
+    from .report import parse_bytes
+
+    if method not in ("simulation", "trials"):
+        raise ValueError(f"method must be 'simulation' or 'trials', not {method!r}")
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin is a fraction of the budget in [0, 1), not {margin!r}")
+    if method == "simulation" and cell.backend_name != "sim":
+        raise ValueError("method='simulation' needs a Cell with backend='sim'; "
+                         "use method='trials' for real runs on a GPU")
+    if method == "trials" and cell.backend_name not in ("cuda", "auto"):
+        raise ValueError("method='trials' runs the cell for real on a GPU: make the Cell with "
+                         "backend='cuda'")
+    base = cell.setting(setting)
+    step = base.accum_steps
+    if isinstance(budget, str):
+        budget = parse_bytes(budget)
+    trials: list[tuple[int, int | None, bool]] = []
+    reports: dict[int, MemoryReport] = {}
+
+    def trial(b: int) -> bool:
+        r = cell.run(base.replace(batch_size=b))
+        nonlocal budget
+        if budget is None:
+            budget = r.gpu_memory if r.gpu_memory is not None else _cuda_total(method)
+            if budget is None:
+                raise ValueError("find_batch_size needs a budget: pass budget= (bytes or "
+                                 "'10GiB') or give the cell a target GPU (gpu='T4')")
+        lim = int(budget * (1 - margin))
+        ok = _fits(r, lim)
+        trials.append((b, None if r.error else need(r), ok))
+        reports[b] = r
+        if method == "trials":
+            _clean_cuda()
+        return ok
+
+    lo_ok: int | None = None
+    b = max(step, (low + step - 1) // step * step)
+    hi_bad: int | None = None
+    while b <= high:
+        if trial(b):
+            lo_ok = b
+            b *= 2
+        else:
+            hi_bad = b
+            break
+    if lo_ok is not None and hi_bad is not None:
+        lo, hi = lo_ok, hi_bad
+        while hi - lo > step:
+            mid = (lo + hi) // 2 // step * step
+            if mid <= lo:
+                break
+            if trial(mid):
+                lo = mid
+            else:
+                hi = mid
+        lo_ok = lo
+    assert budget is not None
+    device = next(iter(reports.values())).device if reports else ""
+    return BatchSearch(lo_ok, int(budget), margin, tuple(trials), method, device,
+                       reports.get(lo_ok) if lo_ok is not None else None)
+
+
+def _cuda_total(method: str) -> int | None:
+    if method != "trials":
+        return None
+    import torch
+
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+
+def _clean_cuda() -> None:
+    """After a real trial: free what the run left (an OOM's frames are already cleared)."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
