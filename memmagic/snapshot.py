@@ -124,12 +124,12 @@ class _Writer:
             return Category.ACTIVATIONS.value  # held by autograd for backward
         return s.category
 
-    @staticmethod
-    def _snapshot_entry(entries: list[dict], live: int) -> None:
-        # the allocator's own marker for "a snapshot was taken here"; its category
-        # ("unknown": blocks older than the history) completes the viewer's category list
-        entries.append({"action": "snapshot", "addr": 0, "size": live, "stream": 0,
-                        "frames": [], "category": "unknown"})
+    def _snapshot_entry(self, entries: list[dict], change: int) -> None:
+        # the allocator's own marker for "a snapshot was taken here", with the bytes live
+        # then; its category ("unknown": blocks older than the history) completes the
+        # viewer's category list
+        entries.append({"action": "snapshot", "addr": 0, "size": self.trace.before + change,
+                        "stream": 0, "frames": [], "category": "unknown"})
 
     # -- sim: the caching allocator model's own history ------------------------------------
     def from_allocator_log(self, log: Any) -> dict[str, Any]:

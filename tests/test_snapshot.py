@@ -240,3 +240,19 @@ def test_allocator_log_records_empty_cache_and_oom():
     assert a.logging
     a.stop_log()
     assert not a.logging
+
+
+def test_each_cell_on_a_lasting_simulated_gpu_gets_its_own_history(ip):
+    first = ip.run_cell_magic("gpumem", "--backend sim --gpu T4 -o -q",
+                              "x = torch.ones(3 * 2**20, device='cuda')\n"
+                              "y = torch.ones(1000, device='cuda')")
+    second = ip.run_cell_magic("gpumem", "--backend sim --gpu T4 -o -q", "z = x * 2\ndel y")
+    assert second.before == first.after
+    snap = snapshot_dict(second)
+    acts = [(e["action"], e["size"]) for e in events(snap)]
+    # only this cell's actions; x (an earlier cell's block) is in the segments, not the history
+    assert acts == [("segment_alloc", 12 * MiB), ("alloc", 12 * MiB), ("free_requested", 4096),
+                    ("free_completed", 4096), ("snapshot", second.after)]
+    held = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+    assert sorted(b["size"] for b in held) == [12 * MiB, 12 * MiB]
+    assert max(replay(snap)) == second.peak - second.before
