@@ -70,6 +70,20 @@ def why_no_browser() -> str | None:
     return "; ".join(missing) or None
 
 
+def require_browser(environ: dict[str, str] | None = None) -> None:
+    """Skip the calling test, saying what is missing, when the browser tests cannot run
+    here; under ``CI=true`` fail instead, so that CI never passes without a browser."""
+    import pytest
+
+    why = why_no_browser()
+    if why is None:
+        return
+    env = os.environ if environ is None else environ
+    if env.get("CI", "").lower() == "true":
+        pytest.fail(f"the browser tests cannot run in CI (CI=true): {why}", pytrace=False)
+    pytest.skip(f"no browser to test in: {why}")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -115,6 +129,14 @@ class Server:
     def api(self, path: str) -> Any:
         """GET ``/api/...`` as JSON (jupyter servers only)."""
         with urllib.request.urlopen(self.url(path), timeout=10) as r:
+            return json.load(r)
+
+    def api_post(self, path: str, body: dict) -> Any:
+        """POST ``body`` as JSON to ``/api/...``; the answer as JSON."""
+        req = urllib.request.Request(
+            self.base + path, data=json.dumps(body).encode(), method="POST",
+            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
             return json.load(r)
 
 

@@ -20,7 +20,6 @@ import pytest
 
 import browser_support as bs
 
-pytestmark = pytest.mark.slow
 
 NOTEBOOKS = bs.REPO / "notebooks"
 FIRST_STEPS = NOTEBOOKS / "01_first_steps.ipynb"
@@ -32,12 +31,7 @@ ALLOWED_CONSOLE_ERRORS: list[tuple[re.Pattern, str]] = []
 
 @pytest.fixture(scope="module")
 def browser_ready() -> None:
-    why = bs.why_no_browser()
-    if why is None:
-        return
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"the browser tests cannot run in CI: {why}", pytrace=False)
-    pytest.skip(f"no browser to test in: {why}")
+    bs.require_browser()
 
 
 def console_errors(console: bs.Console) -> list[str]:
@@ -89,10 +83,37 @@ def luminance(css_rgb: str) -> float:
     return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
 
 
+@pytest.mark.parametrize("ci, outcome", [("", pytest.skip.Exception), ("true", pytest.fail.Exception)])
+def test_without_a_browser_the_tests_skip_with_the_reason_and_fail_in_ci(monkeypatch, ci, outcome):
+    monkeypatch.setattr(bs.shutil, "which", lambda name, *a, **k: None)
+    with pytest.raises(outcome, match="`chromium` is not on PATH"):
+        bs.require_browser({"CI": ci})
+
+
+def test_every_process_a_server_started_is_stopped(browser_ready):
+    """A server and the kernel it started (in a session of its own) are gone after the
+    server's context ends, also when the test inside it fails."""
+    import psutil
+
+    with pytest.raises(RuntimeError, match="inside"):
+        with bs.jupyter_server("lab", {}) as server:
+            kernel = server.api_post("/api/kernels", {"name": "python3"})
+            bs.wait_for(lambda: len(bs._descendants(server.proc.pid)) >= 1, 60, "the kernel process")
+            pids = [server.proc.pid] + [p.pid for p in bs._descendants(server.proc.pid)]
+            assert kernel["id"]
+            # the kernel is outside the server's process group: killing the group alone
+            # would leave it running
+            assert {os.getpgid(p) for p in pids[1:]} - {os.getpgid(server.proc.pid)}
+            raise RuntimeError("a failure inside the server's context")
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+
+
 # ---------------------------------------------------------------------------------------
 # JupyterLab
 
 
+@pytest.mark.slow
 def test_first_steps_renders_in_jupyterlab_light_and_dark(browser_ready):
     """The first tutorial, Run All in JupyterLab: every report and chart the stored
     notebook has renders again, in the light theme and after switching to the dark one,
