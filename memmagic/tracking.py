@@ -30,7 +30,6 @@ from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _torch_private as _priv
 from .report import Category
@@ -80,7 +79,7 @@ class TrackResult:
     peak_label: str | None = None  # the autograd node (backward) or optimizer (step) at the peak
 
 
-class StorageTracker(TorchDispatchMode):
+class StorageTracker(_priv.TorchDispatchMode):
     """Records live storages op by op.
 
     ``include(t)`` says which pool a tensor's storage counts in ("device" or "host") or
@@ -312,7 +311,7 @@ class StorageTracker(TorchDispatchMode):
         self.log_op(func.__name__ if hasattr(func, "__name__") else str(func), args, kwargs)
         mutating = self._mutating.get(func)
         if mutating is None:
-            schema = getattr(func, "_schema", None)
+            schema = _priv.op_schema(func)
             mutating = bool(schema is not None and schema.is_mutable)
             self._mutating[func] = mutating
         self._visit(out, mutating)
@@ -435,16 +434,11 @@ def _saved_tensors(fn: object, seen: set[int]) -> Iterator[torch.Tensor]:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        for name in dir(node):
-            if name.startswith("_saved_"):
-                try:
-                    value = getattr(node, name)
-                except Exception:  # freed by an earlier backward, or a hook refused
-                    continue
-                values = value if isinstance(value, (tuple, list)) else (value,)
-                for v in values:
-                    if isinstance(v, torch.Tensor):
-                        yield v
+        for value in _priv.node_saved_values(node):
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            for v in values:
+                if isinstance(v, torch.Tensor):
+                    yield v
         for nxt, _ in getattr(node, "next_functions", ()):
             stack.append(nxt)
 
@@ -462,7 +456,7 @@ def _collect(obj: object, kind: str, found: list, graph_roots: list) -> None:
         if obj.grad_fn is not None:
             graph_roots.append(obj.grad_fn)
     elif kind == "module":
-        for b in obj._buffers.values():
+        for b in _priv.own_buffers(obj).values():
             if b is not None:
                 found.append((b, Category.BUFFERS))
     elif kind == "optimizer":
@@ -541,7 +535,7 @@ class _Saved:
     __slots__ = ("tensor", "version", "node_type", "output_nr", "marks")
 
     def __init__(self, tensor: torch.Tensor, marks: list[tuple[_Channel, int]]) -> None:
-        self.version = tensor._version
+        self.version = _priv.tensor_version(tensor)
         self.marks = marks
         if _priv.made_by_newest_node(tensor):
             self.node_type = type(tensor.grad_fn)  # a class: no reference to the node
@@ -554,7 +548,7 @@ class _Saved:
 
     def unpack(self) -> torch.Tensor:
         t = self.tensor
-        now = t._version
+        now = _priv.tensor_version(t)
         if now != self.version:
             raise RuntimeError(self._modified_message(now))
         return t
@@ -676,7 +670,7 @@ class _RoleHooks:
         if inner is not None:  # torch.compile's wrapper: the module it wraps stands for it
             if id(inner) not in self._names:
                 if t.module_stack and self._parent is not None:
-                    for child_name, child in self._parent._modules.items():
+                    for child_name, child in _priv.child_modules(self._parent).items():
                         if child is module:
                             self._names[id(inner)] = child_name
                             break
@@ -699,7 +693,7 @@ class _RoleHooks:
                 name = type(module).__name__
                 parent = self._parent
                 if parent is not None:
-                    for child_name, child in parent._modules.items():
+                    for child_name, child in _priv.child_modules(parent).items():
                         if child is module:
                             name = child_name
                             break
@@ -714,7 +708,7 @@ class _RoleHooks:
             path = f"{t.module_stack[-1]}.{name}" if t.module_stack else name
             self._paths.setdefault(id(module), path)
         owner = t.owner
-        for p in module._parameters.values():
+        for p in _priv.own_parameters(module).values():
             if p is not None:
                 t.note(p, Category.PARAMETERS)
                 self.params.setdefault(id(p), weakref.ref(p))
@@ -724,7 +718,7 @@ class _RoleHooks:
                     owner[serial] = path
                 if p.grad is not None:
                     t.note(p.grad, Category.GRADIENTS)
-        for b in module._buffers.values():
+        for b in _priv.own_buffers(module).values():
             if b is not None:
                 t.note(b, Category.BUFFERS)
         t.enter_module(path)
@@ -750,7 +744,7 @@ class _RoleHooks:
         t.exit_module()
         if self._parents:
             self._parents.pop()
-        for b in module._buffers.values():  # BatchNorm replaces running stats in place or anew
+        for b in _priv.own_buffers(module).values():  # BatchNorm replaces running stats in place or anew
             if b is not None:
                 t.note(b, Category.BUFFERS)
 
@@ -858,7 +852,7 @@ class EagerCompiled:
     session. Under the stance ``"force_eager"`` (``torch.compiler.set_stance``) dynamo never
     sees the frame and its caches stay as they were; a later call outside the
     measurement compiles as usual. ``calls`` counts calls of compiled functions and
-    modules (through dynamo's private ``eval_frame._callback_from_stance``, asked once per
+    modules (through dynamo's private callback-from-stance function, asked once per
     call for the callback to use; absent, the calls are not counted).
     """
 
@@ -866,6 +860,7 @@ class EagerCompiled:
         self.calls = 0
         self._stance = None
         self._module = None
+        self._name = ""
         self._wrapped = None
         self._filter = None
 
@@ -873,8 +868,6 @@ class EagerCompiled:
         set_stance = getattr(torch.compiler, "set_stance", None)
         if set_stance is None:  # torch < 2.6: nothing to do it with
             return
-        import torch._dynamo.eval_frame as eval_frame
-
         try:
             self._stance = set_stance("force_eager")
         except RuntimeError:  # measuring from inside a compiled region: leave dynamo alone
@@ -885,22 +878,24 @@ class EagerCompiled:
         warnings.filterwarnings("ignore", message=_HOOKS_WARNING, category=UserWarning)
         if warnings.filters[0] not in before:
             self._filter = warnings.filters[0]
-        original = getattr(eval_frame, "_callback_from_stance", None)
-        if original is None:
+        slot = _priv.dynamo_stance_callback_slot()
+        if slot is None:
             return
+        module, name = slot
+        original = getattr(module, name)
 
         def callback_from_stance(callback):
             if callback is not None and callback is not False:  # a compiled callable runs
                 self.calls += 1
             return original(callback)
 
-        self._module, self._wrapped = eval_frame, original
-        eval_frame._callback_from_stance = callback_from_stance
+        self._module, self._name, self._wrapped = module, name, original
+        setattr(module, name, callback_from_stance)
 
     def uninstall(self) -> None:
         try:
             if self._module is not None:
-                self._module._callback_from_stance = self._wrapped
+                setattr(self._module, self._name, self._wrapped)
                 self._module = self._wrapped = None
         finally:
             try:
@@ -930,10 +925,7 @@ def _remove_warning_filter(entry: tuple) -> None:
 
 def _compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
     """The module a ``torch.compile(module)`` wrapper (``OptimizedModule``) wraps, else None."""
-    if type(module).__name__ != "OptimizedModule":
-        return None
-    inner = module.__dict__.get("_orig_mod") or module._modules.get("_orig_mod")
-    return inner if isinstance(inner, torch.nn.Module) else None
+    return _priv.compiled_inner(module)
 
 
 # -- the context manager the backends use -----------------------------------------------

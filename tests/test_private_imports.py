@@ -57,24 +57,7 @@ def in_private_layer(rel: str) -> bool:
 
 # What remains, file -> the names it still uses (the lead is moving these behind
 # _torch_private; see the functions named in the comments).
-ALLOWED: dict[str, set[str]] = {
-    "tracking.py": {
-        "torch.utils._python_dispatch",  # priv.TorchDispatchMode
-        "torch._dynamo.eval_frame",      # priv.dynamo_stance_callback_slot()
-        "_callback_from_stance",         # priv.dynamo_stance_callback_slot()
-        "_version",                      # priv.tensor_version(t)
-        "_schema",                       # priv.op_schema(func)
-        "_parameters",                   # priv.own_parameters(m)
-        "_buffers",                      # priv.own_buffers(m)
-        "_modules",                      # priv.child_modules(m)
-        "_orig_mod",                     # priv.compiled_inner(m)
-        "_saved_",                       # priv.node_saved_values(node)
-    },
-    "backends/sim/device.py": {
-        "torch._C._nn._parse_to",        # priv.PARSE_TO_FUNCTION
-        "_schema",                       # priv.op_schema(func)
-    },
-}
+ALLOWED: dict[str, set[str]] = {}
 
 # Leading-underscore attributes of torch objects that the test does not build (dynamo).
 _TORCH_EXTRAS = {"_orig_mod", "_callback_from_stance"}
