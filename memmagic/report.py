@@ -164,6 +164,9 @@ class MemoryReport:
     modules: tuple["ModuleRow", ...] = field(default=(), repr=False)
     # the full record of the run (tracker-based backends): storages, ops, events in order
     trace: "Trace | None" = field(default=None, repr=False, compare=False)
+    # cuda with snapshot=True: the caching allocator's own snapshot of the cell (segments,
+    # events with Python stacks), as torch.cuda.memory._snapshot() returns it
+    cuda_snapshot: dict | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

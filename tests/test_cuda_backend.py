@@ -115,3 +115,37 @@ def test_real_gpu_nested_measurements():
 
     outer = measure(lambda: inner(), backend="cuda")
     assert outer.increment >= 96 * MiB
+
+
+class SnapshotProbe(FakeProbe):
+    """A scripted allocator that also hands over its own snapshot, as the real probe does."""
+
+    keep_snapshot = False
+    snapshot = None
+
+    def stop_trace(self):
+        if self.keep_snapshot:
+            self.snapshot = {"segments": [{"device": 0, "address": 0, "total_size": 2 * MiB,
+                                           "blocks": []}],
+                             "device_traces": [[{"action": "alloc", "addr": 0, "size": 512,
+                                                 "frames": [], "stream": 0}]]}
+        return super().stop_trace()
+
+
+def test_the_cuda_report_carries_the_trace_and_on_request_the_allocators_snapshot(tmp_path):
+    import pickle
+
+    from memmagic.snapshot import write_snapshot
+
+    probe = SnapshotProbe((0, 0, 0, 0), (0, 0, 0, 0), [])
+    model = torch.nn.Linear(8, 8)
+    out = CUDABackend(probe=probe, breakdown=True, snapshot=True).measure(
+        lambda: model(torch.randn(2, 8)).sum().backward())
+    r = out.report
+    assert r.trace is not None and len(r.trace.ops) > 0  # the tracker ran: its trace is there
+    assert r.cuda_snapshot is probe.snapshot
+    path = write_snapshot(r, tmp_path / "cell.pickle")
+    assert pickle.loads(path.read_bytes()) == probe.snapshot
+    plain = CUDABackend(probe=SnapshotProbe((0, 0, 0, 0), (0, 0, 0, 0), []), breakdown=False)
+    r2 = plain.measure(lambda: None).report
+    assert r2.cuda_snapshot is None and r2.trace is None

@@ -69,6 +69,8 @@ class AllocatorProbe:
         self.device = device
         self._we_record = False
         self._start_len = 0
+        self.keep_snapshot = False  # stop_trace keeps the allocator's own snapshot
+        self.snapshot: dict | None = None
 
     def name(self) -> str:
         return torch.cuda.get_device_name(self.device)
@@ -97,8 +99,16 @@ class AllocatorProbe:
         self._start_len = 0
 
     def stop_trace(self) -> list[tuple[str, int]] | None:
-        """Events since :meth:`start_trace`, or None when the buffer overflowed."""
+        """Events since :meth:`start_trace`, or None when the buffer overflowed. With
+        ``keep_snapshot``, the allocator's whole snapshot (segments and the cell's events,
+        with Python stacks) is kept in ``snapshot``: what PyTorch's memory_viz page opens."""
         try:
+            if self.keep_snapshot:
+                snap = _priv.memory_snapshot(self.device)
+                traces = snap.get("device_traces", [])
+                if len(traces) > self.device and self._start_len:
+                    traces[self.device] = traces[self.device][self._start_len:]
+                self.snapshot = snap
             traces = self._traces()
             if len(traces) >= TRACE_ENTRIES or len(traces) < self._start_len:
                 return None
@@ -115,7 +125,9 @@ class CUDABackend(Backend):
     name = "cuda"
 
     def __init__(self, device: int | None = None, breakdown: bool = True,
-                 probe: AllocatorProbe | None = None) -> None:
+                 probe: AllocatorProbe | None = None, snapshot: bool = False) -> None:
+        """``snapshot=True`` keeps the allocator's own snapshot of the cell on the report
+        (``report.cuda_snapshot``, for :func:`memmagic.snapshot.write_snapshot`)."""
         if probe is None:
             if not cuda_usable():
                 raise BackendUnavailable(
@@ -129,6 +141,7 @@ class CUDABackend(Backend):
         self.device = probe.device
         self.breakdown = breakdown
         self.probe = probe
+        self.snapshot = bool(snapshot)
 
     def _include(self, t: torch.Tensor) -> str | None:
         d = t.device
@@ -144,6 +157,8 @@ class CUDABackend(Backend):
         tracking = Tracking(self._include, round_512, roots=roots) if self.breakdown else None
         error: BaseException | None = None
         t0 = time.perf_counter()
+        if self.snapshot:
+            probe.keep_snapshot, probe.snapshot = True, None
         probe.start_trace()
         try:
             if tracking is None:
@@ -201,4 +216,8 @@ class CUDABackend(Backend):
             reserved_after=r1, peak_op=tr.peak_op if tr else None,
             peak_module=tr.peak_module if tr else None, error=error_text(error),
             notes=tuple(notes), timeline=tuple(tr.timeline) if tr else (),
+            peak_phase=tr.peak_phase if tr else None, peak_label=tr.peak_label if tr else None,
+            modules=tuple(tr.trace.module_rows(tr.peak)) if tr and tr.trace else (),
+            trace=tr.trace if tr else None,
+            cuda_snapshot=getattr(probe, "snapshot", None) if self.snapshot else None,
         )
