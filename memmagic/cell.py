@@ -271,7 +271,8 @@ class Cell:
                             "(read batch_size in the cell, or pass one with --batch-size)")
         backend = self._backend(full)
         info = RunInfo(sim=backend.name == "sim", reads=self.reads,
-                       batch_known=self.baseline.batch_size is not None)
+                       batch_known=self.baseline.batch_size is not None
+                       or full.batch_size is not None)
         ns = self.namespace
         saved = dict(ns) if self.isolated else None
         run = self._runner(full, info, "cpu" if backend.name == "cpu" else "cuda")
@@ -292,12 +293,14 @@ class Cell:
             outcome.report = replace(outcome.report, notes=outcome.report.notes + tuple(notes))
         return outcome
 
-    def applicable(self, info: RunInfo | None = None) -> list[str]:
-        """The knobs that apply to this cell, judged from a run (the last one by default):
-        those whose variable the cell reads, and those memmagic can apply to what it ran."""
-        info = info or self.last_info
+    def applicable(self, info: RunInfo | None = None, *,
+                   setting: Setting | Mapping[str, Any] | None = None) -> list[str]:
+        """The knobs that apply to this cell, judged from a run (``info``; else the last
+        run; else a run of ``setting``, the baseline by default): those whose variable the
+        cell reads, and those memmagic can apply to what the run did."""
+        info = info or (self.last_info if setting is None else None)
         if info is None:
-            self.run()
+            self.run(setting)
             info = self.last_info
         assert info is not None
         return [k.name for k in KNOBS.values() if k.var in self.reads or info.has(k.needs)]

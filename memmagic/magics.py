@@ -113,6 +113,39 @@ class MemMagics(Magics):
                    "the verdict and does not raise, so Run All goes on.")
     @argument("--footer", action="store_true",
               help="One line instead of the full report (what %%gpusim on uses).")
+    @argument("--amp", default=None, metavar="{off,fp16,bf16}",
+              help="What-if knob: autocast around each model call and its loss (fp16 with a "
+                   "GradScaler), unless the cell reads the variable amp itself.")
+    @argument("--batch-size", default=None, metavar="N",
+              help="What-if knob: the (effective) batch size; the cell reads batch_size, or "
+                   "memmagic resizes the batch tensors of the namespace the cell names.")
+    @argument("--accum-steps", default=None, metavar="K",
+              help="What-if knob: gradient accumulation over K micro-batches of "
+                   "batch_size / K (the cell reads accum_steps, or memmagic repeats it per "
+                   "micro-step with the optimizer step held back).")
+    @argument("--checkpointing", nargs="?", const="on", default=None, metavar="MODULE",
+              help="What-if knob: activation checkpointing of the model's repeated blocks "
+                   "(children of a ModuleList/Sequential), or of the modules of class MODULE.")
+    @argument("--weights-dtype", default=None, metavar="{fp32,bf16,fp16}",
+              help="What-if knob: convert the model's weights (model.half()).")
+    @argument("--grad-mode", default=None, metavar="{train,no_grad,inference_mode}",
+              help="What-if knob: a training step, or a forward under no_grad / inference_mode.")
+    @argument("--offload", action="store_true", default=None,
+              help="What-if knob: keep tensors saved for backward on the CPU (save_on_cpu).")
+    @argument("--optimizer", default=None, metavar="{sgd,sgd-momentum,adam,adamw,adafactor}",
+              help="What-if knob: replace the optimizer the cell builds.")
+    @argument("--inplace", action="store_true", default=None,
+              help="What-if knob: inplace=True on activation and dropout modules.")
+    @argument("--whatif", action="store_true",
+              help="Show a panel of controls for the knobs that apply to the cell; every change "
+                   "re-runs the cell (on the simulated GPU unless --backend says otherwise) and "
+                   "redraws the memory against the baseline. Needs ipywidgets 8.")
+    @argument("--range", action="append", default=None, metavar="KNOB=LO:HI",
+              help="The panel's range of an integer knob, e.g. batch_size=1:512.")
+    @argument("--sweep", default=None, metavar="KNOB=LO:HI",
+              help="Run the knob across the powers of two from LO to HI (or a list: "
+                   "batch_size=8,16,32) for each strategy (AMP, checkpointing) and plot the "
+                   "memory against it, with the largest value that fits the card.")
     @argument("statement", nargs=argparse.REMAINDER,
               help="Line magic: the statement to measure.")
     @line_cell_magic
@@ -148,17 +181,35 @@ class MemMagics(Magics):
             raise UsageError("nothing to measure: use %gpumem STATEMENT or put code in a %%gpumem cell")
         if args.var is not None and not args.var.isidentifier():
             raise UsageError(f"-v needs a Python variable name, not {args.var!r}")
-        backend = self._backend(args)
+        knobs = self._knob_values(args)
+        whatif = args.whatif or args.sweep is not None
+        if whatif and cell is None:
+            raise UsageError("--whatif and --sweep work on a %%gpumem cell, not a line")
+        if whatif and args.backend is None:
+            args.backend = "sim"  # re-runs are simulated unless asked otherwise
+        backend = self._backend(args, persistent=not whatif)
         try:
             run = self._compile(source)
         except SyntaxError as exc:
             self._syntax_error(exc)
             return None
+        if whatif or knobs or args.checkpoint_module:
+            engine = self._cell(source, run, args, knobs, isolated=whatif)
+            if args.sweep is not None:
+                return self._sweep(engine, args)
+            if args.whatif:
+                return self._whatif(engine, args)
         try:
-            outcome = backend.execute(run, self.shell.user_ns)
+            if knobs or args.checkpoint_module:
+                outcome = engine.execute()
+            else:
+                outcome = backend.execute(run, self.shell.user_ns)
         except Exception as exc:
             from .backends.sim.errors import SimulationError
+            from .knobs import KnobError
 
+            if isinstance(exc, KnobError):
+                raise UsageError(str(exc)) from None
             if not isinstance(exc, SimulationError):
                 raise
             # refused before the cell ran (nested in a simulated cell, a card too small)
@@ -195,7 +246,17 @@ class MemMagics(Magics):
         return report if args.output else None
 
     # -- helpers -------------------------------------------------------------------------
-    def _backend(self, args: argparse.Namespace):
+    def _backend(self, args: argparse.Namespace, *, persistent: bool = True):
+        name, options = self._backend_spec(args, persistent=persistent)
+        try:
+            return get_backend(name, **options)
+        except (BackendUnavailable, ValueError, TypeError) as exc:
+            raise UsageError(str(exc)) from None
+
+    def _backend_spec(self, args: argparse.Namespace, *,
+                      persistent: bool = True) -> tuple[str, dict[str, Any]]:
+        """The backend's name and options; ``persistent``: a sim cell runs on the
+        notebook's simulated GPU (what-if re-runs do not)."""
         from .simmode import sim_mode
 
         mode = sim_mode(self.shell)
@@ -218,7 +279,7 @@ class MemMagics(Magics):
                                                 spell=option_spelling)
             except (ValueError, TypeError) as exc:
                 raise UsageError(str(exc)) from None
-        if name == "sim":
+        if name == "sim" and persistent:
             from .backends.sim.session import shell_session
 
             options["session"] = shell_session(self.shell)  # one simulated GPU per notebook
@@ -229,10 +290,99 @@ class MemMagics(Magics):
                 options["breakdown"] = False
         elif args.no_breakdown:
             raise UsageError("--no-breakdown applies to --backend cuda only")
+        return name, options
+
+    # -- what-if ----------------------------------------------------------------------------
+    @staticmethod
+    def _knob_values(args: argparse.Namespace) -> dict[str, Any]:
+        """The knob options given on the line, checked (UsageError naming the option)."""
+        from .knobs import KNOBS, KnobError
+
+        raw = {"amp": args.amp, "batch_size": args.batch_size, "accum_steps": args.accum_steps,
+               "weights_dtype": args.weights_dtype, "grad_mode": args.grad_mode,
+               "offload": args.offload, "optimizer": args.optimizer, "inplace": args.inplace}
+        args.checkpoint_module = None
+        ck = args.checkpointing
+        if ck is not None:
+            low = ck.lower()
+            if low in ("on", "true", "yes", "1", "off", "false", "no", "0"):
+                raw["checkpointing"] = low in ("on", "true", "yes", "1")
+            elif ck.isidentifier():
+                raw["checkpointing"] = True
+                args.checkpoint_module = ck
+            else:
+                raise UsageError(f"--checkpointing takes on, off or a module class name "
+                                 f"(TransformerBlock), not {ck!r}")
+        values = {}
+        for name, value in raw.items():
+            if value is None:
+                continue
+            try:
+                values[name] = KNOBS[name].check(value)
+            except KnobError as exc:
+                raise UsageError(f"--{name.replace('_', '-')}: {exc}") from None
+        return values
+
+    def _cell(self, source: str, run, args: argparse.Namespace, knobs: dict[str, Any], *,
+              isolated: bool):
+        """The what-if engine for this cell: the magic's knob options are its baseline."""
+        from .cell import Cell
+        from .knobs import KnobError, Setting
+
+        name, options = self._backend_spec(args, persistent=not isolated)
+        defaults = dict(knobs)
+        if isolated and name == "sim" and args.gpu and not args.gpu_memory:
+            try:
+                Setting(gpu=args.gpu)
+            except KnobError:
+                pass
+            else:
+                defaults["gpu"] = args.gpu
+                options.pop("gpu", None)
         try:
-            return get_backend(name, **options)
-        except (BackendUnavailable, ValueError, TypeError) as exc:
+            return Cell(source, self.shell.user_ns, backend=name, backend_options=options,
+                        defaults=defaults, isolated=isolated, compile=lambda _src: run,
+                        checkpoint_module=args.checkpoint_module)
+        except (KnobError, ValueError, TypeError) as exc:
             raise UsageError(str(exc)) from None
+
+    def _whatif(self, engine, args: argparse.Namespace):
+        from .widgets import WhatIfPanel, parse_ranges
+
+        if "batch_size" in engine.reads and engine.baseline.batch_size is None:
+            raise UsageError("the cell reads batch_size: give its starting value with "
+                             "--batch-size N (or define batch_size in an earlier cell)")
+        try:
+            ranges = parse_ranges(args.range or [])
+            panel = WhatIfPanel(engine, ranges=ranges)
+        except (ImportError, ValueError) as exc:  # no ipywidgets; a bad range or setting
+            raise UsageError(str(exc)) from None
+        if args.var:
+            self.shell.user_ns[args.var] = panel
+        if args.output:
+            return panel
+        if not args.quiet:
+            display(panel)
+        return None
+
+    def _sweep(self, engine, args: argparse.Namespace):
+        from .sweep import parse_values, sweep
+
+        knob, _, values = args.sweep.partition("=")
+        try:
+            if not values:
+                raise ValueError("--sweep takes KNOB=LO:HI, e.g. --sweep batch_size=1:512")
+            result = sweep(engine, knob.strip(), parse_values(values, knob.strip()))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        if args.var:
+            self.shell.user_ns[args.var] = result
+        if not args.quiet:
+            if not args.no_chart:
+                display(result.chart())
+            if not args.output:
+                display(result)
+        return result if args.output else None
 
     @staticmethod
     def _notes(args: argparse.Namespace, backend) -> Iterator[str]:

@@ -157,8 +157,9 @@ def sweep(cell: "Cell", knob: str = "batch_size", values: Sequence[int] | str = 
     vals = parse_values(values, knob) if isinstance(values, str) else tuple(sorted(set(values)))
     if knob not in KNOBS or KNOBS[knob].kind != "int":
         raise ValueError(f"a sweep runs an integer knob, not {knob!r}")
-    strats = dict(strategies) if strategies is not None else default_strategies(cell)
     base = cell.setting(setting)
+    strats = dict(strategies) if strategies is not None else default_strategies(
+        cell, cell.applicable(setting=base.replace(**{knob: vals[0]})))
     t0 = time.perf_counter()
     curves: dict[str, tuple[tuple[int, MemoryReport], ...]] = {}
     cap, cap_name = capacity, None

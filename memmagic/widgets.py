@@ -1,0 +1,335 @@
+"""The what-if panel (``%%gpumem --whatif``): controls for the knobs that apply to a cell,
+and the memory redrawn against the baseline on every change.
+
+Everything is drawn through widget state (PNG bytes into an ``ipywidgets.Image``, text into
+``ipywidgets.HTML``), never ``with out:`` (which nbval does not emulate). The panel's text
+repr is one deterministic line with the current setting and peak. ipywidgets is imported
+only when a panel is built; without it the error says what to install.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+from .knobs import KNOBS, KnobError, Setting
+from .report import MemoryReport, format_bytes
+
+if TYPE_CHECKING:
+    from .cell import Cell
+    from .sweep import Sweep
+
+__all__ = ["WhatIfPanel", "parse_ranges", "INSTALL_HINT"]
+
+INSTALL_HINT = ("the what-if panel needs ipywidgets 8: pip install 'ipywidgets>=8' "
+                "(the knob options --amp, --batch-size, --accum-steps, --checkpointing, ... "
+                "work without it)")
+_BATCH_RANGE = (1, 512)
+_ACCUM_RANGE = (1, 16)
+_CACHE = 32
+
+
+def _ipywidgets():
+    try:
+        import ipywidgets
+    except ImportError:
+        raise ImportError(INSTALL_HINT) from None
+    major = int(str(getattr(ipywidgets, "__version__", "0")).split(".")[0] or 0)
+    if major < 8:
+        raise ImportError(f"{INSTALL_HINT}; ipywidgets {ipywidgets.__version__} is installed")
+    return ipywidgets
+
+
+def parse_ranges(items: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """``["batch_size=1:512"]`` -> ``{"batch_size": (1, 512)}`` (integer knobs only)."""
+    out: dict[str, tuple[int, int]] = {}
+    for item in items:
+        name, _, span = str(item).partition("=")
+        name = name.strip().replace("-", "_")
+        knob = KNOBS.get(name)
+        if knob is None or knob.kind != "int":
+            ints = ", ".join(n for n, k in KNOBS.items() if k.kind == "int")
+            raise ValueError(f"--range takes an integer knob ({ints}) as KNOB=LO:HI, not {item!r}")
+        lo_s, _, hi_s = span.partition(":")
+        try:
+            lo, hi = knob.check(lo_s), knob.check(hi_s)
+        except KnobError:
+            raise ValueError(f"--range {name}=LO:HI needs two whole numbers, not {span!r}") from None
+        if hi < lo:
+            raise ValueError(f"--range {name}: {lo} is above {hi}")
+        out[name] = (lo, hi)
+    return out
+
+
+def _powers(lo: int, hi: int, extra: int | None = None) -> list[int]:
+    vals = {v for v in (1 << i for i in range(31)) if lo <= v <= hi} | {lo, hi}
+    if extra is not None:
+        vals.add(extra)
+    return sorted(vals)
+
+
+def _need(r: MemoryReport) -> int:
+    return r.reserved_peak if r.reserved_peak is not None else r.peak
+
+
+class WhatIfPanel:
+    """Controls for every knob that applies to ``cell`` (judged from its baseline run), a
+    chart of the baseline and the current setting side by side, and the numbers.
+
+    Setting a control's ``value`` re-runs the cell (after ``debounce_s`` when an event
+    loop runs, as in a kernel; at once otherwise) and updates the panel in place.
+    ``panel.setting``, ``panel.report`` and ``panel.baseline_report`` hold what is
+    shown; ``panel.error`` the last re-run's error (None when it ran)."""
+
+    def __init__(self, cell: "Cell", *, ranges: Mapping[str, tuple[int, int]] | None = None,
+                 debounce_s: float = 0.15, cache: bool = True) -> None:
+        w = _ipywidgets()
+        self.cell = cell
+        self.debounce_s = float(debounce_s)
+        self.cache_enabled = bool(cache)
+        self._cache: OrderedDict[Setting, MemoryReport] = OrderedDict()
+        self._pending = None
+        self.ranges = dict(ranges or {})
+        self.baseline: Setting = cell.setting()
+        self.baseline_report = self._report(self.baseline)
+        self.knobs: list[str] = cell.applicable()
+        self.setting: Setting = self.baseline
+        self.report: MemoryReport = self.baseline_report
+        self.error: str | None = self.baseline_report.error
+        self.runs = 1
+        self.last_update_s: float | None = None
+        self.sweep_result: "Sweep | None" = None
+        self.controls: dict[str, Any] = {}
+        for name in self.knobs:
+            ctl = self._control(w, name)
+            if ctl is not None:
+                self.controls[name] = ctl
+                ctl.observe(self._changed, names="value")
+        self.image = w.Image(format="png", layout=w.Layout(max_width="100%"))
+        self.text = w.HTML()
+        self.status = w.HTML()
+        self.sweep_button = w.Button(description="sweep batch size",
+                                     tooltip="run the batch size across its range for AMP and "
+                                             "checkpointing on and off")
+        self.sweep_button.on_click(lambda _b: self.run_sweep())
+        self.sweep_image = w.Image(format="png", layout=w.Layout(max_width="100%"))
+        self.sweep_text = w.HTML()
+        rows = list(self.controls.values())
+        if "batch_size" in self.controls:
+            rows.append(self.sweep_button)
+        self.box = w.VBox([w.VBox(rows), self.status, self.image, self.text,
+                           self.sweep_image, self.sweep_text])
+        self._draw()
+
+    # -- controls ---------------------------------------------------------------------------
+    def _control(self, w, name: str):
+        knob = KNOBS[name]
+        value = getattr(self.baseline, name)
+        style = {"description_width": "11em"}
+        layout = w.Layout(width="auto")
+        common = dict(description=knob.label, style=style, layout=layout)
+        if name == "batch_size":
+            if value is None:
+                return None
+            lo, hi = self.ranges.get(name, (min(_BATCH_RANGE[0], value), max(_BATCH_RANGE[1], value)))
+            return w.SelectionSlider(options=_powers(lo, hi, value), value=value,
+                                     continuous_update=False, **common)
+        if name == "accum_steps":
+            lo, hi = self.ranges.get(name, _ACCUM_RANGE)
+            return w.ToggleButtons(options=_powers(lo, hi, value), value=value, **common)
+        if knob.kind == "bool":
+            return w.Checkbox(value=bool(value), indent=False, **common)
+        if name == "gpu":
+            from .backends.sim.gpus import GPUS
+
+            opts = [("no card", None)] + [(g.name, g.name) for g in GPUS.values()]
+            return w.Dropdown(options=opts, value=value, **common)
+        opts = [(str(c), c) for c in knob.choices]
+        if knob.default is None:
+            opts.insert(0, ("as written" if name != "optimizer" else "as in the cell", None))
+        if len(opts) <= 4:
+            return w.ToggleButtons(options=opts, value=value, **common)
+        return w.Dropdown(options=opts, value=value, **common)
+
+    def current(self) -> Setting:
+        """The setting the controls show."""
+        values = self.baseline.changed()
+        for name, ctl in self.controls.items():
+            values[name] = ctl.value
+        return Setting(**values)
+
+    def set(self, **values: Any) -> None:
+        """Move controls (as a user would) and update once: ``panel.set(amp="fp16")``."""
+        unknown = set(values) - set(self.controls)
+        if unknown:
+            raise ValueError(f"no control for {', '.join(sorted(unknown))} on this panel; it has "
+                             f"{', '.join(self.controls)}")
+        pending, self.debounce_s = self.debounce_s, -1.0
+        try:
+            for name, v in values.items():
+                ctl = self.controls[name]
+                with ctl.hold_trait_notifications():
+                    ctl.value = v
+        finally:
+            self.debounce_s = pending
+        self.update()
+
+    # -- updating ------------------------------------------------------------------------------
+    def _changed(self, change: dict) -> None:
+        if self.debounce_s < 0:
+            return  # set() updates once at the end
+        loop = _running_loop()
+        if self.debounce_s == 0 or loop is None:
+            self.update()
+            return
+        if self._pending is not None:
+            self._pending.cancel()
+        self.status.value = "<i>re-running…</i>"
+        self._pending = loop.call_later(self.debounce_s, self.update)
+
+    def update(self) -> None:
+        """Re-run the cell with the controls' setting and redraw (errors show in the panel,
+        the previous chart stays)."""
+        self._pending = None
+        t0 = time.perf_counter()
+        try:
+            setting = self.current()
+            setting.check_batch()
+            report = self._report(setting)
+        except Exception as exc:  # noqa: BLE001 - a re-run's error shows in the panel
+            self.error = f"{type(exc).__name__}: {exc}"
+            self._draw_status()
+            self.last_update_s = time.perf_counter() - t0
+            return
+        self.runs += 1
+        if report.error is not None:
+            self.error = report.error
+            self._draw_status(setting)
+        else:
+            self.error = None
+            self.setting, self.report = setting, report
+            self._draw()
+        self.last_update_s = time.perf_counter() - t0
+
+    def _report(self, setting: Setting) -> MemoryReport:
+        if self.cache_enabled and setting in self._cache:
+            self._cache.move_to_end(setting)
+            return self._cache[setting]
+        report = self.cell.run(setting)
+        if self.cache_enabled:
+            self._cache[setting] = report
+            while len(self._cache) > _CACHE:
+                self._cache.popitem(last=False)
+        return report
+
+    # -- drawing ---------------------------------------------------------------------------------
+    def _draw(self) -> None:
+        from .plots import figure_png, plot_comparison
+
+        reports = [self.baseline_report]
+        labels = [f"baseline\n{self.baseline.label()}"]
+        if self.setting != self.baseline:
+            reports.append(self.report)
+            labels.append(f"now\n{self.setting.label()}")
+        ax = plot_comparison(reports, labels)
+        self.image.value = figure_png(ax.figure)
+        self.text.value = self._html()
+        self._draw_status()
+
+    def _draw_status(self, tried_setting: Setting | None = None) -> None:
+        if self.error is None:
+            self.status.value = ""
+            return
+        tried = (tried_setting or self.current()).label()
+        self.status.value = (
+            "<div style='color:var(--jp-error-color1, var(--vscode-errorForeground, #c62828))'>"
+            f"<b>re-run failed</b> ({html.escape(tried)}): {html.escape(_short(self.error))}"
+            "<br><span style='opacity:0.8'>the chart still shows the last setting that ran</span>"
+            "</div>")
+
+    def _html(self) -> str:
+        b, r = self.baseline_report, self.report
+        s = self.setting
+        rows = [("setting", s.label())]
+        if s.batch_size is not None:
+            rows.append(("batch", f"effective {s.batch_size}, micro-batch {s.micro_batch} "
+                                  f"x {s.accum_steps} step{'s' if s.accum_steps != 1 else ''}"))
+        peak = f"{format_bytes(r.peak)} (baseline {format_bytes(b.peak)})"
+        rows.append(("peak", peak))
+        if r.reserved_peak is not None:
+            rows.append(("reserved", f"{format_bytes(r.reserved_peak)} "
+                                     f"(baseline {format_bytes(b.reserved_peak)})"))
+        saving = _need(b) - _need(r)
+        pct = saving / _need(b) if _need(b) else 0.0
+        word = "saves" if saving >= 0 else "costs"
+        rows.append(("vs baseline", f"{word} {format_bytes(abs(saving))} ({abs(pct):.1%})"))
+        if r.gpu_memory is not None:
+            verdict = "fits" if r.fits else "does NOT fit"
+            rows.append(("card", f"{r.gpu_name} {format_bytes(r.gpu_memory)}: {verdict}"))
+        if r.peak_words:
+            rows.append(("peak reached", r.peak_words))
+        body = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{html.escape(k)}</th>"
+                       f"<td style='text-align:left'>{html.escape(v)}</td></tr>" for k, v in rows)
+        return f"<table class='memmagic-whatif'>{body}</table>"
+
+    # -- sweep --------------------------------------------------------------------------------------
+    def run_sweep(self) -> "Sweep":
+        """Run the batch size across the slider's values for AMP x checkpointing (those that
+        apply) on top of the current setting, and draw it under the panel."""
+        from .plots import figure_png
+        from .sweep import default_strategies, sweep
+
+        ctl = self.controls.get("batch_size")
+        if ctl is None:
+            raise ValueError("this cell has no batch size to sweep")
+        base = self.current().replace(amp="off", checkpointing=False)
+        self.sweep_text.value = "<i>sweeping…</i>"
+        try:
+            result = sweep(self.cell, "batch_size", list(ctl.options),
+                           default_strategies(self.cell, self.knobs), setting=base)
+        except Exception as exc:  # noqa: BLE001
+            self.sweep_text.value = f"sweep failed: {html.escape(_short(f'{type(exc).__name__}: {exc}'))}"
+            raise
+        self.sweep_result = result
+        self.sweep_image.value = figure_png(result.figure())
+        self.sweep_text.value = html.escape(str(result))
+        return result
+
+    # -- display -----------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        r = self.report
+        text = f"<memmagic what-if: {self.setting.label()} -> peak {format_bytes(r.peak)}"
+        if self.setting != self.baseline:
+            text += f" (baseline {format_bytes(self.baseline_report.peak)})"
+        if r.fits is not None:
+            text += f", {'fits' if r.fits else 'does NOT fit'} {r.gpu_name}"
+        if self.error is not None:
+            text += ", last re-run failed"
+        return text + ">"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(repr(self))
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
+        data = self.box._repr_mimebundle_(**kwargs)
+        if isinstance(data, tuple):  # (data, metadata)
+            data = data[0]
+        data = dict(data)
+        data["text/plain"] = repr(self)
+        return data
+
+
+def _short(text: str, n: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _running_loop():
+    import asyncio
+
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
