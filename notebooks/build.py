@@ -544,6 +544,499 @@ NOTEBOOKS["04_gradient_accumulation.ipynb"] = [
 ]
 
 
+NOTEBOOKS["05_mixed_precision.ipynb"] = [
+    md("""
+        # 05 · Mixed precision: autocast, GradScaler, fp16 and bf16
+
+        "Mixed precision cuts memory by 50%" is repeated everywhere. In this notebook you will:
+
+        - measure a transformer's training step in fp32, with `autocast` to fp16 (plus
+          `GradScaler`) and to bf16, at a small and a large batch, on a simulated A100;
+        - see which tensors autocast makes smaller and which it leaves alone;
+        - see why fp16 needs a `GradScaler` and bf16 does not;
+        - measure what storing the *weights* in fp16 or bf16 (`model.half()`) saves, and what it
+          costs in accuracy on a small real training run on the CPU.
+    """),
+    code(SETUP),
+    md("""
+        A 4-layer transformer encoder (d=512, sequences of 256), trained with AdamW. One
+        function covers every variant: `precision` picks autocast's dtype, and the
+        `GradScaler` is switched on for fp16 only (disabled, it passes everything through).
+    """),
+    code("""
+        def make_model():
+            layer = nn.TransformerEncoderLayer(d_model=512, nhead=8, dim_feedforward=2048, batch_first=True)
+            return nn.TransformerEncoder(layer, num_layers=4)
+
+        def train_step(batch_size, precision="fp32", use_scaler=True):
+            model = make_model().cuda()
+            opt = torch.optim.AdamW(model.parameters())
+            scaler = torch.amp.GradScaler("cuda", enabled=use_scaler and precision == "fp16")
+            x = torch.randn(batch_size, 256, 512, device="cuda")
+            dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+            with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+                loss = model(x).square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    """),
+    md("""
+        Each variant on a fresh simulated A100 (`memmagic.measure`, as in notebook 03), at
+        batch 4 and batch 32:
+    """),
+    code("""
+        import memmagic
+        runs = {}
+        for precision in ["fp32", "fp16", "bf16"]:
+            for b in [4, 32]:
+                runs[precision, b] = memmagic.measure(lambda: train_step(b, precision), backend="sim", gpu="A100-40GB")
+        for b in [4, 32]:
+            print(f"batch {b}:")
+            for precision in ["fp32", "fp16", "bf16"]:
+                r = runs[precision, b]
+                change = r.peak / runs["fp32", b].peak - 1
+                print(f"  {precision}: peak {format_bytes(r.peak):>11} ({change:+6.1%})  {r.peak_words}")
+    """),
+    code(BARS),
+    code("""bars({f"{p}, batch {b}": runs[p, b] for b in [4, 32] for p in ["fp32", "fp16"]},
+     "autocast changes the activations, not the model's state (simulated A100)")"""),
+    md("""
+        ## What autocast changes
+
+        Autocast runs matrix multiplies (and convolutions) in fp16/bf16, so their outputs, and
+        the activations saved from them, are half the size. It does **not** touch:
+
+        - the parameters, gradients and optimizer state: they stay fp32 (autocast casts a copy
+          of each weight on the fly);
+        - ops CUDA's autocast keeps in fp32 for accuracy: `layer_norm`, `softmax`, losses,
+          reductions.
+    """),
+    code("""
+        for b in [4, 32]:
+            fp32, fp16 = runs["fp32", b], runs["fp16", b]
+            print(f"batch {b}: activations {format_bytes(fp32.breakdown['activations'])} -> {format_bytes(fp16.breakdown['activations'])}, "
+                  f"parameters {format_bytes(fp32.breakdown['parameters'])} -> {format_bytes(fp16.breakdown['parameters'])}")
+    """),
+    md("""
+        At batch 4 the peak comes in the optimizer step, where autocast has nothing to halve.
+        At batch 32 the activations dominate and the saving is large, but still short of 50%:
+        the fp32 parts do not shrink.
+
+        ## Why fp16 needs a GradScaler
+
+        fp16 has 5 exponent bits: its largest number is 65504 and anything below about 6e-8
+        becomes zero. Small gradients underflow. bf16 has fp32's 8 exponent bits (same range)
+        but only 8 bits of precision. A few real tensors on the CPU:
+    """),
+    code("""
+        print("70000 in fp16:", torch.tensor(70000.0).half().item())
+        print("1e-8 in fp16: ", torch.tensor(1e-8).half().item(), "  in bf16:", torch.tensor(1e-8).bfloat16().item())
+        print("1e-8 x 65536 in fp16:", torch.tensor(1e-8 * 65536).half().item())
+        one = torch.tensor(1.0, dtype=torch.bfloat16)
+        print("1 + 0.001 in bf16:", (one + 0.001).item(), "  in fp32:", (torch.tensor(1.0) + 0.001).item())
+    """),
+    md("""
+        `GradScaler` multiplies the loss by a large factor (65536 to start) before `backward()`,
+        so small gradients survive in fp16, divides the gradients back before `optimizer.step()`,
+        and skips a step whose gradients overflowed. Its own state is a scale factor and a
+        flag per device. The same fp16 step with and without it:
+    """),
+    code("""
+        no_scaler = memmagic.measure(lambda: train_step(32, "fp16", use_scaler=False), backend="sim", gpu="A100-40GB")
+        print("GradScaler's cost at batch 32:", format_bytes(runs["fp16", 32].peak - no_scaler.peak, signed=True))
+    """),
+    md("""
+        ## Half-precision weights: `model.half()`
+
+        Storing the model itself in fp16 or bf16 halves the parameters, the gradients and
+        Adam's state as well:
+    """),
+    code("""
+        def half_step(batch_size, dtype):
+            model = make_model().cuda().to(dtype)
+            opt = torch.optim.AdamW(model.parameters())
+            x = torch.randn(batch_size, 256, 512, device="cuda", dtype=dtype)
+            model(x).square().mean().backward()
+            opt.step()
+
+        for b in [4, 32]:
+            runs["bf16 weights", b] = memmagic.measure(lambda: half_step(b, torch.bfloat16), backend="sim", gpu="A100-40GB")
+            saved = 1 - runs["bf16 weights", b].peak / runs["fp32", b].peak
+            print(f"batch {b}: bf16 weights, peak {format_bytes(runs['bf16 weights', b].peak)} (saved {saved:.0%})")
+    """),
+    md("""
+        The memory saving is real. The price is paid in the optimizer: a weight update is
+        often far smaller than the weight, and with 8 bits of precision (bf16) it is rounded
+        away; in fp16, Adam's `eps=1e-8` rounds to 0 and divisions by zero follow.
+
+        ## What it costs in accuracy (a real run on the CPU)
+
+        A small classifier on synthetic data, 300 Adam steps, four ways. This runs for real, so
+        the numbers are actual training results (rounded: they may differ in the last digit
+        on another CPU). Tensors this small run faster on one CPU thread than on several.
+    """),
+    code("""
+        g = torch.Generator().manual_seed(0)
+        X = torch.randn(4096, 32, generator=g)
+        Y = (X @ torch.randn(32, 4, generator=g)).argmax(1)  # labels from a hidden linear "teacher"
+
+        torch.set_num_threads(1)
+
+        def train_small(weights=torch.float32, autocast_dtype=None, steps=300, lr=3e-4):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 4)).to(weights)
+            opt = torch.optim.Adam(model.parameters(), lr=lr)
+            for i in range(steps):
+                rows = slice(i * 128 % 4096, i * 128 % 4096 + 128)
+                with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+                    loss = nn.functional.cross_entropy(model(X[rows].to(weights)).float(), Y[rows])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            with torch.no_grad():
+                accuracy = (model(X.to(weights)).argmax(1) == Y).float().mean().item()
+            return loss.item(), accuracy
+    """),
+    code("""
+        results = {
+            "fp32": train_small(),
+            "autocast bf16": train_small(autocast_dtype=torch.bfloat16),
+            "bf16 weights": train_small(weights=torch.bfloat16),
+            "fp16 weights": train_small(weights=torch.float16),
+        }
+        for name, (loss, accuracy) in results.items():
+            print(f"{name:<14} final loss {loss:5.2f}   accuracy {accuracy:4.0%}")
+    """),
+    md("""
+        Autocast trains like fp32: the weights and the optimizer stay fp32. bf16 weights learn
+        more slowly (updates lost to rounding); fp16 weights with Adam break down (`nan`).
+        That is why large models trained in bf16 keep an fp32 copy of the weights ("master
+        weights") in the optimizer, or use optimizers written for low precision.
+
+        ## Fact-check: "mixed precision cuts memory by 50%"
+    """),
+    code("""
+        for b in [4, 32]:
+            for name in ["fp16", "bf16", "bf16 weights"]:
+                saved = 1 - runs[name, b].peak / runs["fp32", b].peak
+                print(f"batch {b:>2}, {name:<12}: {saved:5.1%} of the fp32 peak saved")
+    """),
+    md("""
+        **Where it holds:** autocast roughly halves the activations of matmul-heavy layers, so
+        when activations dominate the peak (large batches, long sequences) the saving
+        approaches, but does not reach, 50%.
+
+        **Where it fails:** weights, gradients and optimizer state stay fp32, so with small
+        batches, or with a peak in the optimizer step, autocast saves little or nothing.
+        Halving *everything* takes half-precision weights, which cost accuracy unless the
+        optimizer keeps fp32 master weights (and then the saving shrinks again).
+
+        An aside on hardware: on a T4 (no bf16 attention kernels) bf16 falls back to a
+        slower attention path that saves the full attention matrix. Measured:
+    """),
+    code("""
+        for precision in ["fp16", "bf16"]:
+            r = memmagic.measure(lambda: train_step(32, precision), backend="sim", gpu="T4")
+            print(f"T4, {precision}, batch 32: activations {format_bytes(r.breakdown['activations'])}")
+    """),
+    md("## What we measured"),
+    code("""
+        print(f"{'':<14}{'batch 4':>12}{'batch 32':>12}")
+        for name in ["fp32", "fp16", "bf16", "bf16 weights"]:
+            print(f"{name:<14}{format_bytes(runs[name, 4].peak):>12}{format_bytes(runs[name, 32].peak):>12}")
+        print()
+        for name, (loss, accuracy) in results.items():
+            print(f"{name:<14} accuracy after 300 steps: {accuracy:.0%}")
+    """),
+]
+
+
+NOTEBOOKS["06_evaluation.ipynb"] = [
+    md("""
+        # 06 · Evaluation: `model.eval()`, `torch.no_grad()`, `torch.inference_mode()`
+
+        Three switches are used when a model is evaluated, and they are often confused. In
+        this notebook you will:
+
+        - measure one forward pass of a transformer four ways on a simulated T4: training mode,
+          `model.eval()`, `eval()` + `no_grad()`, `eval()` + `inference_mode()`;
+        - see which switch saves memory, and why `model.eval()` alone does not;
+        - see what `inference_mode()` forbids that `no_grad()` allows;
+        - measure the classic validation-loop leak: predictions kept with their graphs.
+    """),
+    code(SETUP),
+    md("""
+        `model.eval()` changes how some layers *compute* (dropout stops dropping, batch norm
+        uses its running statistics). Whether autograd records a graph and saves activations
+        is decided by the grad mode: `torch.no_grad()` or `torch.inference_mode()` turn it off.
+
+        The model: the transformer encoder of notebook 05 (it has dropout), a batch of 64
+        sequences of 256 tokens. Model and batch go on the notebook's simulated T4 first.
+    """),
+    code("""
+        %%gpumem --backend sim --gpu T4 -q -v built
+        layer = nn.TransformerEncoderLayer(d_model=512, nhead=8, dim_feedforward=2048, batch_first=True)
+        model = nn.TransformerEncoder(layer, num_layers=4).cuda()
+        x = torch.randn(64, 256, 512, device="cuda")
+    """),
+    md("""
+        Each of the next cells runs one forward pass and then drops the output. `increment`
+        is how far the cell's peak rose above what was already on the card.
+    """),
+    code("""
+        %%gpumem --backend sim --gpu T4 -q -v train_mode
+        model.train()
+        out = model(x)
+        del out
+    """),
+    code("""
+        %%gpumem --backend sim --gpu T4 -q -v eval_mode
+        model.eval()
+        out = model(x)
+        del out
+    """),
+    code("""
+        %%gpumem --backend sim --gpu T4 -q -v eval_no_grad
+        model.eval()
+        with torch.no_grad():
+            out = model(x)
+        del out
+    """),
+    code("""
+        %%gpumem --backend sim --gpu T4 -q -v eval_inference
+        model.eval()
+        with torch.inference_mode():
+            out = model(x)
+        del out
+    """),
+    code("""
+        forward = {"train()": train_mode, "eval()": eval_mode,
+                   "eval() + no_grad()": eval_no_grad, "eval() + inference_mode()": eval_inference}
+        for name, r in forward.items():
+            print(f"{name:<26} peak above the model {format_bytes(r.increment):>11}   "
+                  f"activations {format_bytes(r.breakdown['activations']):>11}")
+        print(f"eval() alone saved {1 - eval_mode.increment / train_mode.increment:.0%}; "
+              f"no_grad() saved {1 - eval_no_grad.increment / train_mode.increment:.0%}")
+    """),
+    code(BARS),
+    code("""bars(forward, "One forward pass, batch 64 (simulated T4)")"""),
+    md("""
+        - `eval()` alone keeps the graph: every layer still saves its inputs for a backward
+          pass that will never come. What it does save comes from dropout, which is the
+          identity in eval mode: no masks and no dropped copies are stored.
+        - `no_grad()` saves nothing for backward: what is left is the weights, the input and
+          the few temporaries of the layer being computed.
+        - `inference_mode()` uses the same memory as `no_grad()`: its gain is speed (no version
+          counters, no view tracking), not bytes.
+
+        ## What `inference_mode()` forbids
+
+        Tensors made under `inference_mode()` can never take part in autograd later. With
+        `no_grad()` they can. A real run on the CPU:
+    """),
+    code("""
+        weight = torch.ones(3, requires_grad=True)
+        for mode in [torch.no_grad, torch.inference_mode]:
+            with mode():
+                features = torch.randn(3)
+            try:
+                (weight * features).sum().backward()   # multiplying saves `features` for backward
+                print(f"{mode.__name__}: the tensor works in a later backward")
+            except RuntimeError as error:
+                print(f"{mode.__name__}: RuntimeError: {str(error).splitlines()[0]}")
+    """),
+    md("""
+        So use `inference_mode()` for pure inference (serving, computing metrics), and
+        `no_grad()` when what you compute may feed a later training step (targets from a
+        teacher model, EMA updates).
+
+        ## The validation-loop leak
+
+        A validation loop that forgets `no_grad()` and keeps its outputs in a list keeps
+        every batch's graph, with all its saved activations, alive until the list goes:
+    """),
+    code("""
+        def validate(batches, grad_off):
+            model.eval()
+            predictions = []
+            with torch.set_grad_enabled(not grad_off):
+                for _ in range(batches):
+                    predictions.append(model(x))
+            return predictions
+    """),
+    code("""
+        %%gpumem --backend sim --gpu T4 -q -v kept_graphs
+        predictions = validate(3, grad_off=False)
+    """),
+    md("Deleting the list frees it all, graphs included (a plain cell: `del` works on the simulated GPU too):"),
+    code("del predictions"),
+    code("""
+        %%gpumem --backend sim --gpu T4 -q -v kept_outputs
+        predictions = validate(3, grad_off=True)
+    """),
+    code("""
+        print(f"3 batches without no_grad(): the list holds {format_bytes(kept_graphs.retained)}")
+        print(f"3 batches with no_grad():    the list holds {format_bytes(kept_outputs.retained)}")
+        print(f"(one batch of outputs, 64 x 256 x 512 floats, is {format_bytes(64 * 256 * 512 * 4)})")
+    """),
+    md("""
+        Without `no_grad()` each kept prediction holds its graph: the whole forward pass's
+        activations, batch after batch, until an out-of-memory error. With it, the list holds
+        just the outputs. (`out.detach()` or `out.cpu()` before keeping also cut the graph.)
+
+        ## Fact-check: "`model.eval()` saves memory during evaluation"
+
+        Only through dropout: measured above, `eval()` alone left most of the activations in
+        place. The memory saving comes from turning off autograd with
+        `no_grad()` or `inference_mode()`, which are equal in memory.
+
+        ## What we measured
+    """),
+    code("""
+        print(f"{'forward pass, batch 64':<28}{'peak above model':>17}")
+        for name, r in forward.items():
+            print(f"{name:<28}{format_bytes(r.increment):>17}")
+        print(f"{'3 kept predictions, grad on':<28}{format_bytes(kept_graphs.retained):>17}")
+    """),
+]
+
+
+NOTEBOOKS["07_inplace_activations.ipynb"] = [
+    md("""
+        # 07 · In-place activations: `ReLU(inplace=True)`
+
+        An in-place operation writes its result into its input's memory instead of a new
+        tensor. `nn.ReLU(inplace=True)` is the best-known one. In this notebook you will:
+
+        - measure what `inplace=True` saves in inference and in training, on a simulated T4;
+        - see why the saving is one temporary, not the activations;
+        - see when autograd refuses an in-place operation, and why.
+    """),
+    code(SETUP),
+    md("""
+        Two MLPs, four blocks each, batch 2048, built with `ReLU()` or `ReLU(inplace=True)`:
+
+        - **flat**: every layer is `Linear(4096, 4096)`;
+        - **expanding**: each block widens 8x and narrows back, `Linear(1024, 8192) -> ReLU ->
+          Linear(8192, 1024)`, as the MLP of a transformer block does.
+    """),
+    code("""
+        def make_mlp(shape, inplace):
+            layers = []
+            for _ in range(4):
+                if shape == "flat":
+                    layers += [nn.Linear(4096, 4096), nn.ReLU(inplace=inplace)]
+                else:
+                    layers += [nn.Linear(1024, 8192), nn.ReLU(inplace=inplace), nn.Linear(8192, 1024)]
+            return nn.Sequential(*layers)
+
+        def run(shape, inplace, training):
+            model = make_mlp(shape, inplace).cuda()
+            x = torch.randn(2048, 4096 if shape == "flat" else 1024, device="cuda")
+            with torch.set_grad_enabled(training):
+                out = model(x)
+            if training:
+                out.mean().backward()
+    """),
+    code("""
+        import memmagic
+        runs = {}
+        for shape in ["flat", "expanding"]:
+            for training in [False, True]:
+                for inplace in [False, True]:
+                    runs[shape, training, inplace] = memmagic.measure(
+                        lambda: run(shape, inplace, training), backend="sim", gpu="T4")
+        for (shape, training, inplace), r in runs.items():
+            if inplace:
+                saved = runs[shape, training, False].peak - r.peak
+                mode = "training " if training else "inference"
+                print(f"{shape:<9} {mode}: inplace=True saved {format_bytes(saved):>10} of {format_bytes(r.peak + saved):>10}")
+    """),
+    code(BARS),
+    code("""bars({f"{shape}, {'training' if t else 'inference'}, inplace={i}": runs[shape, t, i]
+      for shape in ["flat", "expanding"] for t in [False, True] for i in [False, True]},
+     "ReLU() vs ReLU(inplace=True), simulated T4")"""),
+    md("""
+        ## One temporary, and only if it is the peak
+
+        Without `inplace`, a `Linear` writes its output, then the ReLU writes a second tensor
+        of the same size; for a moment both are alive, then the first one goes. With
+        `inplace=True` the second tensor is never made. That is the whole saving: one layer's
+        output, for a moment. It lowers the peak only if that moment *was* the peak:
+
+        - **flat**: the next `Linear` also needs its input and its output alive together, and
+          they are just as large, so the peak does not move;
+        - **expanding**: the ReLU's moment holds two wide (8192) tensors, the next `Linear`'s
+          one wide and one narrow; removing one wide tensor lowers the peak.
+
+        The activations do not change: the ReLU saves its output for backward and the next
+        `Linear` saves its input, the same tensor either way, stored once.
+    """),
+    code("""
+        wide = 2048 * 8192 * 4
+        print(f"one wide tensor (2048 x 8192 floats): {format_bytes(wide)}")
+        for training in [False, True]:
+            off, on = runs["expanding", training, False], runs["expanding", training, True]
+            print(f"expanding, {'training' if training else 'inference'}: activations "
+                  f"{format_bytes(off.breakdown['activations'])} -> {format_bytes(on.breakdown['activations'])}; "
+                  f"peak {off.peak_words}")
+    """),
+    md("""
+        ## When autograd refuses
+
+        An in-place op overwrites a tensor. Autograd counts every tensor's in-place changes
+        (its *version*) and refuses at backward time when a tensor it saved has changed since.
+        Real tensors on the CPU:
+    """),
+    code("""
+        def attempt(name, fn):
+            try:
+                fn()
+                print(f"{name}: ok")
+            except RuntimeError as error:
+                print(f"{name}: RuntimeError: {str(error).split('. Hint')[0]}")
+
+        x = torch.randn(4, 3)
+        relu_after_linear = nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True))
+        relu_after_sigmoid = nn.Sequential(nn.Linear(3, 3), nn.Sigmoid(), nn.ReLU(inplace=True))
+        attempt("Linear -> ReLU(inplace)", lambda: relu_after_linear(x).sum().backward())
+        attempt("Sigmoid -> ReLU(inplace)", lambda: relu_after_sigmoid(x).sum().backward())
+    """),
+    md("""
+        `Linear` saves its *input*, not its output, so the ReLU may overwrite the output.
+        `Sigmoid` saves its *output* (its gradient is `s * (1 - s)`), so overwriting it would
+        make the gradient wrong: autograd detects the change and stops. The same holds after
+        `tanh`, `exp`, `softmax`, and anything else whose backward needs its result.
+
+        A leaf tensor that requires grad cannot be changed in place at all, since autograd
+        would lose the value it needs:
+    """),
+    code("""
+        weight = torch.randn(3, requires_grad=True)
+        attempt("weight.relu_()", lambda: weight.relu_())
+        with torch.no_grad():
+            weight.mul_(0.5)   # in-place updates of weights belong under no_grad (optimizers do this)
+        print("under no_grad: ok, version", weight._version)
+    """),
+    md("""
+        ## Fact-check: "in-place activations save memory"
+
+        They save one temporary, at the moment the ReLU runs, and never the activations.
+        Whether that lowers the peak depends on the shapes around it and on where the peak
+        is: the measurements above show both cases. They are not free either: an in-place op
+        in the wrong place is an error at backward time.
+
+        ## What we measured
+    """),
+    code("""
+        print(f"{'':<22}{'ReLU()':>12}{'inplace=True':>14}")
+        for (shape, training, inplace), r in runs.items():
+            if not inplace:
+                name = f"{shape}, {'training' if training else 'inference'}"
+                print(f"{name:<22}{format_bytes(r.peak):>12}{format_bytes(runs[shape, training, True].peak):>14}")
+    """),
+]
+
 def build(name: str, cells) -> None:
     from run import execute  # noqa: E402  (same folder)
 
