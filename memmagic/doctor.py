@@ -34,7 +34,7 @@ from .report import MemoryReport, format_bytes
 
 __all__ = ["Holder", "Retained", "Snapshot", "TracebackHold", "OOMDescription", "Strategy",
            "Advice", "snapshot", "retained", "traceback_holdings", "free_traceback",
-           "release_failed_cell", "describe_oom", "advise", "FREE_CALL"]
+           "release_failed_cell", "describe_oom", "rank", "advise", "FREE_CALL"]
 
 FREE_CALL = "memmagic.doctor.free_traceback()"
 
@@ -529,6 +529,16 @@ def _tb_of(error_or_tb: Any) -> Any:
     return error_or_tb
 
 
+_OWN_DIR = __file__.rsplit("/", 1)[0] + "/"
+
+
+def _machinery(frame: Any) -> bool:
+    """A frame of memmagic's own measuring code (the backends, the tracker): what it holds
+    is the measurement's, released by the backend, not the user's."""
+    name = frame.f_code.co_filename
+    return name.startswith(_OWN_DIR) and not name.endswith("/zoo.py")
+
+
 def traceback_holdings(error: BaseException | Any, namespace: Mapping[str, Any] | None = None
                        ) -> TracebackHold:
     """Bytes of tensors (and the autograd graphs they keep) that only the failed cell's
@@ -545,7 +555,7 @@ def traceback_holdings(error: BaseException | Any, namespace: Mapping[str, Any] 
                     ns_keys.add(info[0])
     roots = []
     for f in _frames(tb):
-        if f.f_locals is f.f_globals:
+        if f.f_locals is f.f_globals or _machinery(f):
             continue  # the cell's own (module) frame: its variables are the namespace
         code = f.f_code.co_name
         for k, v in list(f.f_locals.items()):
@@ -590,13 +600,24 @@ def free_traceback(error: BaseException | None = None) -> int:
             if id(f) in seen or f.f_locals is f.f_globals:
                 continue
             seen.add(id(f))
-            try:
-                f.clear()
+            if _clear_frame(f):
                 cleared += 1
-            except RuntimeError:  # a frame still running
-                pass
     gc.collect()
     return cleared
+
+
+def _clear_frame(f: Any) -> bool:
+    """Clear a finished frame's variables, and the dict snapshot of them that reading
+    ``f_locals`` leaves on the frame (Python < 3.13 keeps it, with its references)."""
+    try:
+        f.clear()
+    except RuntimeError:  # a frame still running
+        return False
+    try:
+        f.f_locals  # re-synced from the cleared frame: the snapshot drops its entries
+    except Exception:
+        pass
+    return True
 
 
 def release_failed_cell(error: BaseException, namespace: Mapping[str, Any] | None = None
@@ -604,7 +625,9 @@ def release_failed_cell(error: BaseException, namespace: Mapping[str, Any] | Non
     """After an out of memory: clear the failed cell's frames (the next cell needs the
     memory; ``%debug`` then shows no variables) and say how many bytes that freed."""
     hold = traceback_holdings(error, namespace)
-    traceback.clear_frames(_tb_of(error))
+    for f in _frames(_tb_of(error)):
+        if f.f_locals is not f.f_globals:
+            _clear_frame(f)
     import gc
 
     gc.collect()
@@ -714,7 +737,7 @@ def describe_oom(report: MemoryReport, error: BaseException | None = None,
     if trace is not None and trace.ops:
         name, module, phase, _label = trace.ops[-1]
         op = name.split(".", 1)[0]
-    op = getattr(error, "op", None) or op
+    op = (getattr(error, "op", None) or op or "").split(".", 1)[0] or None
     module = getattr(error, "module", None) or module
     line = None
     if error is not None:
@@ -735,7 +758,8 @@ class Strategy:
     peak: int | None
     reserved_peak: int | None = None
     fits: bool | None = None
-    reason: str | None = None  # why it could not be measured
+    reason: str | None = None  # why it could not be measured, or where it ran out
+    out_of_memory: bool = False  # the re-run ran out of memory on the target card
 
     @property
     def need(self) -> int | None:
@@ -744,7 +768,16 @@ class Strategy:
 
 
 def _fits_text(s: Strategy) -> str:
+    if s.out_of_memory:
+        return f"does not fit ({s.reason})"
     return {True: "fits", False: "does not fit", None: ""}[s.fits]
+
+
+def _order(s: Strategy) -> tuple:
+    """Ranking order: measured peaks (live tensor bytes), smallest first; the reserved
+    peak decides whether a row fits. Runs that ran out of memory (their
+    peak is only what they reached) after them; unmeasured last."""
+    return (s.peak is None, s.out_of_memory, s.peak or 0, s.label)
 
 
 # -- advice ---------------------------------------------------------------------------------------
@@ -767,16 +800,21 @@ class Advice:
         pool = fitting or [s for s in self.strategies if s.peak is not None]
         return pool[0] if pool else None
 
-    def strategy_rows(self) -> list[tuple[str, str, str, str]]:
-        """(strategy, peak, change vs the cell as written, fits) for each ranked strategy."""
+    def strategy_rows(self) -> list[tuple[str, str, str, str, str]]:
+        """(strategy, peak, change vs the cell as written, reserved peak, fits) for the cell
+        as written and each ranked strategy."""
         rows = []
-        base = self.baseline.need if self.baseline is not None else None
+        base = self.baseline.peak if self.baseline is not None else None
         for s in ((self.baseline,) if self.baseline else ()) + self.strategies:
             if s.peak is None:
-                rows.append((s.label, "n/a", "", s.reason or ""))
+                rows.append((s.label, "n/a", "", "", s.reason or ""))
                 continue
-            delta = format_bytes(s.need - base, signed=True) if base is not None and s is not self.baseline else ""
-            rows.append((s.label, format_bytes(s.need), delta, _fits_text(s)))
+            delta = ""
+            if base is not None and s is not self.baseline and not s.out_of_memory:
+                delta = format_bytes(s.peak - base, signed=True)
+            more = "> " if s.out_of_memory else ""
+            reserved = format_bytes(s.reserved_peak) if s.reserved_peak is not None else ""
+            rows.append((s.label, more + format_bytes(s.peak), delta, reserved, _fits_text(s)))
         return rows
 
     def __str__(self) -> str:
@@ -788,9 +826,9 @@ class Advice:
         if self.retained is not None and (self.retained.rows or self.retained.unnamed):
             parts.append(str(self.retained))
         if self.strategies:
-            parts.append("strategies, by peak (reserved where known):")
-            for label, peak, delta, fits in self.strategy_rows():
-                parts.append(f"  {label:<40} {peak:>12} {delta:>12}  {fits}")
+            parts.append("strategies, by peak (re-run with each):")
+            for label, peak, delta, reserved, fits in self.strategy_rows():
+                parts.append(f"  {label:<44} {peak:>12} {delta:>12} {reserved:>12}  {fits}")
         parts.extend(f"note: {n}" for n in self.notes)
         return "\n".join(parts) if parts else "the doctor found nothing to say"
 
@@ -806,7 +844,8 @@ class Advice:
         if self.retained is not None and (self.retained.rows or self.retained.unnamed):
             out.append(self.retained._repr_html_())
         if self.strategies:
-            out.append(_html_table("strategies, by peak", ("strategy", "peak", "change", "fits"),
+            out.append(_html_table("strategies, by peak (re-run with each)",
+                                   ("strategy", "peak", "change", "reserved", "fits"),
                                    self.strategy_rows()))
         out.extend(f"<p><i>{html.escape(n)}</i></p>" for n in self.notes)
         return "<div class='memmagic-doctor'>" + "".join(out) + "</div>"
@@ -828,7 +867,8 @@ class Advice:
                 by_module=[list(x) for x in self.oom.by_module], op=self.oom.op, phase=self.oom.phase,
                 module=self.oom.module, line=self.oom.line),
             "strategies": [dict(label=s.label, knobs=dict(s.knobs), peak=s.peak,
-                                reserved_peak=s.reserved_peak, fits=s.fits, reason=s.reason)
+                                reserved_peak=s.reserved_peak, fits=s.fits, reason=s.reason,
+                                out_of_memory=s.out_of_memory)
                            for s in self.strategies],
             "notes": list(self.notes),
         }
@@ -878,16 +918,147 @@ def _is_oom(error: BaseException) -> bool:
         re.search(r"out of memory", str(error), re.I))
 
 
-def _ranking(cell: Any, namespace: Mapping[str, Any] | None, *, strategies: bool,
-          world_sizes: Sequence[int], gpu: Any, gpu_memory: Any, report: MemoryReport | None
-          ) -> tuple[Strategy | None, tuple[Strategy, ...], list[str]]:
-    """Placeholder: filled in with the what-if engine (see below)."""
-    rows: list[Strategy] = []
+def _candidates(applicable: Sequence[str], batch: int | None, optimizer: str | None
+                ) -> list[tuple[str, dict[str, Any]]]:
+    """(label, knobs) of every single fix that applies to the cell."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    if "batch_size" in applicable and batch:
+        for div in (2, 4):
+            if batch // div >= 1 and batch // div != batch:
+                out.append((f"batch {batch // div} (from {batch})", {"batch_size": batch // div}))
+    if "accum_steps" in applicable and batch:
+        for n in (2, 4):
+            if batch % n == 0 and batch // n >= 1:
+                out.append((f"accumulate {n} x {batch // n} (batch {batch})", {"accum_steps": n}))
+    if "amp" in applicable:
+        out += [("AMP fp16", {"amp": "fp16"}), ("AMP bf16", {"amp": "bf16"})]
+    if "checkpointing" in applicable:
+        out.append(("activation checkpointing", {"checkpointing": True}))
+    if "weights_dtype" in applicable:
+        out += [("bf16 weights", {"weights_dtype": "bf16"}), ("fp16 weights", {"weights_dtype": "fp16"})]
+    if "offload" in applicable:
+        out.append(("offload saved activations to CPU", {"offload": True}))
+    if "optimizer" in applicable:
+        for name, label in (("sgd-momentum", "SGD with momentum (1 state)"),
+                            ("adafactor", "Adafactor (factored state)")):
+            if name != optimizer:
+                out.append((f"optimizer: {label}", {"optimizer": name}))
+    return out
+
+
+def _measure(cell: Any, label: str, knobs: Mapping[str, Any]) -> Strategy:
+    from .knobs import KnobError
+
+    try:
+        r = cell.run(**knobs)
+    except (KnobError, ValueError, TypeError) as exc:
+        return Strategy(label, dict(knobs), None, reason=str(exc))
+    if r.error and r.failed_request is None:
+        return Strategy(label, dict(knobs), None, reason=f"the cell failed: {r.error}")
+    if r.failed_request is not None:  # ran out of memory: the card's capacity was not enough
+        return Strategy(label, dict(knobs), r.peak, r.reserved_peak, False,
+                        reason=f"out of memory asking for {format_bytes(r.failed_request)}",
+                        out_of_memory=True)
+    return Strategy(label, dict(knobs), r.peak, r.reserved_peak, r.fits)
+
+
+def _as_cell(cell: Any, namespace: Mapping[str, Any] | None, gpu: Any, gpu_memory: Any) -> Any:
+    from .cell import Cell
+
+    if isinstance(cell, Cell):
+        return cell
+    if not isinstance(cell, str):
+        raise TypeError(f"cell must be a memmagic.cell.Cell or source text, not {type(cell).__name__}")
+    options: dict[str, Any] = {}
+    if gpu is not None:
+        options["gpu"] = gpu
+    if gpu_memory is not None:
+        options["gpu_memory"] = gpu_memory
+    return Cell(cell, dict(namespace or {}), backend="sim", backend_options=options)
+
+
+def rank(cell: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = None,
+         gpu_memory: int | str | None = None, world_sizes: Sequence[int] = (),
+         combine: bool = True, knobs: Sequence[str] | None = None
+         ) -> tuple[Strategy, tuple[Strategy, ...], list[str]]:
+    """Re-run ``cell`` (a :class:`memmagic.cell.Cell`, or source text run on the
+    simulated GPU) with each fix that applies to it, and rank them by the peak each gives
+    (reserved where known; smallest first). With a target card (``gpu``/``gpu_memory``,
+    or the Cell's), when no single fix fits, the smallest combination that fits is
+    searched (greedy: the best fixes of different knobs added one at a time, at most 4).
+    ``world_sizes`` adds FSDP2 rows (:func:`memmagic.sharding.simulate_fsdp`); ``knobs``
+    limits the fixes tried to these knobs (names of :data:`memmagic.knobs.KNOBS`).
+    Returns (the cell as written, the ranked fixes, notes)."""
+    c = _as_cell(cell, namespace, gpu, gpu_memory)
     notes: list[str] = []
+    baseline = _measure(c, "as written", {})
+    applicable = c.applicable()
+    if knobs is not None:
+        applicable = [k for k in applicable if k in knobs]
+    info = c.last_info
+    optimizer = None
+    if info is not None and info.optimizers_built:
+        optimizer = info.optimizers_built[0].lower()
+    rows = [_measure(c, label, knobs)
+            for label, knobs in _candidates(applicable, c.baseline.batch_size, optimizer)]
+    targeted = baseline.fits is not None or any(s.fits is not None for s in rows)
+    if combine and targeted and not baseline.fits and not any(s.fits for s in rows):
+        combo = _combine(c, baseline, rows)
+        if combo is not None:
+            rows.append(combo)
     if world_sizes:
-        rows += _shard_rows(cell, namespace, world_sizes, gpu, gpu_memory)
-    rows.sort(key=lambda s: (s.need is None, s.need or 0, s.label))
-    return None, tuple(rows), notes
+        source = getattr(c, "source", None)
+        if source is None:
+            notes.append("FSDP2 rows need the cell's source text (a function cell has none)")
+        else:
+            options = c.backend_options
+            rows += _shard_rows(source, c.namespace, world_sizes, options.get("gpu", gpu),
+                                options.get("gpu_memory", gpu_memory))
+    rows.sort(key=_order)
+    return baseline, tuple(rows), notes
+
+
+def _combine(cell: Any, baseline: Strategy, rows: Sequence[Strategy]) -> Strategy | None:
+    """The smallest combination of fixes (one value per knob) that fits, found greedily."""
+    if baseline.need is None:
+        return None
+    best_per_knob: dict[str, Strategy] = {}
+    for s in rows:
+        if s.need is None or s.need >= baseline.need or len(s.knobs) != 1:
+            continue
+        knob = next(iter(s.knobs))
+        family = "batch" if knob in ("batch_size", "accum_steps") else knob
+        if family == "amp" and "weights_dtype" in best_per_knob:
+            continue
+        cur = best_per_knob.get(family)
+        if cur is None or s.need < cur.need:
+            best_per_knob[family] = s
+    ordered = sorted(best_per_knob.values(), key=lambda s: s.need)
+    knobs: dict[str, Any] = {}
+    labels: list[str] = []
+    last = None
+    for s in ordered[:4]:
+        knobs.update(s.knobs)
+        labels.append(s.label)
+        if len(labels) < 2:
+            continue
+        last = _measure(cell, " + ".join(labels), knobs)
+        if last.fits:
+            return last
+    return last
+
+
+def _ranking(cell: Any, namespace: Mapping[str, Any] | None, *, strategies: bool,
+             world_sizes: Sequence[int], gpu: Any, gpu_memory: Any, report: MemoryReport | None
+             ) -> tuple[Strategy | None, tuple[Strategy, ...], list[str]]:
+    if cell is None:
+        return None, (), ["the strategies need the cell's code to re-run (cell=)"]
+    if strategies:
+        return rank(cell, namespace, gpu=gpu, gpu_memory=gpu_memory, world_sizes=world_sizes)
+    source = getattr(cell, "source", cell)
+    rows = _shard_rows(source, namespace, world_sizes, gpu, gpu_memory)
+    rows.sort(key=_order)
+    return None, tuple(rows), []
 
 
 def _shard_rows(cell: Any, namespace: Mapping[str, Any] | None, world_sizes: Sequence[int],
