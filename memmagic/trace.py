@@ -254,6 +254,20 @@ class Trace:
         if points[-1][0] != op or sum(points[-1][1].values()) != end_total:
             points.append((op, dict(end_cats)))
 
+    def live_at(self, event_index: int | None = None) -> list[tuple[Storage, str]]:
+        """The device storages live after event ``event_index`` (default: the peak), each
+        with its category at that moment (an "other" storage autograd held for backward
+        then is "activations"), largest first."""
+        at = self.peak_event if event_index is None else event_index
+        by_serial = {s.serial: s for s in self.storages()}
+        for i, _, _, live, saved, _ in self._replay():
+            if i == at:
+                out = [(by_serial[serial], self._category(serial, saved))
+                       for serial, n in live.items() if n > 0 and serial in by_serial]
+                out.sort(key=lambda p: (-p[0].nbytes, p[0].serial))
+                return out
+        raise IndexError(f"no event {at} in this trace ({len(self.events)} events)")
+
     # -- storages -------------------------------------------------------------------------
     def storages(self) -> list[Storage]:
         """Every storage of the run (those that existed before it too), in serial order."""

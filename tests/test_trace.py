@@ -273,3 +273,17 @@ def test_the_trace_needs_no_torch_and_tracking_no_presentation():
     assert loaded("memmagic.trace", ("torch", "IPython", "matplotlib")) == "[]"
     assert loaded("memmagic.tracking, memmagic.trace, memmagic.backends.sim",
                   ("IPython", "ipywidgets", "matplotlib")) == "[]"
+
+
+def test_live_at_the_peak_adds_up_to_the_breakdown():
+    model, (x, y) = zoo.build("mlp")
+    r = memmagic.measure(lambda: model.loss(x, y).backward(), backend="cpu")
+    live = r.trace.live_at()
+    assert sum(s.nbytes for s, _ in live) == r.peak
+    by_cat: dict[str, int] = {}
+    for s, cat in live:
+        by_cat[cat] = by_cat.get(cat, 0) + s.nbytes
+    assert {k: v for k, v in r.breakdown.items() if v} == by_cat
+    assert [s.nbytes for s, _ in live] == sorted((s.nbytes for s, _ in live), reverse=True)
+    with pytest.raises(IndexError):
+        r.trace.live_at(len(r.trace.events) + 5)
