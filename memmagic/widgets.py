@@ -29,6 +29,7 @@ INSTALL_HINT = ("the what-if panel needs ipywidgets 8: pip install 'ipywidgets>=
 _BATCH_RANGE = (1, 512)
 _ACCUM_RANGE = (1, 16)
 _CACHE = 32
+_PANEL_DPI = 120  # the panel's charts: sharp enough, and fast to redraw
 
 
 def _ipywidgets():
@@ -233,8 +234,8 @@ class WhatIfPanel:
         if self.setting != self.baseline:
             reports.append(self.report)
             labels.append(f"now\n{self.setting.label()}")
-        ax = plot_comparison(reports, labels)
-        self.image.value = figure_png(ax.figure)
+        ax = plot_comparison(reports, labels, ax=_panel_axes())
+        self.image.value = figure_png(ax.figure, dpi=_PANEL_DPI)
         self.text.value = self._html()
         self._draw_status()
 
@@ -293,7 +294,7 @@ class WhatIfPanel:
             self.sweep_text.value = f"sweep failed: {html.escape(_short(f'{type(exc).__name__}: {exc}'))}"
             raise
         self.sweep_result = result
-        self.sweep_image.value = figure_png(result.figure())
+        self.sweep_image.value = figure_png(result.figure(), dpi=_PANEL_DPI)
         self.sweep_text.value = html.escape(str(result))
         return result
 
@@ -319,6 +320,16 @@ class WhatIfPanel:
         data = dict(data)
         data["text/plain"] = repr(self)
         return data
+
+
+def _panel_axes():
+    """Axes of a fixed-margin figure: the panel redraws on every change, and matplotlib's
+    constrained layout costs more than the drawing itself (measured: 0.3 of 0.5 s)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.4, 3.2), dpi=_PANEL_DPI)
+    fig.subplots_adjust(left=0.09, right=0.64, bottom=0.17, top=0.96)
+    return fig.add_subplot()
 
 
 def _short(text: str, n: int = 300) -> str:

@@ -1,0 +1,161 @@
+"""The what-if panel, driven as a browser would: set widget values in a real
+InteractiveShell and check the rendered state and numbers."""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+from memmagic.backends.sim.session import shell_session
+
+from test_cell import HANDLES
+
+PNG = b"\x89PNG"
+
+
+@pytest.fixture
+def panel(ip):
+    return ip.run_cell_magic("gpumem", "--whatif --batch-size 8 --gpu T4 -o", HANDLES)
+
+
+def test_the_panel_has_a_control_per_knob_that_applies(panel):
+    assert set(panel.controls) == {"amp", "batch_size", "checkpointing", "weights_dtype",
+                                   "grad_mode", "offload", "optimizer", "inplace", "gpu"}
+    assert panel.controls["batch_size"].value == 8
+    assert bytes(panel.image.value).startswith(PNG)
+    assert repr(panel) == "<memmagic what-if: batch 8, on T4 -> peak 68.08 MiB, fits T4>"
+
+
+def test_moving_controls_re_runs_and_redraws(panel):
+    png = panel.image.value
+    panel.controls["batch_size"].value = 32
+    big = panel.report
+    assert panel.setting.batch_size == 32 and big.peak > 2 * panel.baseline_report.peak
+    assert panel.image.value != png and "effective 32" in panel.text.value
+    panel.controls["amp"].value = "bf16"
+    amp = panel.report
+    assert amp.breakdown["activations"] < big.breakdown["activations"]
+    panel.controls["checkpointing"].value = True
+    assert panel.report.breakdown["activations"] < amp.breakdown["activations"]
+    assert "saves" in panel.text.value or "costs" in panel.text.value
+    assert repr(panel).startswith("<memmagic what-if: batch 32, amp bf16, ckpt, on T4 -> peak ")
+    assert "(baseline 68.08 MiB)" in repr(panel)
+
+
+def test_fp16_weights_halve_the_parameters(panel):
+    panel.controls["weights_dtype"].value = "fp16"
+    assert 2 * panel.report.breakdown["parameters"] == panel.baseline_report.breakdown["parameters"]
+
+
+def test_an_out_of_memory_shows_in_the_panel_and_keeps_the_chart(ip):
+    panel = ip.run_cell_magic("gpumem", "--whatif --batch-size 8 --gpu T4 "
+                                        "--range batch_size=1:4096 -o", HANDLES)
+    panel.set(batch_size=32)
+    good, png = panel.report, panel.image.value
+    panel.set(gpu="laptop-4GB", batch_size=4096)
+    assert panel.error and "out of memory" in panel.error
+    assert "re-run failed" in panel.status.value
+    assert panel.report is good and panel.image.value == png
+    assert repr(panel).endswith("last re-run failed>")
+    panel.set(gpu="T4", batch_size=16)  # still usable
+    assert panel.error is None and panel.status.value == "" and panel.setting.batch_size == 16
+
+
+def test_a_cell_that_raises_at_some_batch_size(ip):
+    src = HANDLES + "assert batch_size < 64, 'too big for this cell'\n"
+    p = ip.run_cell_magic("gpumem", "--whatif --batch-size 8 -o", src)
+    p.controls["batch_size"].value = 64
+    assert "too big for this cell" in p.error and p.setting.batch_size == 8
+    p.controls["batch_size"].value = 16
+    assert p.error is None and p.setting.batch_size == 16
+
+
+def test_accumulation_shows_micro_and_effective_batch(ip):
+    from test_cell import ACCUM
+
+    p = ip.run_cell_magic("gpumem", "--whatif --batch-size 32 -o", ACCUM)
+    p.controls["accum_steps"].value = 4
+    assert "effective 32, micro-batch 8 x 4 steps" in p.text.value
+    assert p.report.peak < p.baseline_report.peak
+
+
+def test_the_panel_uses_objects_of_earlier_cells(ip):
+    ip.run_cell("from memmagic import zoo\nmodel, batch = zoo.build('mlp', 'cpu')\n"
+                "opt = torch.optim.SGD(model.parameters(), lr=0.1)")
+    w = ip.user_ns["model"].blocks[0].fc.weight.clone()
+    p = ip.run_cell_magic("gpumem", "--whatif -o", "model.cuda()\n"
+                          "model.loss(*[t.cuda() for t in batch]).backward()\nopt.step()\n")
+    assert p.controls["batch_size"].value == 64 and "accum_steps" in p.controls
+    p.set(batch_size=256)
+    assert p.report.peak > p.baseline_report.peak and p.error is None
+    assert any("batch resized along dim 0 (from 64)" in n for n in p.report.notes)
+    p.set(batch_size=256, accum_steps=4)
+    assert p.error is None and any("ran 4 times" in n for n in p.report.notes)
+    # the real objects are untouched, the namespace holds what it held
+    assert torch.equal(ip.user_ns["model"].blocks[0].fc.weight, w)
+    assert ip.user_ns["model"].blocks[0].fc.weight.device.type == "cpu"
+    assert "loss" not in ip.user_ns
+
+
+def test_the_knob_options_work_without_widgets(ip):
+    r = ip.run_cell_magic("gpumem", "--backend sim --batch-size 16 --amp bf16 --checkpointing "
+                          "-o -q", HANDLES)
+    assert any("what-if setting: batch 16, amp bf16, ckpt" in n for n in r.notes)
+    base = ip.run_cell_magic("gpumem", "--backend sim --batch-size 16 -o -q", HANDLES)
+    assert r.peak < base.peak
+
+
+def test_whatif_without_ipywidgets_says_what_to_install(ip, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)
+    with pytest.raises(UsageError, match=r"pip install 'ipywidgets>=8'"):
+        ip.run_cell_magic("gpumem", "--whatif --batch-size 8", HANDLES)
+    r = ip.run_cell_magic("gpumem", "--backend sim --batch-size 8 --amp fp16 -o -q", HANDLES)
+    assert r.error is None
+
+
+@pytest.mark.parametrize("line, msg", [
+    ("--whatif --amp fp8", "--amp: amp must be one of off, fp16, bf16"),
+    ("--whatif", "give its starting value with --batch-size N"),
+    ("--whatif --batch-size 8 --range batch_size=9:2", "9 is above 2"),
+    ("--sweep amp=1:4", "integer knob"),
+    ("--checkpointing 3x", "--checkpointing takes on, off or a module class name"),
+])
+def test_misuse_is_one_line(ip, line, msg):
+    with pytest.raises(UsageError, match=msg):
+        ip.run_cell_magic("gpumem", line, HANDLES)
+
+
+def test_the_panels_re_runs_leave_the_notebooks_simulated_gpu_alone(ip):
+    ip.run_cell_magic("gpumem", "--backend sim -q", "import torch\nkeep = torch.ones(1024, device='cuda')\n")
+    session = shell_session(ip)
+    held = session.card.live_bytes()
+    p = ip.run_cell_magic("gpumem", "--whatif --batch-size 8 -o", HANDLES)
+    p.set(batch_size=16, amp="fp16")
+    assert session.card.live_bytes() == held
+    assert sorted(session.card.shadow) == ["keep"]
+
+
+@pytest.mark.slow
+def test_100_control_changes_leak_nothing(ip):
+    p = ip.run_cell_magic("gpumem", "--whatif --batch-size 8 -o", HANDLES)
+    p.cache_enabled = False
+    p.set(batch_size=16)
+    gc.collect()
+    tensors, objects = _count(), len(gc.get_objects())
+    values = [("batch_size", 8), ("amp", "bf16"), ("batch_size", 16), ("checkpointing", True),
+              ("amp", "off"), ("checkpointing", False)]
+    for i in range(100):
+        name, v = values[i % len(values)]
+        p.controls[name].value = v
+    assert p.runs >= 101
+    gc.collect()
+    assert _count() <= tensors
+    assert len(gc.get_objects()) < objects + 2000  # widget state, no per-run growth
+
+
+def _count() -> int:
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
