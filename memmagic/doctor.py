@@ -34,7 +34,7 @@ from .report import MemoryReport, format_bytes
 
 __all__ = ["Holder", "Retained", "Snapshot", "TracebackHold", "OOMDescription", "Strategy",
            "Advice", "snapshot", "retained", "traceback_holdings", "free_traceback",
-           "release_failed_cell", "describe_oom", "rank", "advise", "FREE_CALL"]
+           "release_failed_cell", "describe_oom", "rank", "advise", "namespace_view", "FREE_CALL"]
 
 FREE_CALL = "memmagic.doctor.free_traceback()"
 
@@ -208,6 +208,17 @@ def _roots(namespace: Mapping[str, Any]) -> list[tuple[str, Any]]:
         out.append((name, value))
     out.sort(key=lambda kv: (_rank(kv[0]), kv[0]))
     return out
+
+
+def namespace_view(namespace: Mapping[str, Any], session: Any = None) -> dict[str, Any]:
+    """The namespace as the doctor should walk it: with a notebook-wide simulated GPU
+    (a :class:`~memmagic.backends.sim.session.SimSession`), the names that hold simulated
+    objects stand for those objects (the namespace itself holds one-line placeholders)."""
+    view = dict(namespace)
+    card = getattr(session, "card", None)
+    for name, shadow in (getattr(card, "shadow", None) or {}).items():
+        view[name] = shadow.value
+    return view
 
 
 # -- autograd graphs -----------------------------------------------------------------------

@@ -228,3 +228,25 @@ def test_advice_after_a_non_oom_error_keeps_the_traceback():
     doctor.free_traceback(err)
     gc.collect()
     assert ref[0]() is None
+
+
+def test_fsdp_rows_join_the_ranking_with_the_sharding_numbers():
+    from tests.test_sharding import STEP
+
+    base, rows, _ = doctor.rank(STEP, {}, knobs=(), world_sizes=(2, 4))
+    labels = [s.label for s in rows]
+    assert labels == ["shard over 4 GPUs (FSDP2)", "shard over 2 GPUs (FSDP2)"]
+    assert [s.knobs for s in rows] == [{"fsdp_world_size": 4}, {"fsdp_world_size": 2}]
+    assert rows[0].peak < rows[1].peak < base.peak
+
+
+def test_the_namespace_view_of_a_simulated_gpu_shows_its_objects():
+    from memmagic.backends.sim import SimBackend
+    from memmagic.backends.sim.session import SimSession
+
+    session = SimSession()
+    ns = {"torch": torch}
+    SimBackend(session=session).execute(lambda n: exec("w = torch.ones(1000, device='cuda')", n), ns)
+    view = doctor.namespace_view(ns, session)
+    assert isinstance(view["w"], torch.Tensor)
+    assert doctor.retained(view)["w"].nbytes == 4000
