@@ -815,7 +815,9 @@ class Advice:
         """(strategy, peak, change vs the cell as written, reserved peak, fits) for the cell
         as written and each ranked strategy."""
         rows = []
-        base = self.baseline.peak if self.baseline is not None else None
+        base = None  # a change is only shown against a baseline that ran to its end
+        if self.baseline is not None and not self.baseline.out_of_memory:
+            base = self.baseline.peak
         for s in ((self.baseline,) if self.baseline else ()) + self.strategies:
             if s.peak is None:
                 rows.append((s.label, "n/a", "", "", s.reason or ""))
