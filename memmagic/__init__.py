@@ -16,6 +16,7 @@ from .report import Category, MemoryReport, format_bytes, parse_bytes
 
 __all__ = [
     "Category", "MemoryReport", "format_bytes", "parse_bytes", "measure", "track",
+    "Cell", "Setting", "KNOBS", "find_batch_size", "WhatIfPanel",
     "load_ipython_extension", "unload_ipython_extension", "__version__",
 ]
 __version__ = "0.1.0"
@@ -27,6 +28,18 @@ def __getattr__(name: str):
         from . import api
 
         return getattr(api, name)
+    if name in ("Cell", "Setting", "KNOBS"):  # the what-if engine
+        from . import cell, knobs
+
+        return getattr(cell, name, None) or getattr(knobs, name)
+    if name == "find_batch_size":  # memmagic.sweep.sweep() is the sweep itself
+        import importlib
+
+        return importlib.import_module(f"{__name__}.sweep").find_batch_size
+    if name == "WhatIfPanel":
+        from .widgets import WhatIfPanel
+
+        return WhatIfPanel
     raise AttributeError(f"module 'memmagic' has no attribute {name!r}")
 
 

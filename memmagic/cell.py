@@ -404,7 +404,7 @@ class Cell:
                 changed.setdefault(name, ns.get(name, _MISSING))
                 ns[name] = v
         # a batch the cell does not size itself: the namespace's batch tensors
-        if batch is not None and "batch_size" not in reads:
+        if batch is not None and not reads & {"batch_size", "micro_batch_size"}:
             found = self._batch_names()
             if found is None:
                 raise KnobError("batch_size: the cell does not read batch_size and names no "
