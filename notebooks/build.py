@@ -1037,7 +1037,564 @@ NOTEBOOKS["07_inplace_activations.ipynb"] = [
     """),
 ]
 
-def build(name: str, cells) -> None:
+NOTEBOOKS["08_activation_checkpointing.ipynb"] = [
+    md("""
+        # 08 · Activation checkpointing
+
+        Checkpointing trades compute for memory: a checkpointed block keeps only its input
+        during the forward pass and runs its forward again during backward to get the
+        activations back. In this notebook you will:
+
+        - measure the activations and the peak of a 16-block network with no checkpointing,
+          with `checkpoint` on every block, and with `checkpoint_sequential` at several
+          segment counts, on a simulated A100;
+        - see where the O(√n) rule comes from, when it holds and when it does not;
+        - see why `use_reentrant=False` is the one to use;
+        - count the extra compute (FLOPs) and time it on the CPU.
+    """),
+    code(SETUP),
+    code("""
+        from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+        def make_blocks(n=16, d=1024):
+            return nn.Sequential(*[nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.LayerNorm(d))
+                                   for _ in range(n)])
+
+        def step(how, segments=4):
+            stem, blocks = nn.Linear(1024, 1024).cuda(), make_blocks().cuda()
+            h = stem(torch.randn(16, 256, 1024, device="cuda"))   # from here on, h requires grad
+            if how == "none":
+                out = blocks(h)
+            elif how == "sequential":
+                out = checkpoint_sequential(blocks, segments, h, use_reentrant=False)
+            else:
+                for block in blocks:
+                    h = checkpoint(block, h, use_reentrant=(how == "each block, reentrant"))
+                out = h
+            out.square().mean().backward()
+    """),
+    md("Each variant on a fresh simulated A100 (`memmagic.measure`, as in notebook 03):"),
+    code("""
+        import memmagic
+        def measure(how, segments=4):
+            return memmagic.measure(lambda: step(how, segments), backend="sim", gpu="A100-40GB")
+
+        runs = {"none": measure("none"), "each block": measure("each block"),
+                "each block, reentrant": measure("each block, reentrant")}
+        for name, r in runs.items():
+            print(f"{name:<22} peak {format_bytes(r.peak):>10}   activations at the peak {format_bytes(r.breakdown['activations']):>10}")
+    """),
+    md("""
+        ## Fact-check: "checkpointing cuts activation memory by 70%"
+    """),
+    code("""
+        none, each = runs["none"], runs["each block"]
+        print(f"activations at the peak: {1 - each.breakdown['activations'] / none.breakdown['activations']:.0%} less")
+        print(f"peak:                    {1 - each.peak / none.peak:.0%} less")
+        print(f"where the peak is now:   {each.peak_words}")
+    """),
+    md("""
+        The saving depends on the block: a checkpointed block keeps its *input* (1024 numbers
+        per token here) instead of everything its layers save (the 4096-wide hidden layer,
+        the GELU's input, the LayerNorm's input and statistics). The wider the inside of a
+        block compared with its input, the bigger the saving, so any fixed percentage is
+        folklore. The peak falls by less than the activations: weights, gradients, and the
+        one block being recomputed in backward remain.
+
+        ## `checkpoint_sequential` and the O(√n) rule
+
+        `checkpoint_sequential(layers, segments, x)` splits the layers into `segments` runs and
+        checkpoints each run but the last. During backward it holds every segment boundary,
+        plus the activations of one segment (the last one, stored normally, or one being
+        recomputed). With `n` layers whose boundary costs as much as what a layer saves,
+        that is `segments + n / segments` layers' worth, lowest at `segments = √n`: the
+        O(√n) rule.
+
+        Two networks, each over its own range of segment counts: the 16 wide blocks above, and
+        a chain of 64 thin layers (`Linear(512, 512)` + ReLU), where a boundary costs as much
+        as a layer saves.
+    """),
+    code("""
+        def chain_step(segments, n=64):
+            layers = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(n)]).cuda()
+            h = nn.Linear(512, 512).cuda()(torch.randn(64, 256, 512, device="cuda"))
+            out = checkpoint_sequential(layers, segments, h, use_reentrant=False)
+            out.square().mean().backward()
+
+        blocks16 = {s: measure("sequential", s) for s in [1, 2, 4, 8, 16]}
+        chain64 = {s: memmagic.measure(lambda: chain_step(s), backend="sim", gpu="A100-40GB")
+                   for s in [1, 2, 4, 8, 16, 32, 64]}
+        for name, sweep in [("16 wide blocks", blocks16), ("64 thin layers", chain64)]:
+            best = min(sweep, key=lambda s: sweep[s].peak)
+            print(f"{name}: lowest peak at {best} segments; " +
+                  ", ".join(f"{s}: {format_bytes(r.peak)}" for s, r in sweep.items()))
+    """),
+    code("""
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for name, sweep in [("16 wide blocks", blocks16), ("64 thin layers", chain64)]:
+            counts = list(sweep)
+            ax.plot(counts, [sweep[s].peak / sweep[1].peak for s in counts], "o-", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(chain64), list(chain64))
+        ax.set_xlabel("segments")
+        ax.set_ylabel("peak / peak without checkpointing")
+        ax.legend()
+        plt.show()
+    """),
+    md("""
+        Read the chart for three things:
+
+        - `segments=1` is *no* checkpointing: the last segment is never checkpointed, and with
+          one segment that is all of them;
+        - the thin chain follows the O(√n) rule: its minimum is at √64 = 8, and more segments
+          make it worse again (too many boundaries to hold);
+        - the wide blocks do not: a boundary (1024 numbers per token) is small next to what a
+          block saves inside, so more segments keep helping, and checkpointing every block
+          on its own is best.
+
+        ## Reentrant or not
+
+        `use_reentrant=True` is the older implementation. Its peak here, next to the
+        non-reentrant one:
+    """),
+    code("""
+        reentrant = runs["each block, reentrant"]
+        print(f"reentrant: {format_bytes(reentrant.peak)}, non-reentrant: {format_bytes(each.peak)} "
+              f"({format_bytes(reentrant.peak - each.peak, signed=True)})")
+    """),
+    md("""
+        Close; its real pitfall is elsewhere: when no *input* of the checkpointed function requires grad, it
+        records no graph at all, so the parameters inside get no gradient. A real run on the CPU:
+    """),
+    code("""
+        import warnings
+        for reentrant in [True, False]:
+            block = nn.Linear(8, 8)
+            data = torch.randn(4, 8)   # plain data: requires_grad is False
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = checkpoint(block, data, use_reentrant=reentrant)
+            said = f" (warning: {caught[0].message})" if caught else ""
+            print(f"use_reentrant={reentrant}: output requires grad: {out.requires_grad}{said}")
+    """),
+    md("""
+        With the reentrant version, checkpointing the first layer of a network (whose input
+        is the data) silently freezes it. `use_reentrant=False` also supports
+        `torch.autograd.grad`, keyword arguments and nested checkpoints, and PyTorch asks you
+        to choose explicitly: pass `use_reentrant=False` unless you know why not.
+
+        ## What it costs: compute
+
+        Every checkpointed block runs its forward twice. A forward pass is roughly a third
+        of a training step's arithmetic (backward is about twice the forward), so expect about
+        a third more. `FlopCounterMode` counts the floating-point operations exactly, on a
+        smaller copy of the network run for real on the CPU:
+    """),
+    code("""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        small = make_blocks(n=4, d=256)
+        x_small = torch.randn(8, 128, 256, requires_grad=True)
+
+        def cpu_step(checkpointed):
+            h = x_small
+            for block in small:
+                h = checkpoint(block, h, use_reentrant=False) if checkpointed else block(h)
+            h.square().mean().backward()
+
+        flops = {}
+        for checkpointed in [False, True]:
+            with FlopCounterMode(display=False) as counter:
+                cpu_step(checkpointed)
+            flops[checkpointed] = counter.get_total_flops()
+        print(f"GFLOPs per step: {flops[False] / 1e9:.2f} -> {flops[True] / 1e9:.2f} with checkpointing "
+              f"({flops[True] / flops[False]:.2f}x)")
+    """),
+    md("""
+        And the wall time of the same steps (best of five each, on one CPU thread, which is
+        steadier on a shared machine). Timings vary from machine to machine and run to run, so
+        this ratio is shown but not checked by the notebook tests.
+    """),
+    code("""
+        import time
+
+        def best_time(fn, repeats=5):
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return min(times)
+
+        torch.set_num_threads(1)
+        ratio = best_time(lambda: cpu_step(True)) / best_time(lambda: cpu_step(False))
+        print(f"step time with checkpointing / without: {ratio:.1f}x (wall time)")
+    """),
+    md("## What we measured"),
+    code("""
+        table = {**runs, **{f"16 blocks, {s} segments": r for s, r in blocks16.items()},
+                 "64 layers, no checkpoint": chain64[1], "64 layers, 8 segments": chain64[8]}
+        print(f"{'':<26}{'peak':>11}{'activations':>13}")
+        for name, r in table.items():
+            print(f"{name:<26}{format_bytes(r.peak):>11}{format_bytes(r.breakdown['activations']):>13}")
+        print(f"extra compute with checkpointing: {flops[True] / flops[False] - 1:+.0%} FLOPs")
+    """),
+]
+
+
+NOTEBOOKS["09_cpu_offload.ipynb"] = [
+    md("""
+        # 09 · Offloading activations to the CPU: `save_on_cpu`
+
+        `torch.autograd.graph.save_on_cpu()` moves every tensor autograd saves for backward
+        to CPU memory during the forward pass and copies it back when backward needs it. In
+        this notebook you will:
+
+        - measure a transformer step with and without it on a simulated T4: GPU memory, and
+          the CPU (host) memory it takes instead;
+        - see what stays on the GPU, and combine offloading with a smaller batch to find what
+          limits it;
+        - count the bytes that cross the PCIe bus, the cost you pay in time.
+    """),
+    code(SETUP),
+    code("""
+        from torch.autograd.graph import save_on_cpu
+
+        def make_model():
+            layer = nn.TransformerEncoderLayer(d_model=512, nhead=8, dim_feedforward=2048, batch_first=True)
+            return nn.TransformerEncoder(layer, num_layers=4)
+
+        def train_step(batch_size, offload):
+            model = make_model().cuda()
+            opt = torch.optim.AdamW(model.parameters())
+            x = torch.randn(batch_size, 256, 512, device="cuda")
+            with save_on_cpu(pin_memory=True) if offload else torch.enable_grad():
+                loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+    """),
+    md("""
+        Each run on a fresh simulated T4 (`memmagic.measure`, notebook 03). The report's
+        `host_peak` is the most CPU memory the run's tensors held: with offloading, the
+        saved activations live there.
+    """),
+    code("""
+        import memmagic
+        runs = {}
+        for b in [8, 32]:
+            for offload in [False, True]:
+                runs[b, offload] = memmagic.measure(lambda: train_step(b, offload), backend="sim", gpu="T4")
+        for (b, offload), r in runs.items():
+            print(f"batch {b:>2}, save_on_cpu={offload!s:<5}: GPU peak {format_bytes(r.peak):>11}, "
+                  f"CPU peak {format_bytes(r.host_peak):>11}, activations on the GPU {format_bytes(r.breakdown['activations']):>10}")
+    """),
+    code(BARS),
+    code("""bars({f"batch {b}, save_on_cpu={o}": runs[b, o] for b in [8, 32] for o in [False, True]},
+     "GPU memory with and without save_on_cpu (simulated T4)")"""),
+    md("""
+        ## What stays on the GPU
+
+        The activations leave, everything else stays: weights, gradients, optimizer state,
+        and in backward the tensors being copied back for the layer at hand, with that
+        layer's temporaries. So the peak moves to wherever those are largest:
+    """),
+    code("""
+        for (b, offload), r in runs.items():
+            if offload:
+                saved = 1 - r.peak / runs[b, False].peak
+                print(f"batch {b}: GPU peak {saved:.0%} lower; the peak is now {r.peak_words}")
+    """),
+    md("""
+        At the small batch the peak was already in the optimizer step, which offloading does
+        not touch. At the large one the saving is large, and what remains grows with the
+        batch too: temporaries of the forward and backward passes are never offloaded.
+
+        ## The price: PCIe traffic
+
+        Every saved tensor crosses the bus twice, to the CPU in forward and back in backward.
+        With offloading, the CPU peak is those saved tensors. It is a little more than the
+        activations of the plain run: `save_on_cpu` copies *every* tensor autograd saves, and
+        a `Linear` saves its weight as well as its input, so the weights travel too, every
+        step (and a tensor saved by two ops is copied twice).
+    """),
+    code("""
+        weights = runs[8, False].breakdown["parameters"]
+        for b in [8, 32]:
+            offloaded = runs[b, True].host_peak
+            print(f"batch {b}: CPU peak {format_bytes(offloaded)} = plain run's activations "
+                  f"{format_bytes(runs[b, False].breakdown['activations'])} {format_bytes(offloaded - runs[b, False].breakdown['activations'], signed=True)}"
+                  f" (the weights are {format_bytes(weights)}); over PCIe per step: {format_bytes(2 * offloaded)}")
+    """),
+    md("""
+        The bytes are measured; the time they take depends on the machine's bus, so it is
+        timed only on a real GPU, below.
+    """),
+    md("""
+        `pin_memory=True` allocates the CPU copies in page-locked memory, which the GPU can
+        copy to and from faster (and asynchronously); it is RAM the operating system cannot
+        swap out, so the CPU needs that much free.
+
+        **GPU only.** On a machine with CUDA, this cell times the real step with and without
+        offloading (a CPU-only runner skips it):
+    """),
+    code("""
+        if torch.cuda.is_available():
+            import time
+            def timed(offload, repeats=3):
+                train_step(32, offload)                          # warm-up
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    train_step(32, offload)
+                torch.cuda.synchronize()
+                return (time.perf_counter() - start) / repeats
+            print(f"save_on_cpu step time / plain: {timed(True) / timed(False):.1f}x (wall time)")
+        else:
+            print("skipped: no CUDA GPU on this machine")
+    """, "gpu-only"),
+    md("""
+        ## Fact-check: "offloading activations to the CPU frees the GPU of them"
+
+        **Holds:** the saved activations leave the GPU (the activations category is empty in
+        the forward pass and through most of backward), and at a large batch the peak falls
+        a lot.
+
+        **Does not hold:** it frees the *saved* tensors only. Weights, gradients, optimizer
+        state and each layer's temporaries stay, so the peak does not fall to zero and may not
+        move at all if it is in the optimizer step. The CPU must hold all the activations,
+        and the bus must carry them twice per step. Checkpointing (notebook 08) trades the
+        same memory for compute instead of bandwidth; the two can be combined.
+
+        ## What we measured
+    """),
+    code("""
+        print(f"{'':<24}{'GPU peak':>11}{'CPU peak':>11}")
+        for (b, offload), r in runs.items():
+            name = f"batch {b}, {'save_on_cpu' if offload else 'plain'}"
+            print(f"{name:<24}{format_bytes(r.peak):>11}{format_bytes(r.host_peak):>11}")
+    """),
+]
+
+
+NOTEBOOKS["10_leaks.ipynb"] = [
+    md("""
+        # 10 · Leaks in training loops
+
+        Memory that grows step after step, or that will not go away after `del`, is usually a
+        reference someone still holds. In this notebook you will measure:
+
+        - `epoch_loss += loss` against `epoch_loss += loss.item()`, in a training loop and in
+          an evaluation loop;
+        - outputs kept in a list, and in Jupyter's own `Out` history;
+        - `del` and `gc.collect()` on an object that refers to itself;
+        - what `torch.cuda.empty_cache()` frees, and what it does not.
+    """),
+    code(SETUP),
+    md("""
+        Two loops over one batch: `train` takes optimizer steps, `evaluate` only computes the
+        loss (and forgets `torch.no_grad()`). `keep` says how the running total is kept.
+    """),
+    code("""
+        def train(steps, keep):
+            total = 0
+            for _ in range(steps):
+                loss = nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                total += loss if keep == "tensor" else loss.item()
+            return total
+
+        def evaluate(steps, keep):   # note: no torch.no_grad()
+            total = 0
+            for _ in range(steps):
+                loss = nn.functional.cross_entropy(model(x), y)
+                total += loss if keep == "tensor" else loss.item()
+            return total
+    """),
+    md("""
+        A small classifier, its optimizer and one batch go on the notebook's simulated T4,
+        where they stay (as on a real GPU) for the cells below. One training step first, so
+        that the gradients and the cuBLAS workspaces exist before anything is measured.
+    """),
+    code("""
+        %%gpumem --backend sim --gpu T4 -q
+        model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 10)).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(512, 1024, device="cuda")
+        y = torch.randint(10, (512,), device="cuda")
+        train(1, "item")
+    """),
+    md("""
+        ## `epoch_loss += loss`
+
+        `loss` is a tensor with a graph behind it. Adding it to a running total builds a new
+        graph that links every step's loss. `retained` is what a cell left on the GPU.
+    """),
+    code("""
+        leaks = {}
+        for loop in [train, evaluate]:
+            for keep in ["tensor", "item"]:
+                leaks[loop.__name__, keep] = %gpumem --backend sim --gpu T4 -q -o epoch_loss = loop(20, keep)
+                del epoch_loss
+        for (loop, keep), r in leaks.items():
+            how = "total += loss       " if keep == "tensor" else "total += loss.item()"
+            print(f"{loop:<8} 20 steps, {how}: the total holds {format_bytes(r.retained):>11}")
+    """),
+    md("""
+        - In the **training** loop the GPU keeps only the total itself, one scalar:
+          `backward()` already freed the tensors each step's graph had saved. What does pile
+          up is the graph's bookkeeping (a few autograd nodes per step, in CPU memory), until
+          the total is dropped.
+        - In the **evaluation** loop there is no `backward()`: each step's whole graph, with
+          every activation it saved, stays alive until the total is dropped. That is the leak
+          people hit. `loss.item()` (or `torch.no_grad()`, notebook 06) fixes both.
+
+        (`.item()` copies the value to the CPU, and waits for the GPU to get there: call it
+        every few steps if that wait matters.)
+
+        ## Outputs kept in a list
+
+        Keeping outputs for later (to compute a metric at the end of the epoch) keeps their
+        graphs too, unless they are detached:
+    """),
+    code("""
+        def collect(steps, detach):
+            outputs = []
+            for _ in range(steps):
+                out = model(x)
+                outputs.append(out.detach() if detach else out)
+            return outputs
+
+        kept = {}
+        for detach in [False, True]:
+            kept[detach] = %gpumem --backend sim --gpu T4 -q -o outputs = collect(20, detach)
+            del outputs
+        print(f"20 outputs kept as they are: {format_bytes(kept[False].retained)}")
+        print(f"20 outputs kept detached:    {format_bytes(kept[True].retained)}")
+    """),
+    md("""
+        ## Jupyter's `Out` keeps what a cell showed
+
+        A cell whose last line is an expression shows its value, and IPython keeps that value
+        in `Out[n]`, `_` and `_n`. If the value is a tensor with a graph, the graph stays
+        too. This part runs for real on the CPU (`--backend cpu` counts every tensor the
+        notebook can still reach, `Out` included):
+    """),
+    code("""
+        torch.manual_seed(0)
+        layer = nn.Linear(2000, 2000)
+        data = torch.randn(1000, 2000)
+    """),
+    code("""
+        %%gpumem --backend cpu -q -v before_show
+        pass
+    """),
+    code("layer(data).relu().mean()   # shown, so kept in Out, with its graph"),
+    code("""
+        %%gpumem --backend cpu -q -v after_show
+        pass
+    """),
+    code("""
+        print(f"showing one value kept {format_bytes(after_show.before - before_show.before)} alive "
+              f"(the ReLU's saved output alone is {format_bytes(1000 * 2000 * 4)})")
+    """),
+    md("""
+        `%reset -f out` empties `Out` and the `_` variables (ending such a line with `;` would
+        have kept it out of `Out` in the first place):
+    """),
+    code("%reset -f out"),
+    code("""
+        %%gpumem --backend cpu -q -v after_reset
+        pass
+    """),
+    code("""print(f"after %reset -f out: {format_bytes(after_reset.before - before_show.before, signed=True)} compared with before")"""),
+    md("""
+        ## `del` and `gc.collect()`
+
+        `del name` removes a name; the object goes when its last reference does. An object
+        that refers to itself (a cycle) is only freed by Python's cycle collector, which runs
+        from time to time, or at once with `gc.collect()`:
+    """),
+    code("""
+        %%gpumem --backend sim --gpu T4 -q
+        import gc
+
+        class Holder:
+            def __init__(self):
+                self.buffer = torch.empty(256, 2**20, dtype=torch.uint8, device="cuda")  # 256 MiB
+                self.me = self                                                        # a cycle
+
+        before = torch.cuda.memory_allocated()
+        holder = Holder()
+        del holder
+        print("after del:         ", format_bytes(torch.cuda.memory_allocated() - before, signed=True))
+        gc.collect()
+        print("after gc.collect():", format_bytes(torch.cuda.memory_allocated() - before, signed=True))
+    """),
+    md("""
+        Cycles are common: an exception's traceback refers to the frames that hold your
+        tensors (Jupyter keeps the last one in `sys.last_traceback`), closures, objects with
+        back-references. `gc.collect()` is worth a try when memory does not come back after
+        `del`.
+
+        ## What `torch.cuda.empty_cache()` frees
+
+        PyTorch's caching allocator keeps freed GPU memory **reserved** for the next tensors
+        instead of returning it to the driver (notebook 11). `empty_cache()` returns the
+        cached blocks that hold no tensor. It does not free any tensor you still hold:
+    """),
+    code("""
+        %%gpumem --backend sim --gpu T4 -q
+        def show(when):
+            print(f"{when:<28} allocated {format_bytes(torch.cuda.memory_allocated()):>11}, "
+                  f"reserved {format_bytes(torch.cuda.memory_reserved()):>11}")
+
+        del model, opt, x, y            # everything from the start of the notebook
+        torch.cuda.empty_cache()
+        show("start")
+        a = torch.empty(512, 2**20, dtype=torch.uint8, device="cuda")
+        b = torch.empty(512, 2**20, dtype=torch.uint8, device="cuda")
+        show("two 512 MiB tensors")
+        del a
+        show("del a")
+        torch.cuda.empty_cache()
+        show("empty_cache()")
+        del b
+        show("del b")
+        torch.cuda.empty_cache()
+        show("empty_cache()")
+    """),
+    md("""
+        After `del a` its memory is free *for PyTorch* (the next tensor reuses it) but still
+        reserved, which is what `nvidia-smi` and other processes see. `empty_cache()` gave that
+        back, and could not touch `b`, which was still referenced.
+
+        ## Fact-checks
+
+        - **"`epoch_loss += loss` leaks memory"**: in an evaluation loop without `no_grad()`,
+          badly, a whole graph per step; in a training loop, not on the GPU (one scalar, measured
+          above), only the graph's nodes in CPU memory.
+        - **"`empty_cache()` frees memory"**: it frees *cached* memory, which your own process
+          would have reused anyway. It helps other processes on the same GPU, and it makes
+          `nvidia-smi` agree with `memory_allocated()`. It never frees a tensor that is still
+          referenced; for that, find the reference (`del`, `gc.collect()`, `%reset -f out`).
+
+        ## What we measured
+    """),
+    code("""
+        rows = [(f"{loop}, total += {'loss' if keep == 'tensor' else 'loss.item()'}", r.retained)
+                for (loop, keep), r in leaks.items()]
+        rows += [("20 outputs, kept", kept[False].retained), ("20 outputs, detached", kept[True].retained),
+                 ("a tensor shown in Out", after_show.before - before_show.before)]
+        for name, nbytes in rows:
+            print(f"{name:<32}{format_bytes(nbytes):>12}")
+    """),
+]
+
+
+def build(name: str, cells) -> float:
+    """Write notebook ``name`` and execute it in a fresh kernel; return the seconds it took."""
     from run import execute  # noqa: E402  (same folder)
 
     nb = new_notebook(cells=cells)
@@ -1045,8 +1602,11 @@ def build(name: str, cells) -> None:
     nb.metadata["language_info"] = {"name": "python"}
     path = HERE / name
     nbformat.write(nb, path)
+    start = time.perf_counter()
     execute(str(path), write=True)
-    print(f"wrote and executed {path}")
+    took = time.perf_counter() - start
+    print(f"wrote and executed {path} in {took:.0f} s")
+    return took
 
 
 if __name__ == "__main__":
