@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from .report import MemoryReport, format_bytes
+from . import _torch_private as _priv
 
 __all__ = ["Holder", "Retained", "Snapshot", "TracebackHold", "OOMDescription", "Strategy",
            "Advice", "snapshot", "retained", "traceback_holdings", "free_traceback",
@@ -238,15 +239,10 @@ def _graph(t: Any) -> tuple[list[Any], int, int]:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        for name in dir(node):
-            if name.startswith("_saved_"):
-                try:
-                    value = getattr(node, name)
-                except Exception:  # freed by a backward that ran, or refused by a hook
-                    continue
-                for v in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(v, torch.Tensor):
-                        saved.append(v)
+        for value in _priv.node_saved_values(node):  # unreadable ones are skipped
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(v, torch.Tensor):
+                    saved.append(v)
         stack.extend(nxt for nxt, _ in getattr(node, "next_functions", ()))
     chain = 0
     node = fn

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import weakref
 
 from .report import MemoryReport, format_bytes
+from . import _torch_private as _priv
 
 __all__ = ["ShardResult", "simulate_fsdp", "shard_memory", "ShardingUnsupported",
            "WORLD_SIZES"]
@@ -86,8 +87,8 @@ def _wrapper_aware_tracking() -> Iterator[None]:
     inner, is_wrapper = dist_priv.wrapper_inner_tensors, dist_priv.is_wrapper_subclass
     st = tracking.StorageTracker
     sim = sim_device.SimTracker
-    orig = {name: st.__dict__[name] for name in ("track", "note", "serial_of", "_recheck_size")}
-    orig_pool = sim.__dict__.get("_pool_from_inputs")
+    orig = {name: getattr(st, name) for name in ("track", "note", "serial_of", "_recheck_size")}
+    orig_pool = getattr(sim, "_pool_from_inputs", None)
 
     def track(self, t, role=tracking.Category.OTHER):
         if is_wrapper(t):
@@ -201,7 +202,7 @@ class _AutoShard:
                 saw(child)
 
         opt_cls = torch.optim.Optimizer
-        original_init = opt_cls.__dict__["__init__"]
+        original_init = opt_cls.__init__
         auto = self
 
         def __init__(opt, params, defaults):
@@ -247,14 +248,14 @@ class _AutoShard:
         for name, root in self._roots():
             if id(root) in self.done:
                 continue
-            owned = [(m, n, p) for m in root.modules() for n, p in m._parameters.items()
+            owned = [(m, n, p) for m in root.modules() for n, p in _priv.own_parameters(m).items()
                      if p is not None]
             if not any(id(p) in wanted for _, _, p in owned):
                 continue
             self._shard(name, root)
             self.done.add(id(root))
             for m, n, p in owned:
-                new = m._parameters.get(n)
+                new = _priv.own_parameters(m).get(n)
                 if new is not None and new is not p:
                     replace[id(p)] = new
         if not replace:
