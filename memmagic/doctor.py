@@ -86,7 +86,7 @@ class _Found:
 def _storage(t: Any) -> tuple[int, int] | None:
     """(storage key, bytes) of a tensor; None for storage-less tensors."""
     from ._torch_private import storage_key
-    from ._torch_private_dist import wrapper_inner_tensors
+    from ._torch_private import wrapper_inner_tensors
 
     try:
         inner = wrapper_inner_tensors(t)
@@ -442,7 +442,7 @@ def retained(namespace: Mapping[str, Any], *, since: Snapshot | None = None,
 
 
 def _storage_obj(t: Any) -> Any:
-    from ._torch_private_dist import wrapper_inner_tensors
+    from ._torch_private import wrapper_inner_tensors
 
     try:
         inner = wrapper_inner_tensors(t)

@@ -79,7 +79,7 @@ def _wrapper_aware_tracking() -> Iterator[None]:
     Stand-in until tracking.py / backends/sim/device.py do this themselves (requested):
     a wrapper subclass has no memory of its own, and its ops dispatch their inner ops
     below the tracker's dispatch mode, so the tracker must look through it."""
-    from . import _torch_private_dist as dist_priv
+    from . import _torch_private as dist_priv
     from . import tracking
     from ._torch_private import storage_key
     from .backends.sim import device as sim_device
@@ -331,7 +331,7 @@ def simulate_fsdp(cell: str | RunFn, namespace: Mapping[str, Any] | None = None,
     rank 0 of ``world_size`` ranks, its model sharded with FSDP2 when it makes its
     optimizer. ``namespace`` is copied (the cell's names do not land in it). Returns the
     :class:`ShardResult`; one whose ``report`` is None says why it could not run."""
-    from . import _torch_private_dist as dist_priv
+    from . import _torch_private as dist_priv
     from .backends.sim import SimBackend
 
     world_size = int(world_size)

@@ -1,4 +1,4 @@
-"""Contract tests for memmagic/_torch_private_dist.py: the private torch distributed APIs
+"""Contract tests for the distributed part of memmagic/_torch_private.py: the private torch distributed APIs
 the sharding simulation relies on behave as it assumes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from memmagic import _torch_private_dist as priv
+from memmagic import _torch_private as priv
 
 
 def test_fake_process_group_is_rank0_of_n_and_is_destroyed():
