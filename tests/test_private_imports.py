@@ -2,8 +2,7 @@
 
 The rule this test applies to every memmagic/**/*.py outside the private layer (read
 from the source with ``ast``, nothing is imported). The private layer is
-``_torch_private.py``, a ``_torch_private/`` package if it becomes one, and
-``_torch_private_*.py`` modules waiting to be merged into it (``_torch_private_dist.py``):
+``_torch_private.py``, or a ``_torch_private/`` package if it becomes one:
 
 1. No import of a torch module whose dotted path has a part with a leading underscore, in
    any form (``import torch._dynamo.eval_frame``, ``from torch._subclasses import ...``,
@@ -52,8 +51,7 @@ PRIVATE_MODULE = "_torch_private.py"
 def in_private_layer(rel: str) -> bool:
     """Whether ``rel`` (a path under memmagic/) belongs to the private layer."""
     first = rel.split("/")[0]
-    return first == PRIVATE_MODULE or first == "_torch_private" or (
-        first.startswith("_torch_private_") and first.endswith(".py"))
+    return first == PRIVATE_MODULE or first == "_torch_private"
 
 # What remains, file -> the names it still uses (the lead is moving these behind
 # _torch_private; see the functions named in the comments).
@@ -282,8 +280,8 @@ def test_torch_private_is_the_bottom_layer():
     assert {p.name: _memmagic_imports(p) for p in layer} == {p.name: set() for p in layer}
 
 
-def test_the_private_layer_is_named_by_its_prefix():
-    assert in_private_layer("_torch_private.py") and in_private_layer("_torch_private_dist.py")
+def test_the_private_layer_is_one_module_or_package():
+    assert in_private_layer("_torch_private.py") and not in_private_layer("_torch_private_dist.py")
     assert in_private_layer("_torch_private/fake.py")
     assert not in_private_layer("tracking.py") and not in_private_layer("backends/sim/op_cache.py")
 
