@@ -167,6 +167,9 @@ class MemoryReport:
     # cuda with snapshot=True: the caching allocator's own snapshot of the cell (segments,
     # events with Python stacks), as torch.cuda.memory._snapshot() returns it
     cuda_snapshot: dict | None = field(default=None, repr=False, compare=False)
+    # the memory doctor's advice on this cell (memmagic.doctor.Advice), when asked for
+    # (--advise) or after a failed cell
+    advice: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -229,6 +232,7 @@ class MemoryReport:
             "failed_request": self.failed_request, "live_at_failure": self.live_at_failure,
             "peak_phase": self.peak_phase, "peak_label": self.peak_label,
             "peak_words": self.peak_words,
+            "advice": self.advice.to_dict() if self.advice is not None else None,
             "modules": [dict(module=r.module, activations=r.activations,
                              activations_max=r.activations_max, share=r.share,
                              parameters=r.parameters, gradients=r.gradients)
