@@ -20,6 +20,7 @@ from .cases import (LOOPS, REAL_CPU_CASES, SIM_MISSING, Config, cell_source, cpu
 from .common import Figure, median, paired, status_of
 
 __all__ = ["overhead", "overhead_profile", "sim_speed", "accuracy", "accuracy_loops", "peers", "whatif",
+           "whatif_panel", "whatif_sweep", "whatif_cell",
            "WHATIF_PROBES", "profiler_peak"]
 
 OVERHEAD_TARGET = 1.05
@@ -554,4 +555,166 @@ def whatif(cfg: Config, n: int, probe: str = "sim-rerun") -> Figure:
     except Exception as exc:
         row["latency_s"] = f"failed: {type(exc).__name__}: {exc}"[:120]
     fig.rows.append(row)
+    return fig
+
+
+# -- w. the what-if panel: control change to updated panel, and a full sweep ------------------
+WHATIF_PANEL_TARGET_S = 0.5
+WHATIF_SWEEP_TARGET_S = 5.0
+
+
+def whatif_cell(case: str, size: str) -> str:
+    """A tutorial training cell that reads the what-if variables ``batch_size`` and
+    ``checkpointing`` (memmagic applies the other knobs): build case ``case``, AdamW, one
+    step on a batch of ``batch_size``."""
+    c = zoo.CASES[size][case]
+    rest = tuple(c.input_size[1:])
+    if c.input_dtype == torch.long:
+        batch = (f"x = torch.randint(1000, (batch_size, *{rest}), device='cuda')\n"
+                 f"y = torch.randint(1000, (batch_size, *{rest}), device='cuda')\n")
+    else:
+        batch = (f"x = torch.randn(batch_size, *{rest}, device='cuda')\n"
+                 "y = torch.randint(10, (batch_size,), device='cuda')\n")
+    return ("import torch\nfrom memmagic import zoo\n"
+            f"model, _ = zoo.build({case!r}, device='cuda', checkpointing=checkpointing, "
+            f"size={size!r})\n"
+            "opt = torch.optim.AdamW(model.parameters())\n" + batch +
+            "loss = model.loss(x, y)\nloss.backward()\nopt.step()\nopt.zero_grad()\n")
+
+
+def _panel(case: str, size: str):
+    """A what-if panel on the tutorial cell (no cache: every change re-runs), or (None, why)."""
+    try:
+        from memmagic.cell import Cell
+        from memmagic.widgets import WhatIfPanel
+    except Exception as exc:  # noqa: BLE001 - say why, never invent a number
+        return None, f"what-if panel unavailable: {type(exc).__name__}: {exc}"[:160]
+    batch = zoo.CASES[size][case].input_size[0]
+    cell = Cell(whatif_cell(case, size), {}, defaults={"batch_size": batch})
+    panel = WhatIfPanel(cell, cache=False, debounce_s=0)
+    if panel.error:
+        return None, f"baseline run failed: {panel.error}"[:160]
+    return panel, None
+
+
+def _changes(panel, n: int) -> list[tuple[str, Any]]:
+    """``n`` control changes a student makes: batch size up and down, AMP, checkpointing."""
+    b = panel.baseline.batch_size
+    cycle = [("batch_size", 2 * b), ("amp", "bf16"), ("checkpointing", True),
+             ("batch_size", b // 2), ("amp", "off"), ("checkpointing", False),
+             ("batch_size", b), ("amp", "fp16"), ("amp", "off")]
+    return [(k, v) for k, v in (cycle * (n // len(cycle) + 1))[:n] if k in panel.controls]
+
+
+def _probe_widget(cfg: Config):
+    """The "widget" what-if probe of figure 3e: set the panel's batch slider, return when
+    the panel has redrawn (re-run on the simulated GPU + chart + text)."""
+    panel, why = _panel(cfg.case, cfg.size)
+    if panel is None:
+        return None, why
+    ctl = panel.controls["batch_size"]
+    base = panel.baseline.batch_size
+
+    def apply(scale: float) -> Any:
+        want = max(1, round(base * scale))
+        ctl.value = min(ctl.options, key=lambda v: abs(v - want))
+        if panel.error:
+            raise RuntimeError(panel.error)
+        return panel.report
+
+    return apply, ("batch slider moved -> panel.update(): the cell re-run on the simulated GPU "
+                   "(no cache) + the comparison chart drawn to PNG + the text (widget state)")
+
+
+WHATIF_PROBES["widget"] = _probe_widget
+
+
+def whatif_panel(size: str, n: int, cases: tuple[str, ...]) -> Figure:
+    fig = Figure(
+        "w_whatif_panel", "3w. What-if panel: control change to updated panel, per tutorial model",
+        f"a WhatIfPanel on each tutorial cell (build + AdamW + one step, batch from the zoo's "
+        f"{size!r} size), no result cache; {n} control changes in the order a student makes "
+        "them (batch x2, AMP bf16, checkpointing on, batch /2, AMP off, checkpointing off, "
+        "batch back, AMP fp16, AMP off), each timed from setting the widget's value to the "
+        "redrawn panel (re-run on the simulated GPU + chart PNG + text), in one process; "
+        "the first change to each new batch size pays the simulator's cold-op cost",
+        f"median under {WHATIF_PANEL_TARGET_S:.1f} s on every model",
+        [("case", "case", "text"), ("median_s", "median", "s"), ("p90_s", "p90", "s"),
+         ("max_s", "max", "s"), ("rerun_s", "re-run part (median)", "s"),
+         ("status", f"<{WHATIF_PANEL_TARGET_S} s", "text")],
+        metric=("median_s", "s"),
+        notes=[f"torch ran {torch.get_num_threads()} intra-op thread(s); the machine's load "
+               "during the run adds to every figure"],
+    )
+    for case in cases:
+        row: dict[str, Any] = {"case": case, "size": size}
+        panel, why = _panel(case, size)
+        if panel is None:
+            fig.rows.append({**row, "median_s": why, "status": "n/a"})
+            continue
+        times, reruns, errors = [], [], []
+        for name, value in _changes(panel, n):
+            gc.collect()
+            t0 = time.perf_counter()
+            r_before = panel.runs
+            panel.controls[name].value = value
+            times.append(time.perf_counter() - t0)
+            if panel.runs == r_before or panel.error:
+                errors.append(f"{name}={value}: {panel.error or 'no re-run'}")
+            reruns.append(panel.report.wall_s)
+        s = sorted(times)
+        p90 = s[int(0.9 * (len(s) - 1))]
+        med = median(times)
+        row.update(median_s=med, p90_s=p90, max_s=s[-1], rerun_s=median(reruns),
+                   times_s=[round(t, 4) for t in times], changes=len(times),
+                   status=status_of(med < WHATIF_PANEL_TARGET_S and not errors))
+        if errors:
+            row["errors"] = errors[:5]
+        fig.rows.append(row)
+        del panel
+        gc.collect()
+    return fig
+
+
+def whatif_sweep(size: str, case: str = "transformer", reps: int = 2) -> Figure:
+    fig = Figure(
+        "w_whatif_sweep", f"3w'. What-if sweep: 4 strategies x 10 batch sizes ({case})",
+        "memmagic.sweep.sweep() of the tutorial cell over batch_size 1:512 (1, 2, 4, ..., 512) "
+        "for fp32 / fp32 + ckpt / AMP bf16 / AMP bf16 + ckpt on the simulated GPU (no card: "
+        "all 40 runs), wall time of the whole sweep; 'first' is the first sweep of the "
+        "process after one baseline run (every new batch shape pays the simulator's cold-op "
+        f"cost), 'again' the median of {reps} repeats",
+        f"under {WHATIF_SWEEP_TARGET_S:.0f} s",
+        [("case", "case", "text"), ("runs", "runs", "text"), ("first_s", "first", "s"),
+         ("again_s", "again", "s"), ("per_run_s", "per run (again)", "s"),
+         ("status", f"<{WHATIF_SWEEP_TARGET_S:.0f} s", "text")],
+        metric=("first_s", "s"),
+    )
+    try:
+        from memmagic.cell import Cell
+        from memmagic.sweep import sweep
+    except Exception as exc:  # noqa: BLE001
+        fig.rows.append({"case": case, "first_s": f"unavailable: {exc}"[:120], "status": "n/a"})
+        return fig
+    cell = Cell(whatif_cell(case, size), {},
+                defaults={"batch_size": zoo.CASES[size][case].input_size[0]})
+    cell.run()
+    gc.collect()
+    t0 = time.perf_counter()
+    first = sweep(cell, "batch_size", "1:512")
+    first_s = time.perf_counter() - t0
+    again = []
+    for _ in range(reps):
+        gc.collect()
+        t0 = time.perf_counter()
+        sweep(cell, "batch_size", "1:512")
+        again.append(time.perf_counter() - t0)
+    runs = sum(len(p) for p in first.curves.values())
+    failed = [f"{k} {v}" for k, pts in first.curves.items() for v, r in pts if r.error]
+    fig.rows.append({"case": f"{case} ({size})", "runs": f"{runs} ({len(first.curves)} x "
+                     f"{len(first.values)})", "first_s": first_s, "again_s": median(again),
+                     "per_run_s": median(again) / max(runs, 1), "again_times_s": again,
+                     "peaks": {k: [r.peak for _, r in pts] for k, pts in first.curves.items()},
+                     "failed": failed,
+                     "status": status_of(first_s < WHATIF_SWEEP_TARGET_S and not failed)})
     return fig

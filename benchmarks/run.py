@@ -17,7 +17,8 @@ from .common import Figure, machine_info, now_iso, slug
 __all__ = ["main", "write_results", "RESULTS_DIR"]
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
-FIGURES = ("a", "b", "c", "d", "e")
+FIGURES = ("a", "b", "c", "d", "e", "w")
+QUICK_SKIPS = {"w"}  # the what-if panel figures: run by a full run or --only w
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,8 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", action="store_true",
                    help="the CUDA figures (skips cleanly without a usable GPU)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the JSON (default: results/)")
-    p.add_argument("--only", default=",".join(FIGURES),
-                   help="comma-separated figures to run, from a,b,c,d,e (default: all)")
+    p.add_argument("--only", default=None,
+                   help="comma-separated figures to run, from a,b,c,d,e,w (default: all; "
+                        "--quick leaves out w)")
     p.add_argument("--reps", type=int, default=None, help="pairs per timing (default 3)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for the run (default 1; 0 keeps torch's default). "
@@ -83,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         from .gpu import run_gpu
 
         return run_gpu(args, command)
-    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    if args.only is None:
+        only = set(FIGURES) - (QUICK_SKIPS if args.quick else set())
+    else:
+        only = {x.strip() for x in args.only.split(",") if x.strip()}
     if not only <= set(FIGURES):
         raise SystemExit(f"--only takes figures from {','.join(FIGURES)}, got {args.only!r}")
 
@@ -130,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     if "e" in only:
         show(F.whatif(Config("transformer", False, False, size), 5 if args.quick else 20,
                       args.whatif_probe))
+    if "w" in only:
+        show(F.whatif_panel(size, 5 if args.quick else 20,
+                            ("transformer",) if args.quick else REAL_CPU_CASES))
+        show(F.whatif_sweep(size))
     path = write_results(figs, kind="cpu", quick=args.quick, out=args.out, command=command,
                          started=started, extra={"size": size, "reps": reps}, code=code)
     misses = [f.key for f in figs if f.status == "miss"]

@@ -136,6 +136,12 @@ class MemMagics(Magics):
               help="What-if knob: replace the optimizer the cell builds.")
     @argument("--inplace", action="store_true", default=None,
               help="What-if knob: inplace=True on activation and dropout modules.")
+    @argument("--timeline", action="store_true",
+              help="Also draw the memory over the run (op by op, with forward, backward and "
+                   "optimizer phases marked); cpu and sim backends.")
+    @argument("--snapshot", default=None, metavar="PATH",
+              help="Write the run as a CUDA memory snapshot (pickle) that "
+                   "https://pytorch.org/memory_viz opens; cpu and sim backends.")
     @argument("--whatif", action="store_true",
               help="Show a panel of controls for the knobs that apply to the cell; every change "
                    "re-runs the cell (on the simulated GPU unless --backend says otherwise) and "
@@ -236,6 +242,7 @@ class MemMagics(Magics):
             # with -o the returned report is the cell's result, which IPython shows
             self._render(report, chart=not args.no_chart,
                          show_report=not args.output or error is not None)
+        extra = self._extras(report, args)
         if error is not None:
             release_own_frames(error.__traceback__)
             if is_out_of_memory(error):
@@ -243,7 +250,32 @@ class MemMagics(Magics):
                 if args.no_raise:
                     return report if args.output else None
             raise error.with_traceback(strip_own_frames(error.__traceback__, error))
+        if extra is not None:
+            raise UsageError(extra)
         return report if args.output else None
+
+    def _extras(self, report: MemoryReport, args: argparse.Namespace) -> str | None:
+        """--timeline and --snapshot; the one-line problem, if any (raised after the cell's
+        own error, which comes first)."""
+        problem = None
+        if args.timeline and not args.quiet:
+            from .plots import timeline_chart
+
+            try:
+                display(timeline_chart(report))
+            except ValueError as exc:
+                problem = f"--timeline: {exc}"
+        if args.snapshot:
+            from .snapshot import write_snapshot
+
+            try:
+                path = write_snapshot(report, args.snapshot)
+            except (ValueError, OSError) as exc:
+                problem = problem or f"--snapshot: {exc}"
+            else:
+                if not args.quiet:
+                    print(f"memmagic: wrote {path} (open it at https://pytorch.org/memory_viz)")
+        return problem
 
     # -- helpers -------------------------------------------------------------------------
     def _backend(self, args: argparse.Namespace, *, persistent: bool = True):

@@ -134,7 +134,7 @@ class WhatIfPanel:
         if name == "batch_size":
             if value is None:
                 return None
-            lo, hi = self.ranges.get(name, (min(_BATCH_RANGE[0], value), max(_BATCH_RANGE[1], value)))
+            lo, hi = self.ranges.get(name, (min(_BATCH_RANGE[0], value), max(_BATCH_RANGE[1], 4 * value)))
             return w.SelectionSlider(options=_powers(lo, hi, value), value=value,
                                      continuous_update=False, **common)
         if name == "accum_steps":

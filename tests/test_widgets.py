@@ -159,3 +159,12 @@ def test_100_control_changes_leak_nothing(ip):
 
 def _count() -> int:
     return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
+def test_timeline_and_snapshot_options(ip, tmp_path, capsys):
+    path = tmp_path / "run.pickle"
+    r = ip.run_cell_magic("gpumem", f"--backend sim --timeline --snapshot {path} -o",
+                          "import torch\nx = torch.randn(64, 64, device='cuda', requires_grad=True)\n"
+                          "(x @ x).sum().backward()\n")
+    assert r.error is None and path.stat().st_size > 0
+    assert f"wrote {path}" in capsys.readouterr().out
