@@ -1,7 +1,7 @@
 """Harness for the real-browser tests: Jupyter servers on a free port, headless Chromium.
 
-Nothing here is a test. ``tests/test_browser.py`` uses it to start JupyterLab, Notebook 7
-or Voila on ``127.0.0.1`` (a free port, a token, a temporary root and temporary config,
+Nothing here is a test. ``tests/test_browser.py`` uses it to start a Jupyter server (which
+serves JupyterLab at ``/lab`` and Notebook 7 at ``/notebooks``) or Voila on ``127.0.0.1`` (a free port, a token, a temporary root and temporary config,
 settings, workspace, runtime and data directories, so nothing from the user's own Jupyter
 setup leaks in and nothing is left behind), to drive Debian's ``chromium`` through
 Playwright for Python (``executable_path``; ``playwright install`` is never needed), to
@@ -104,7 +104,7 @@ def screenshot_dir() -> Path:
 
 @dataclass
 class Server:
-    """A running Jupyter server (lab, notebook or voila) on 127.0.0.1."""
+    """A running Jupyter server (``lab``) or Voila server (``voila``) on 127.0.0.1."""
 
     kind: str
     port: int
@@ -131,13 +131,28 @@ class Server:
         with urllib.request.urlopen(self.url(path), timeout=10) as r:
             return json.load(r)
 
-    def api_post(self, path: str, body: dict) -> Any:
-        """POST ``body`` as JSON to ``/api/...``; the answer as JSON."""
+    def shutdown_kernels(self) -> None:
+        """Shut down every kernel this server runs (a test's notebook leaves one behind)."""
+        for kernel in self.api("/api/kernels"):
+            self.api_request("DELETE", f"/api/kernels/{kernel['id']}")
+
+    def set_lab_setting(self, plugin: str, values: dict[str, Any]) -> None:
+        """Store JupyterLab's user settings of ``plugin`` (``"@jupyterlab/apputils-extension:themes"``)."""
+        self.api_request("PUT", f"/lab/api/settings/{plugin}", {"raw": json.dumps(values)})
+
+    def api_request(self, method: str, path: str, body: dict | None = None) -> Any:
+        """``method`` ``/api/...`` with ``body`` as JSON; the answer as JSON (None if empty)."""
         req = urllib.request.Request(
-            self.base + path, data=json.dumps(body).encode(), method="POST",
+            self.base + path, method=method,
+            data=None if body is None else json.dumps(body).encode(),
             headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=30) as r:
-            return json.load(r)
+            data = r.read()
+        return json.loads(data) if data else None
+
+    def api_post(self, path: str, body: dict) -> Any:
+        """POST ``body`` as JSON to ``/api/...``; the answer as JSON."""
+        return self.api_request("POST", path, body)
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -170,26 +185,25 @@ def write_lab_settings(home: Path, theme: str = LIGHT_THEME) -> None:
 
 
 def _command(kind: str, port: int, token: str, root: Path, notebook: str | None) -> list[str]:
-    common = ["--no-browser", f"--port={port}"]
-    if kind in ("lab", "notebook"):
-        cmd = [str(BIN / "jupyter"), kind, *common,
+    if kind == "lab":
+        cmd = [str(BIN / "jupyter"), "lab", "--no-browser", f"--port={port}",
                "--ServerApp.ip=127.0.0.1", "--ServerApp.port_retries=0",
                f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-               ]
-        if kind == "lab":  # no update check, no news feed (the settings turn their pop-ups off)
-            cmd += ["--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-                    "--LabApp.news_url=None"]
-    elif kind == "voila":
-        cmd = [str(BIN / "voila"), *common, "--Voila.ip=127.0.0.1", "--Voila.port_retries=0",
-               f"--Voila.token={token}", f"--Voila.root_dir={root}",
-               "--VoilaConfiguration.show_tracebacks=True"]
-        if notebook:
-            cmd.append(str(root / notebook))
-    else:
-        raise ValueError(f"server kind must be 'lab', 'notebook' or 'voila', not {kind!r}")
-    if hasattr(os, "geteuid") and os.geteuid() == 0 and kind != "voila":
-        cmd.append("--allow-root")  # CI runs as root in a container
-    return cmd
+               # no update check, no news feed (the settings turn their pop-ups off)
+               "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+               "--LabApp.news_url=None"]
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            cmd.append("--allow-root")  # CI runs as root in a container
+        return cmd
+    if kind == "voila":
+        cmd = [str(BIN / "voila"), "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1",
+               "--Voila.port_retries=0", f"--Voila.token={token}", f"--Voila.root_dir={root}",
+               "--VoilaConfiguration.show_tracebacks=True",
+               # Notebook 7's JupyterLab extension fails to load in Voila (it wants the
+               # document registry Voila does not have) and logs an error on every page
+               "--VoilaConfiguration.extension_denylist=['@jupyter-notebook/lab-extension']"]
+        return cmd + ([str(root / notebook)] if notebook else [])
+    raise ValueError(f"server kind must be 'lab' or 'voila', not {kind!r}")
 
 
 def _descendants(pid: int) -> list[Any]:
@@ -207,19 +221,25 @@ def stop_process_tree(proc: subprocess.Popen, timeout: float = 10.0) -> list[int
     at the start; they are all gone when this returns, or it raises ``RuntimeError``."""
     import psutil
 
-    tree = [p for p in _descendants(proc.pid)]
+    tree = _descendants(proc.pid)
     pids = [proc.pid] + [p.pid for p in tree]
+    # kernels first (the server would wait seconds on each one's shutdown reply), then the
+    # server's process group; whatever is left after a grace period is killed
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, alive = psutil.wait_procs(tree, timeout=3)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)  # the server shuts its kernels down on SIGTERM
+        os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=timeout)
-    for p in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
     _, alive = psutil.wait_procs(tree, timeout=timeout)
     if alive:
         raise RuntimeError(f"processes still alive after stopping the server: {alive}")
@@ -229,7 +249,8 @@ def stop_process_tree(proc: subprocess.Popen, timeout: float = 10.0) -> list[int
 @contextlib.contextmanager
 def jupyter_server(kind: str, files: dict[str, Path], *, theme: str = LIGHT_THEME,
                    notebook: str | None = None, timeout: float = 90.0) -> Iterator[Server]:
-    """Start ``jupyter lab`` / ``jupyter notebook`` / ``voila`` serving a temporary root
+    """Start ``jupyter lab`` (``kind="lab"``; it serves Notebook 7's pages too when the
+    ``notebook`` package is installed) or ``voila`` serving a temporary root
     with ``files`` (name in the root -> source path) copied in; stop it and every process
     it started on exit. For voila, ``notebook`` names the one notebook it serves."""
     with tempfile.TemporaryDirectory(prefix=f"memmagic-{kind}-") as tmp:
@@ -276,10 +297,22 @@ def _wait_until_up(server: Server, timeout: float) -> None:
 
 @dataclass
 class Console:
-    """Console errors and uncaught page errors seen by a page."""
+    """Console errors and uncaught page errors seen by a page, and the requests it made to
+    hosts other than 127.0.0.1 (answered empty: the tests never use the network)."""
 
     errors: list[str] = field(default_factory=list)
     all: list[str] = field(default_factory=list)
+    external: list[str] = field(default_factory=list)
+    _mark: int = 0
+
+    def mark(self) -> list[str]:
+        """Start counting errors from here (e.g. once the front end has loaded, before any
+        cell runs); returns the errors logged before."""
+        self._mark = len(self.errors)
+        return self.errors[: self._mark]
+
+    def errors_since_mark(self) -> list[str]:
+        return self.errors[self._mark:]
 
     def on_console(self, msg: Any) -> None:
         loc = msg.location or {}
@@ -289,9 +322,15 @@ class Console:
             self.errors.append(line)
 
     def on_page_error(self, exc: Any) -> None:
-        line = f"[pageerror] {exc}"
+        stack = (getattr(exc, "stack", None) or "").strip().splitlines()
+        where = f" ({stack[1].strip()})" if len(stack) > 1 else ""
+        line = f"[pageerror] {exc}{where}"
         self.all.append(line)
         self.errors.append(line)
+
+
+# any URL whose host is not 127.0.0.1 (Voila's template links a CDN's font CSS)
+_NOT_LOCAL = re.compile(r"^(?!(https?|wss?)://127\.0\.0\.1[:/])(?!data:|blob:)[a-z]+:")
 
 
 @contextlib.contextmanager
@@ -313,6 +352,12 @@ def browser_page(viewport: tuple[int, int] = (1280, 900)) -> Iterator[tuple[Any,
             console = Console()
             page.on("console", console.on_console)
             page.on("pageerror", console.on_page_error)
+
+            def offline(route: Any) -> None:
+                console.external.append(route.request.url)
+                route.fulfill(status=200, body="")
+
+            context.route(_NOT_LOCAL, offline)
             yield page, console
         finally:
             context.close()
@@ -347,10 +392,19 @@ def wait_for(predicate: Any, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def open_notebook(page: Any, server: Server, name: str, timeout: float = 120.0) -> None:
-    """Open ``name`` (in the server's root) in JupyterLab or Notebook 7 and wait until all
-    its cells are on the page and its kernel is idle."""
-    page.goto(server.url(f"/lab/tree/{name}" if server.kind == "lab" else f"/notebooks/{name}"))
+# where each front end opens a notebook; ``{}`` is the notebook's path. JupyterLab's
+# ``?reset`` starts from an empty workspace (no tabs a previous test left open)
+FRONT_ENDS = {"lab": "/lab/tree/{}?reset", "notebook7": "/notebooks/{}"}
+
+
+def open_notebook(page: Any, server: Server, name: str, front_end: str = "lab",
+                  timeout: float = 120.0) -> None:
+    """Open ``name`` (in the server's root) in JupyterLab (``front_end="lab"``) or
+    Notebook 7 (``"notebook7"``) and wait until all its cells are on the page and its
+    kernel is idle."""
+    if front_end not in FRONT_ENDS:
+        raise ValueError(f"front_end must be one of {', '.join(FRONT_ENDS)}, not {front_end!r}")
+    page.goto(server.url(FRONT_ENDS[front_end].format(name)))
     cells = len(json.loads((server.root / name).read_text())["cells"])
     page.wait_for_function(
         f"() => document.querySelectorAll('.jp-NotebookPanel .jp-Notebook > .jp-WindowedPanel-outer .jp-Cell, "
@@ -397,3 +451,120 @@ def set_lab_theme(page: Any, theme: str) -> None:
     page.wait_for_function(
         f"() => document.body.dataset.jpThemeLight === '{light}' && "
         f"document.body.dataset.jpThemeName === {json.dumps(theme)}")
+
+
+# ---------------------------------------------------------------------------------------
+# the what-if panel, as a user works it
+
+_SIZE = re.compile(r"([\d.,]+)\s*(B|KiB|MiB|GiB|TiB)\b")
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """The first size in ``text`` (``"114.34 MiB (baseline 68.08 MiB)"`` -> 119894671)."""
+    m = _SIZE.search(text)
+    if m is None:
+        raise ValueError(f"no size in {text!r}")
+    return round(float(m.group(1).replace(",", "")) * _UNITS[m.group(2)])
+
+
+@dataclass(frozen=True)
+class PanelState:
+    """What the what-if panel shows: its table's rows and its chart's PNG bytes."""
+
+    rows: dict[str, str]
+    png: bytes
+    src: str
+
+    @property
+    def peak(self) -> int:
+        return parse_bytes(self.rows["peak"])
+
+
+class WhatIfPanelView:
+    """The what-if panel on a page (JupyterLab, Notebook 7 or Voila), found by its table
+    (``.memmagic-whatif``), worked through its widgets as a user works them."""
+
+    def __init__(self, page: Any) -> None:
+        self.page = page
+        table = page.locator(".memmagic-whatif")
+        table.first.wait_for()
+        # the panel's outermost widget box: the vbox that holds the controls and the table
+        self.box = page.locator(".widget-vbox").filter(has=table).filter(
+            has=page.locator(".widget-hslider")).last
+        self.box.wait_for()
+
+    def _control(self, css: str, label: str) -> Any:
+        return self.box.locator(css).filter(
+            has=self.page.locator(".widget-label, .widget-label-basic span", has_text=_exactly(label)))
+
+    def state(self) -> PanelState:
+        """The rows and the chart's bytes as the browser holds them (the chart is the
+        panel's first image with a source: its PNG fetched from the img's URL)."""
+        data = self.box.evaluate("""async box => {
+            const rows = Object.fromEntries([...box.querySelectorAll('.memmagic-whatif tr')]
+                .map(tr => [tr.querySelector('th').textContent.trim(), tr.querySelector('td').textContent.trim()]));
+            const img = [...box.querySelectorAll('img')].find(i => i.src);
+            const buf = new Uint8Array(await (await fetch(img.src)).arrayBuffer());
+            let s = ''; for (const b of buf) s += String.fromCharCode(b);
+            return {rows, png: btoa(s), src: img.src};
+        }""")
+        import base64
+
+        return PanelState(data["rows"], base64.b64decode(data["png"]), data["src"])
+
+    def wait_changed(self, before: PanelState, timeout_ms: int = 60_000) -> PanelState:
+        """Wait until the kernel redrew the panel after a change (its table and its chart's
+        image both replaced) and nothing is re-running; the new state."""
+        self.box.evaluate("""(box, [rows, src, timeout]) => new Promise((resolve, reject) => {
+            const t0 = Date.now();
+            const tick = () => {
+                const text = [...box.querySelectorAll('.memmagic-whatif tr')].map(tr => tr.textContent).join('|');
+                const img = [...box.querySelectorAll('img')].find(i => i.src);
+                const busy = box.textContent.includes('re-running');
+                if (text !== rows && img && img.src !== src && img.complete && !busy) return resolve();
+                if (Date.now() - t0 > timeout) return reject(new Error('the panel did not redraw: ' + text));
+                setTimeout(tick, 100);
+            };
+            tick();
+        })""", ["|".join(f"{k}{v}" for k, v in before.rows.items()), before.src, timeout_ms])
+        return self.state()
+
+    def drag_slider(self, label: str, steps: int) -> str:
+        """Drag the handle of slider ``label`` by ``steps`` of its steps (right when
+        positive) with the mouse; returns the readout after the drop."""
+        slider = self._control(".widget-hslider", label)
+        handle = slider.locator(".noUi-handle")
+        handle.scroll_into_view_if_needed()
+        track = slider.locator(".noUi-base").bounding_box()
+        lo = float(handle.get_attribute("aria-valuemin"))
+        hi = float(handle.get_attribute("aria-valuemax"))
+        now = float(handle.get_attribute("aria-valuenow"))
+        box = handle.bounding_box()
+        x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+        dx = track["width"] * steps / (hi - lo)
+        self.page.mouse.move(x, y)
+        self.page.mouse.down()
+        self.page.mouse.move(x + dx / 2, y, steps=5)
+        self.page.mouse.move(x + dx, y, steps=5)
+        self.page.mouse.up()
+        self.page.wait_for_function(
+            "([h, v]) => Number(h.getAttribute('aria-valuenow')) === v",
+            arg=[handle.element_handle(), now + steps])
+        return slider.locator(".widget-readout").inner_text().strip()
+
+    def click_toggle(self, label: str, option: str) -> None:
+        """Click button ``option`` of toggle buttons ``label``; waits until it is active."""
+        button = self._control(".widget-toggle-buttons", label).locator(
+            ".widget-toggle-button", has_text=_exactly(option))
+        button.click()
+        self.page.wait_for_function("b => b.classList.contains('mod-active')",
+                                    arg=button.element_handle())
+
+    def click_checkbox(self, label: str) -> bool:
+        """Click checkbox ``label``; returns whether it is checked now."""
+        box = self._control(".widget-checkbox", label).locator("input[type=checkbox]")
+        was = box.is_checked()
+        box.click()
+        self.page.wait_for_function("([b, v]) => b.checked === v", arg=[box.element_handle(), not was])
+        return not was
