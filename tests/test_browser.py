@@ -181,10 +181,11 @@ def test_first_steps_renders_in_jupyterlab_light_and_dark(lab, page_on):
 # the what-if panel: JupyterLab, Voila, Notebook 7
 
 
-def work_the_panel(page, prefix: str) -> list[Path]:
+def work_the_panel(page, prefix: str, *, only_slider: bool = False) -> list[Path]:
     """Drag the batch-size slider one step right, turn AMP to fp16, checkpointing on and
-    off again, as a user would; after each, the panel's numbers move the right way and its
-    chart is a new image. Returns the screenshots (before, and after each change)."""
+    off again (``only_slider``: just the drag), as a user would; after each, the panel's
+    numbers move the right way and its chart is a new image. Returns the screenshots
+    (before, and after each change)."""
     panel = bs.WhatIfPanelView(page)
     shots = [bs.save_screenshot(panel.box, f"{prefix}_0_baseline")]
     base = panel.state()
@@ -195,6 +196,8 @@ def work_the_panel(page, prefix: str) -> list[Path]:
     assert "batch 16" in bigger.rows["setting"], bigger.rows
     assert bigger.peak > base.peak and bigger.png != base.png
     shots.append(bs.save_screenshot(panel.box, f"{prefix}_1_batch16"))
+    if only_slider:
+        return shots
 
     panel.click_toggle("AMP", "fp16")
     amp = panel.wait_changed(bigger)
@@ -244,7 +247,8 @@ def test_whatif_panel_in_voila(browser_ready):
 @pytest.mark.slow
 def test_report_chart_and_panel_in_notebook7(lab, page_on):
     """Notebook 7's front end (``/notebooks/``, what ``jupyter notebook`` opens): Run All,
-    the report, its chart and the panel render, and the panel works."""
+    the report, its chart and the panel render, and the panel answers its slider (the
+    same widget manager as JupyterLab's; the full check is the JupyterLab test's)."""
     page, console = page_on(TALL)
     bs.open_notebook(page, lab, "whatif.ipynb", front_end="notebook7")
     # Notebook 7.6 logs an error of its own while it loads, before any cell runs (its
@@ -254,6 +258,119 @@ def test_report_chart_and_panel_in_notebook7(lab, page_on):
     assert rendered_outputs(page, {"reports": 1, "images": 2}) == {"reports": 1, "images": 2}
     report = page.locator(".jp-OutputArea-output .memmagic-report").first
     shots = [bs.save_screenshot(report, "nb7_report"), bs.save_screenshot(page, "nb7_window")]
-    shots += work_the_panel(page, "nb7_whatif")
+    shots += work_the_panel(page, "nb7_whatif", only_slider=True)
     assert console.errors_since_mark() == [], at_load
     assert all(p.stat().st_size > 1000 for p in shots)
+
+
+# ---------------------------------------------------------------------------------------
+# VS Code: what its notebook renderers take (it cannot run here)
+#
+# VS Code's notebook view renders text/html and image/png itself (in a webview that sets
+# --vscode-* CSS variables, not JupyterLab's --jp-* ones) and
+# application/vnd.jupyter.widget-view+json through its ipywidgets renderer, which loads the
+# ipywidgets 8 widget manager for models of @jupyter-widgets/controls 2.0.0 and needs the
+# view's version_major 2. A saved notebook carries the widget state the same way.
+
+_SCRIPTS = {"script", "iframe", "link", "style", "object", "embed"}
+_VOID = {"br", "hr", "img", "input", "meta", "wbr", "col", "source", "area", "base"}
+
+
+def html_problems(text: str) -> list[str]:
+    """What would keep ``text`` (an output's HTML) from rendering the same, self-contained
+    and following the theme, in VS Code's webview: scripts or external resources,
+    unbalanced tags, JupyterLab colour variables without a fallback, text colours that do
+    not follow VS Code's theme."""
+    from html.parser import HTMLParser
+
+    problems: list[str] = []
+    stack: list[str] = []
+
+    class Parser(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            if tag in _SCRIPTS:
+                problems.append(f"<{tag}> element")
+            for name, value in attrs:
+                if name.startswith("on"):
+                    problems.append(f"{name} handler on <{tag}>")
+                if name in ("src", "href") and value and re.match(r"(https?:)?//", value):
+                    problems.append(f"external {name}={value}")
+            if tag not in _VOID:
+                stack.append(tag)
+
+        def handle_endtag(self, tag):
+            if not stack or stack[-1] != tag:
+                problems.append(f"</{tag}> closes <{stack[-1] if stack else 'nothing'}>")
+            else:
+                stack.pop()
+
+    Parser().feed(text)
+    problems += [f"unclosed <{t}>" for t in stack]
+    problems += [f"{v} has no fallback" for v in re.findall(r"var\(--jp-[\w-]+\s*\)", text)]
+    for colour in re.findall(r"(?<![-\w])color\s*:\s*([^;'\"]+)", text):
+        if "--vscode-" not in colour:
+            problems.append(f"text colour {colour.strip()!r} does not follow VS Code's theme")
+    return problems
+
+
+def test_html_problems_finds_what_vs_code_would_render_differently():
+    ok = "<div style='color:var(--jp-ui-font-color2, var(--vscode-descriptionForeground, #555))'><b>x</b><br></div>"
+    assert html_problems(ok) == []
+    assert html_problems("<div><b>x</div>") == ["</div> closes <b>", "unclosed <div>", "unclosed <b>"]
+    assert html_problems("<span style='color:var(--jp-ui-font-color1)'>x</span>") == [
+        "var(--jp-ui-font-color1) has no fallback",
+        "text colour 'var(--jp-ui-font-color1)' does not follow VS Code's theme"]
+    assert html_problems("<img src='https://x.org/a.png'><script>1</script>") == [
+        "external src=https://x.org/a.png", "<script> element"]
+
+
+@pytest.mark.slow
+def test_mime_bundles_are_what_vs_codes_renderers_take():
+    """The fixture notebook run by a kernel (nbclient, widget state stored as VS Code and
+    JupyterLab save it): the report is self-contained HTML that follows VS Code's theme,
+    the chart a PNG, the panel an ipywidgets 8 view whose every model is in the state."""
+    import base64
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(WHATIF, as_version=4)
+    NotebookClient(nb, timeout=180, kernel_name="python3", store_widget_state=True).execute()
+    outputs = [o for cell in nb.cells for o in cell.get("outputs", [])]
+    assert [o.output_type for o in outputs] == ["display_data"] * 3, outputs
+    report, chart, panel = (o.data for o in outputs)
+
+    assert "memmagic-report" in report["text/html"] and report["text/plain"].startswith("<MemoryReport")
+    assert html_problems(report["text/html"]) == []
+    assert base64.b64decode(chart["image/png"]).startswith(b"\x89PNG\r\n\x1a\n")
+    assert chart["text/plain"].startswith("<memmagic chart")
+
+    view = panel["application/vnd.jupyter.widget-view+json"]
+    assert (view["version_major"], view["version_minor"]) == (2, 0), view
+    assert panel["text/plain"].startswith("<memmagic what-if:")
+    saved = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]
+    assert saved["version_major"] == 2
+    state = saved["state"]
+    # every model the view reaches (children, layouts, styles) is saved, each an ipywidgets 8 one
+    seen, todo = set(), [view["model_id"]]
+    while todo:
+        mid = todo.pop()
+        if mid in seen:
+            continue
+        seen.add(mid)
+        model = state[mid]
+        assert (model["model_module"], model["model_module_version"]) in {
+            ("@jupyter-widgets/controls", "2.0.0"), ("@jupyter-widgets/base", "2.0.0")}, model
+        todo += re.findall(r"IPY_MODEL_(\w+)", json.dumps(model["state"]))
+    models = {state[m]["model_name"] for m in seen}
+    assert {"VBoxModel", "SelectionSliderModel", "ToggleButtonsModel", "CheckboxModel",
+            "ImageModel", "HTMLModel"} <= models, models
+    # the panel's chart travels as a binary buffer of PNG bytes; its text as HTML values
+    images = [state[m] for m in seen if state[m]["model_name"] == "ImageModel"]
+    pngs = [base64.b64decode(b["data"]) for im in images for b in im.get("buffers", [])
+            if b["path"] == ["value"]]
+    assert any(p.startswith(b"\x89PNG") for p in pngs), [im["state"] for im in images]
+    html_values = [state[m]["state"]["value"] for m in seen
+                   if state[m]["model_name"] == "HTMLModel" and state[m]["state"].get("value")]
+    assert any("memmagic-whatif" in v for v in html_values)
+    assert [p for v in html_values for p in html_problems(v)] == []
