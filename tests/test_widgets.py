@@ -143,18 +143,19 @@ def test_the_panels_re_runs_leave_the_notebooks_simulated_gpu_alone(ip):
 def test_100_control_changes_leak_nothing(ip):
     p = ip.run_cell_magic("gpumem", "--whatif --batch-size 8 -o", HANDLES)
     p.cache_enabled = False
-    p.set(batch_size=16)
-    gc.collect()
-    tensors, objects = _count(), len(gc.get_objects())
     values = [("batch_size", 8), ("amp", "bf16"), ("batch_size", 16), ("checkpointing", True),
               ("amp", "off"), ("checkpointing", False)]
+    for name, v in values:  # once: the simulator's op caches fill for each new shape
+        p.controls[name].value = v
+    gc.collect()
+    tensors, objects = _count(), len(gc.get_objects())
     for i in range(100):
         name, v = values[i % len(values)]
         p.controls[name].value = v
-    assert p.runs >= 101
+    assert p.runs == 106 and p.error is None  # the baseline, 5 warm-up changes, 100
     gc.collect()
     assert _count() <= tensors
-    assert len(gc.get_objects()) < objects + 2000  # widget state, no per-run growth
+    assert len(gc.get_objects()) < objects + 200  # measured: +0 to +50 after warm-up
 
 
 def _count() -> int:
