@@ -232,3 +232,19 @@ def test_an_overridden_card_size_is_said_in_the_report():
     out = nb.sim("import torch\nx = torch.ones(4, device='cuda')")
     assert any(n.startswith("card size overridden: the T4's kernels with 6.00 GiB")
                for n in out.report.notes)
+
+
+def test_a_sandboxed_rerun_beside_the_notebooks_simulated_objects(ip):
+    """A what-if re-run (a sim run without the session) in a namespace holding placeholders
+    of the notebook's simulated GPU runs, and leaves them as they were."""
+    from memmagic.cell import Cell
+
+    ip.run_cell_magic("gpumem", "--backend sim -q",
+                      "w = torch.randn(256, 256, device='cuda', requires_grad=True)\n"
+                      "loss = (w * 2).sum()")
+    placeholder = ip.user_ns["loss"]
+    cell = Cell("x = torch.randn(batch_size, 256, device='cuda')\ny = (x @ x.T).sum()",
+                ip.user_ns, backend="sim", defaults={"batch_size": 8})
+    r = cell.run(batch_size=64)
+    assert r.error is None and r.peak >= 64 * 256 * 4
+    assert ip.user_ns["loss"] is placeholder and "x" not in ip.user_ns

@@ -201,6 +201,9 @@ class SimBackend(Backend):
             # tensors: a caller keeping the error must not keep them on the card
             release_own_frames(exc.__traceback__)
         card.cells += 1
+        if tracking.result is None:  # failed before the cell ran (the sandbox, the seed)
+            assert error is not None
+            raise error
         value = sanitize_value(value, shown=shown, live=self.session is not None)
         self.last_run_stats = {"ops": tracker.ops,
                                "cache_hits": fast.hits - hits0 if fast else 0,

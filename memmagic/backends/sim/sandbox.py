@@ -124,8 +124,8 @@ def _reachable_tensors(value: Any, limit: int = 10_000) -> Iterator[torch.Tensor
     stack = [value]
     while stack and len(seen) < limit:
         v = stack.pop()
-        if id(v) in seen or isinstance(v, _ATOMIC):
-            continue
+        if id(v) in seen or isinstance(v, _ATOMIC) or type(v) is SimulatedValue:
+            continue  # a placeholder of the notebook's simulated GPU holds no tensor here
         seen.add(id(v))
         if isinstance(v, torch.Tensor):
             yield v
