@@ -15,6 +15,8 @@ def notebooks(md: Callable, code: Callable, setup: str) -> dict[str, list]:
         "12_timeline_profiler_snapshot.ipynb": _timeline(md, code, setup),
         "13_largest_batch.ipynb": _largest_batch(md, code, setup),
         "14_sharding.ipynb": _sharding(md, code, setup),
+        "15_whatif_playground.ipynb": _playground(md, code, setup),
+        "16_your_own_model.ipynb": _your_model(md, code, setup),
     }
 
 
@@ -378,5 +380,184 @@ def _sharding(md, code, setup) -> list:
             base = one_gpu.peak
             for name, r in rows:
                 print(f"{name:<14} peak {format_bytes(r.peak):>11}  ({r.peak / base:.0%} of one GPU's)")
+        """),
+    ]
+
+
+def _playground(md, code, setup) -> list:
+    return [
+        md("""
+            # The what-if playground
+
+            Every strategy of this course in one place: put `--whatif` on a cell and a panel
+            of controls appears under it. Move the batch-size slider, switch AMP or activation
+            checkpointing, pick another card: the cell re-runs on the simulated GPU (it
+            touches nothing real) and the chart shows the baseline and the new setting side
+            by side, with the saving and whether it fits.
+
+            **You will learn** to ask "what would this change do to memory?" of your own cell,
+            in seconds, before you try it on a GPU.
+
+            *The panel is a widget: in JupyterLab, Notebook 7, VS Code or Colab you can move
+            its controls. The cells after it set the same controls from code, so the numbers
+            below are stored in the notebook.*
+        """),
+        code(setup),
+        md("""
+            ## A training cell that reads its knobs
+
+            The cell reads the plain variables `batch_size` and `accum_steps` and handles
+            them itself (a micro-batch loop, as in notebook 04); memmagic applies the other
+            knobs (autocast around the forward for AMP, checkpointing of the repeated blocks,
+            another optimizer, the weights' dtype). `-v panel` keeps the panel so later cells
+            can drive it.
+        """),
+        code("""
+            from memmagic import zoo
+            batch_size, accum_steps = 16, 1
+        """),
+        code("""
+            %%gpumem --backend sim --gpu T4 --whatif -v panel
+            model, _ = zoo.build("transformer", device="cuda")
+            opt = torch.optim.AdamW(model.parameters())
+            for _ in range(accum_steps):
+                tokens = torch.randint(0, 1000, (batch_size // accum_steps, 128), device="cuda")
+                loss = model.loss(tokens, tokens) / accum_steps
+                loss.backward()
+            opt.step()
+        """),
+        md("""
+            ## Moving the controls from code
+
+            `panel.set(...)` does what moving a control does. Each line below is one move;
+            `panel.report` is the report of the current setting.
+        """),
+        code("""
+            def show(what):
+                r = panel.report
+                change = r.peak / panel.baseline_report.peak - 1
+                print(f"{what:<36} peak {format_bytes(r.peak):>11}  {change:+.0%} vs the baseline")
+
+            show("baseline")
+            panel.set(batch_size=64); show("batch 64")
+            panel.set(amp="fp16"); show("batch 64, AMP fp16")
+            panel.set(checkpointing=True); show("batch 64, AMP fp16, checkpointing")
+        """),
+        code("""
+            panel.set(amp="off", checkpointing=False, batch_size=16, accum_steps=4)
+            show("batch 16 as 4 micro-batches of 4")
+            panel.set(accum_steps=1, optimizer="sgd"); show("batch 16, plain SGD")
+        """),
+        md("""
+            The panel under the cell above now shows the last setting. Its text form (what a
+            notebook stores) says the setting and the peak in one line:
+        """),
+        code("""
+            panel
+        """),
+        md("""
+            ## Try it
+
+            Move the controls yourself. Before each move, guess: up or down, and by how much?
+            Which knob helps most at batch 16, and which at batch 64? (The activations grow
+            with the batch; the model's states do not.)
+
+            ## What we measured
+        """),
+        code("""
+            for what, setting in [("baseline", {}), ("batch 64", {"batch_size": 64}),
+                                  ("batch 64, AMP fp16", {"batch_size": 64, "amp": "fp16"}),
+                                  ("batch 64, AMP + ckpt", {"batch_size": 64, "amp": "fp16",
+                                                            "checkpointing": True})]:
+                r = panel.cell.run(**setting)
+                print(f"{what:<24}{format_bytes(r.peak):>12}  {r.peak_words}")
+        """),
+    ]
+
+
+STEP_GPT2 = """
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(n_layer=6, n_embd=512, n_head=8, n_positions=1024, vocab_size=50257)
+    model = GPT2LMHeadModel(config).to("cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), device="cuda")
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+"""
+
+
+def _your_model(md, code, setup) -> list:
+    step = "\n".join(line[4:] for line in STEP_GPT2.strip("\n").splitlines())
+    return [
+        md("""
+            # Your own model
+
+            A template: replace the model, the batch and the card with yours, run all, and
+            read what would happen on that GPU, and which strategy would make it fit. It runs
+            on the simulated GPU, so you need no GPU to try a model that would not fit yours.
+
+            **You will learn** to go from "CUDA out of memory" to a measured plan.
+        """),
+        code(setup),
+        md("""
+            ## 1. Your model and batch
+
+            Build the model as your code does (here a small GPT-2 from a `transformers`
+            config; any `nn.Module` works), on `device="cuda"`: in a simulated cell that is the
+            simulated GPU.
+        """),
+        code("""
+            GPU = "T4"           # the card you want to train on: T4, A10G, A100-40GB, RTX4090, ...
+            batch_size = 8
+            seq_len = 512
+        """),
+        code("%%gpumem --backend sim --gpu $GPU -v report --timeline\n" + step),
+        md("""
+            ## 2. Where does the memory go?
+
+            The report above gives the breakdown at the peak and the timeline shows when.
+            Which modules saved the most for backward:
+        """),
+        code("""
+            for row in report.modules_at(3)[:6]:
+                print(f"{row.module:<32}{format_bytes(row.activations):>12}  {row.share:6.1%} of the peak")
+        """),
+        md("""
+            ## 3. Which strategy helps, and by how much?
+
+            The same cell re-run with each knob, on the same card (`Cell` is the what-if
+            engine under the panel). `STEP` is the cell above, as text.
+        """),
+        code('from memmagic.cell import Cell\n\nSTEP = """\n' + step + '\n"""\n'
+             'cell = Cell(STEP, globals(), backend="sim", backend_options={"gpu": GPU},\n'
+             '            defaults={"batch_size": batch_size})'),
+        code("""
+            for what, knobs in [("as written", {}), ("AMP fp16", {"amp": "fp16"}),
+                                ("checkpointing", {"checkpointing": True}),
+                                ("AMP fp16 + checkpointing", {"amp": "fp16", "checkpointing": True}),
+                                ("half the batch", {"batch_size": batch_size // 2})]:
+                r = cell.run(**knobs)
+                verdict = "fits" if r.fits else "does not fit"
+                print(f"{what:<26}{format_bytes(r.peak):>11}  reserved {format_bytes(r.reserved_peak):>11}  {verdict} {GPU}")
+        """),
+        md("""
+            ## 4. The largest batch that fits
+
+            With a 10% margin for the CUDA context and fragmentation:
+        """),
+        code("""
+            from memmagic.sweep import find_batch_size
+            print(find_batch_size(cell, margin=0.10, high=256).how)
+        """),
+        md("""
+            ## What we measured
+
+            Change the model, `GPU`, `batch_size` and `seq_len` at the top and run all again.
+        """),
+        code("""
+            print(report)
+            print("peak:", report.peak_words)
         """),
     ]
