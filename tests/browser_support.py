@@ -445,12 +445,20 @@ def clear_and_run_all(page: Any, server: Server, name: str, timeout: float = 150
 
 
 def set_lab_theme(page: Any, theme: str) -> None:
-    """Settings > Theme > ``theme``, then wait until the page wears it."""
-    light = "true" if "Light" in theme else "false"
+    """Settings > Theme > ``theme``, then wait until the whole page wears it: the menu bar,
+    the status bar and the notebook all dark (or all light); the notebook's colours change
+    before the rest of the window's do."""
+    dark = "Light" not in theme
     menu(page, "Settings", "Theme", theme)
-    page.wait_for_function(
-        f"() => document.body.dataset.jpThemeLight === '{light}' && "
-        f"document.body.dataset.jpThemeName === {json.dumps(theme)}")
+    page.wait_for_function("""([name, dark]) => {
+        if (document.body.dataset.jpThemeName !== name) return false;
+        return ['#jp-top-panel', '#jp-main-statusbar', '.jp-Notebook'].every(sel => {
+            const el = document.querySelector(sel);
+            if (!el) return true;
+            const [r, g, b] = getComputedStyle(el).backgroundColor.match(/\\d+/g).map(Number);
+            return (r + g + b < 3 * 110) === dark;
+        });
+    }""", arg=[theme, dark])
 
 
 # ---------------------------------------------------------------------------------------
