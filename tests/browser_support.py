@@ -407,8 +407,8 @@ def open_notebook(page: Any, server: Server, name: str, front_end: str = "lab",
     page.goto(server.url(FRONT_ENDS[front_end].format(name)))
     cells = len(json.loads((server.root / name).read_text())["cells"])
     page.wait_for_function(
-        f"() => document.querySelectorAll('.jp-NotebookPanel .jp-Notebook > .jp-WindowedPanel-outer .jp-Cell, "
-        f".jp-NotebookPanel .jp-Notebook .jp-Cell').length >= {cells}", timeout=timeout * 1000)
+        f"() => document.querySelectorAll('.jp-NotebookPanel .jp-Notebook .jp-Cell').length >= {cells}",
+        timeout=timeout * 1000)
     wait_for(lambda: kernel_state(server, name) == "idle", timeout, f"the kernel of {name}")
 
 
@@ -424,11 +424,6 @@ def _exactly(text: str) -> re.Pattern:
 
 
 _PROMPTS_JS = "() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt')].map(p => p.textContent.trim())"
-
-
-def prompts(page: Any) -> list[str]:
-    """The input prompts of the visible notebook's code cells (``[3]:``, ``[*]:``, ``[ ]:``)."""
-    return page.evaluate(_PROMPTS_JS)
 
 
 def clear_and_run_all(page: Any, server: Server, name: str, timeout: float = 150.0) -> None:

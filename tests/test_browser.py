@@ -117,6 +117,13 @@ def test_without_a_browser_the_tests_skip_with_the_reason_and_fail_in_ci(monkeyp
         bs.require_browser({"CI": ci})
 
 
+def test_parse_bytes_reads_the_sizes_the_panel_shows():
+    assert bs.parse_bytes("114.34 MiB (baseline 68.08 MiB)") == round(114.34 * 2**20)
+    assert bs.parse_bytes("0 B") == 0 and bs.parse_bytes("1,024.00 GiB") == 1024 * 2**30
+    with pytest.raises(ValueError, match="no size"):
+        bs.parse_bytes("fits")
+
+
 def test_every_process_a_server_started_is_stopped(browser_ready):
     """A server and the kernel it started (in a session of its own) are gone after the
     server's context ends, also when the test inside it fails."""
