@@ -152,6 +152,12 @@ class MemMagics(Magics):
               help="Run the knob across the powers of two from LO to HI (or a list: "
                    "batch_size=8,16,32) for each strategy (AMP, checkpointing) and plot the "
                    "memory against it, with the largest value that fits the card.")
+    @argument("--advise", action="store_true",
+              help="The memory doctor: after the cell, who holds the memory it left (names, "
+                   "the autograd graphs they pin, the classic leaks with their fix); after an "
+                   "out of memory, the fixes ranked by re-running the cell with each on the "
+                   "simulated GPU, and FSDP2 over 2, 4 and 8 GPUs. A failed cell gets the "
+                   "doctor's short advice without it.")
     @argument("statement", nargs=argparse.REMAINDER,
               help="Line magic: the statement to measure.")
     @line_cell_magic
@@ -205,6 +211,7 @@ class MemMagics(Magics):
                 return self._sweep(engine, args)
             if args.whatif:
                 return self._whatif(engine, args)
+        before = self._doctor_snapshot(args)
         try:
             if knobs or args.checkpoint_module:
                 outcome = engine.execute()
@@ -232,6 +239,11 @@ class MemMagics(Magics):
             if any("replaced the" in n for n in notes):  # said with the option as typed
                 own = tuple(n for n in own if not n.startswith("card size overridden"))
             report = replace(report, notes=own + tuple(notes))
+        if error is not None:  # before the doctor reads the traceback's frames
+            release_own_frames(error.__traceback__)
+        advice = self._advise(args, source, run, report, error, before)
+        if advice is not None:
+            report = replace(report, advice=advice)
         if args.var:
             self.shell.user_ns[args.var] = report
         if error is None and outcome.value is not None and not args.quiet:
@@ -243,8 +255,9 @@ class MemMagics(Magics):
             self._render(report, chart=not args.no_chart,
                          show_report=not args.output or error is not None)
         extra = self._extras(report, args)
+        if advice is not None and not args.quiet:
+            display(advice)
         if error is not None:
-            release_own_frames(error.__traceback__)
             if is_out_of_memory(error):
                 self._after_oom(error, report, quiet=args.quiet)
                 if args.no_raise:
@@ -467,9 +480,76 @@ class MemMagics(Magics):
 
             display(breakdown_chart(report))
 
+    # -- the memory doctor ----------------------------------------------------------------
+    def _doctor_view(self, args: argparse.Namespace) -> dict:
+        """The namespace as the doctor walks it (simulated objects of the notebook's GPU
+        stand for their placeholders)."""
+        from . import doctor
+
+        session = None
+        if args.backend == "sim":
+            from .backends.sim.session import shell_session
+
+            session = shell_session(self.shell)
+        return doctor.namespace_view(self.shell.user_ns, session)
+
+    def _doctor_snapshot(self, args: argparse.Namespace):
+        """What the namespace holds before the cell (--advise lists what the cell left)."""
+        if not args.advise:
+            return None
+        from . import doctor
+
+        return doctor.snapshot(self._doctor_view(args))
+
+    def _advise(self, args: argparse.Namespace, source: str, run, report: MemoryReport,
+                error: BaseException | None, before) -> Any:
+        """The doctor's advice: with --advise always; after a failed cell, the short one (an
+        out of memory on the simulated GPU is ranked too: its re-runs are cheap)."""
+        if error is None and not args.advise:
+            return None
+        from . import doctor
+
+        try:
+            view = self._doctor_view(args)
+            if error is None:
+                return doctor.advise(view, report=report, since=before)
+            if not is_out_of_memory(error):
+                return doctor.advise(view, report=report, error=error)
+            cell = None
+            if args.advise or args.backend == "sim":
+                sim_args = argparse.Namespace(**vars(args))
+                if args.backend != "sim":  # rank on a simulated card of the real one's size
+                    sim_args.backend, sim_args.gpu = "sim", None
+                    sim_args.gpu_memory = self._real_card_memory(args)
+                cell = self._cell(source, run, sim_args, {}, isolated=True)
+            return doctor.advise(view, report=report, error=error, cell=cell,
+                                 strategies=cell is not None,
+                                 world_sizes=(2, 4, 8) if args.advise else ())
+        except UsageError:
+            return None
+        except Exception as exc:  # the doctor never hides the cell's own outcome
+            print(f"memmagic: the memory doctor could not advise on this cell "
+                  f"({type(exc).__name__}: {exc})", file=sys.stderr)
+            return None
+
+    @staticmethod
+    def _real_card_memory(args: argparse.Namespace) -> str | None:
+        import torch
+
+        try:
+            if torch.cuda.is_available():
+                dev = args.device if args.device is not None else torch.cuda.current_device()
+                return str(torch.cuda.get_device_properties(dev).total_memory)
+        except Exception:
+            pass
+        return None
+
     @staticmethod
     def _after_oom(error: BaseException, report: MemoryReport, *, quiet: bool) -> None:
         """Free what the failed cell's frames hold so the next cell can run, and say so."""
+        from . import doctor
+
+        doctor.release_failed_cell(error)  # clears the frames (and f_locals snapshots)
         traceback.clear_frames(error.__traceback__)
         gc.collect()
         if quiet:
