@@ -313,10 +313,10 @@ class MemoryReport:
             text = "outside forward, backward and optimizer steps"
         if module:
             text += f" in `{module}`"
-        detail = label if label and label != op else None
-        if detail and op:
-            detail = f"{detail}: {op}"
-        elif op:
+        same = bool(label and op and label.replace("_", " ") == op.replace("_", " "))
+        if label:
+            detail = label if same or not op else f"{label}: {op}"
+        else:
             detail = op
         if detail:
             text += f" ({detail})"

@@ -1811,15 +1811,12 @@ NOTEBOOKS["11_caching_allocator.ipynb"] = [
 ]
 
 
-# Notebooks 12 on (timeline and profiler, largest batch, sharding) are written by the teams
-# building those features, in course_tools.py, with the helpers above.
-try:
-    sys.path.insert(0, str(HERE))
-    from course_tools import notebooks as _more_notebooks
-except ImportError:
-    _more_notebooks = None
-if _more_notebooks is not None:
-    NOTEBOOKS.update(_more_notebooks(md, code, SETUP))
+# Notebooks 12 on (timeline and profiler, largest batch, sharding, the what-if playground,
+# your own model) are in course_tools.py, made with the helpers above.
+sys.path.insert(0, str(HERE))
+from course_tools import notebooks as _more_notebooks  # noqa: E402
+
+NOTEBOOKS.update(_more_notebooks(md, code, SETUP))
 
 
 def build(name: str, cells) -> float:
