@@ -165,7 +165,7 @@ def sim_speed(configs: list[Config], reps: int) -> Figure:
          ("cold_speedup", "first-run speedup", "x"), ("status", "target", "text")],
     )
     fig.metric = ("speedup", "x")
-    fig.notes.append("the op cache (memmagic._torch_private.FakeOutputCache) builds an op's "
+    fig.notes.append("the op cache (memmagic.backends.sim.op_cache.FakeOutputCache) builds an op's "
                      "outputs from its inputs' metadata once FakeTensorMode has run that op "
                      "on such inputs; it lives for the session, so a re-run, a what-if and "
                      "every training step after the first hit it")

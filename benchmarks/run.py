@@ -17,8 +17,8 @@ from .common import Figure, machine_info, now_iso, slug
 __all__ = ["main", "write_results", "RESULTS_DIR"]
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
-FIGURES = ("a", "b", "c", "d", "e", "w")
-QUICK_SKIPS = {"w"}  # the what-if panel figures: run by a full run or --only w
+FIGURES = ("a", "b", "c", "d", "e", "f", "w")
+QUICK_SKIPS = {"w", "f"}  # the what-if panel and trace-cost figures: a full run or --only
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the CUDA figures (skips cleanly without a usable GPU)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the JSON (default: results/)")
     p.add_argument("--only", default=None,
-                   help="comma-separated figures to run, from a,b,c,d,e,w (default: all; "
+                   help="comma-separated figures to run, from a,b,c,d,e,f,w (default: all; "
                         "--quick leaves out w)")
     p.add_argument("--reps", type=int, default=None, help="pairs per timing (default 3)")
     p.add_argument("--threads", type=int, default=1,
@@ -135,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     if "e" in only:
         show(F.whatif(Config("transformer", False, False, size), 5 if args.quick else 20,
                       args.whatif_probe))
+    if "f" in only:
+        from .trace_cost import trace_cost
+
+        show(trace_cost(real, reps))
     if "w" in only:
         show(F.whatif_panel(size, 5 if args.quick else 20,
                             ("transformer",) if args.quick else REAL_CPU_CASES))
