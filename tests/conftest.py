@@ -85,3 +85,8 @@ def pytest_collection_finish(session):
     """Collecting no tests is a failure, never a silent green run."""
     if not session.items:
         raise pytest.UsageError("no tests were collected: check testpaths in pyproject.toml")
+
+
+# The browser tests' fixture notebook is opened by tests/test_browser.py in a real browser;
+# nbval must not collect it (its outputs are not stored).
+collect_ignore = ["browser"]
