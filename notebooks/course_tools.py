@@ -91,9 +91,22 @@ def _timeline(md, code, setup) -> list:
             the memory columns: the times change from run to run).
         """),
         code("""
+            import os
+            from contextlib import contextmanager
             from torch.profiler import profile, ProfilerActivity
 
-            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            @contextmanager
+            def quiet_stderr():
+                \"\"\"The profiler's C++ library logs start/stop lines to stderr: drop them.\"\"\"
+                saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, 2)
+                try:
+                    yield
+                finally:
+                    os.dup2(saved, 2)
+                    os.close(saved), os.close(null)
+
+            with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 loss = model.loss(*batch)
                 loss.backward()
                 opt.step()
