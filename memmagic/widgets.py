@@ -115,7 +115,8 @@ class WhatIfPanel:
                                      tooltip="run the batch size across its range for AMP and "
                                              "checkpointing on and off")
         self.sweep_button.on_click(lambda _b: self.run_sweep())
-        self.sweep_image = w.Image(format="png", layout=w.Layout(max_width="100%"))
+        # hidden until a sweep has run (an empty Image shows as a broken-image icon)
+        self.sweep_image = w.Image(format="png", layout=w.Layout(max_width="100%", display="none"))
         self.sweep_text = w.HTML()
         rows = list(self.controls.values())
         if "batch_size" in self.controls:
@@ -145,20 +146,20 @@ class WhatIfPanel:
         if name == "gpu":
             from .backends.sim.gpus import GPUS
 
-            opts = [("no card", None)] + [(g.name, g.name) for g in GPUS.values()]
-            return w.Dropdown(options=opts, value=value, **common)
+            opts = [("no card", _UNSET)] + [(g.name, g.name) for g in GPUS.values()]
+            return w.Dropdown(options=opts, value=_shown(value), **common)
         opts = [(str(c), c) for c in knob.choices]
         if knob.default is None:
-            opts.insert(0, ("as written" if name != "optimizer" else "as in the cell", None))
+            opts.insert(0, ("as written" if name != "optimizer" else "as in the cell", _UNSET))
         if len(opts) <= 4:
-            return w.ToggleButtons(options=opts, value=value, **common)
-        return w.Dropdown(options=opts, value=value, **common)
+            return w.ToggleButtons(options=opts, value=_shown(value), **common)
+        return w.Dropdown(options=opts, value=_shown(value), **common)
 
     def current(self) -> Setting:
         """The setting the controls show."""
         values = self.baseline.changed()
         for name, ctl in self.controls.items():
-            values[name] = ctl.value
+            values[name] = None if ctl.value == _UNSET else ctl.value
         return Setting(**values)
 
     def set(self, **values: Any) -> None:
@@ -172,7 +173,7 @@ class WhatIfPanel:
             for name, v in values.items():
                 ctl = self.controls[name]
                 with ctl.hold_trait_notifications():
-                    ctl.value = v
+                    ctl.value = _shown(v) if name not in ("batch_size", "accum_steps") else v
         finally:
             self.debounce_s = pending
         self.update()
@@ -265,7 +266,8 @@ class WhatIfPanel:
         saving = _need(b) - _need(r)
         pct = saving / _need(b) if _need(b) else 0.0
         word = "saves" if saving >= 0 else "costs"
-        rows.append(("vs baseline", f"{word} {format_bytes(abs(saving))} ({abs(pct):.1%})"))
+        what = "reserved" if r.reserved_peak is not None else "peak"
+        rows.append((f"{what} vs baseline", f"{word} {format_bytes(abs(saving))} ({abs(pct):.1%})"))
         if r.gpu_memory is not None:
             verdict = "fits" if r.fits else "does NOT fit"
             rows.append(("card", f"{r.gpu_name} {format_bytes(r.gpu_memory)}: {verdict}"))
@@ -295,6 +297,7 @@ class WhatIfPanel:
             raise
         self.sweep_result = result
         self.sweep_image.value = figure_png(result.figure(), dpi=_PANEL_DPI)
+        self.sweep_image.layout.display = ""
         self.sweep_text.value = html.escape(str(result))
         return result
 
@@ -320,6 +323,16 @@ class WhatIfPanel:
         data = dict(data)
         data["text/plain"] = repr(self)
         return data
+
+
+# The value a choice control holds for "as written" (ipywidgets reads None as "nothing
+# selected": the control would show blank).
+_UNSET = "(as written)"
+
+
+def _shown(value: Any) -> Any:
+    """A knob's value as its control holds it."""
+    return _UNSET if value is None else value
 
 
 def _panel_axes():
