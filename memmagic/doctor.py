@@ -229,21 +229,10 @@ def _graph(t: Any) -> tuple[list[Any], int, int]:
     fn = getattr(t, "grad_fn", None)
     if fn is None:
         return [], 0, 0
-    saved: list[Any] = []
-    seen: set[int] = set()
-    stack = [fn]
-    import torch
+    from .tracking import saved_tensors
 
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        for value in _priv.node_saved_values(node):  # unreadable ones are skipped
-            for v in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(v, torch.Tensor):
-                    saved.append(v)
-        stack.extend(nxt for nxt, _ in getattr(node, "next_functions", ()))
+    seen: set[int] = set()
+    saved: list[Any] = list(saved_tensors(fn, seen))
     chain = 0
     node = fn
     while node is not None and type(node).__name__.startswith("AddBackward"):

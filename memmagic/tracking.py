@@ -35,7 +35,8 @@ from . import _torch_private as _priv
 from .report import Category
 from .trace import PRIORITY as _PRIORITY, Trace
 
-__all__ = ["StorageTracker", "Tracking", "TrackResult", "scan_existing", "Pool", "Trace"]
+__all__ = ["StorageTracker", "Tracking", "TrackResult", "scan_existing", "Pool", "Trace",
+           "saved_tensors"]
 
 # Which pool a tensor's storage counts in: "device" (the measured device), "host", or None.
 Pool = str
@@ -426,8 +427,9 @@ def _kind(tp: type) -> str | None:
     return kind
 
 
-def _saved_tensors(fn: object, seen: set[int]) -> Iterator[torch.Tensor]:
-    """Tensors saved for backward by the autograd graph reachable from ``fn``."""
+def saved_tensors(fn: object, seen: set[int]) -> Iterator[torch.Tensor]:
+    """Tensors saved for backward by the autograd graph reachable from ``fn`` (a node);
+    ``seen`` collects the ids of the nodes walked (and skips those already in it)."""
     stack = [fn]
     while stack:
         node = stack.pop()
@@ -470,7 +472,7 @@ def _with_saved(found: list, graph_roots: list) -> list[tuple[torch.Tensor, Cate
     """``found`` plus the tensors the autograd graphs at ``graph_roots`` saved."""
     seen: set[int] = set()
     for root in graph_roots:
-        for t in _saved_tensors(root, seen):
+        for t in saved_tensors(root, seen):
             found.append((t, Category.ACTIVATIONS))
     return found
 
