@@ -142,7 +142,7 @@ def plot_breakdown(report: MemoryReport, ax: "Axes | None" = None, *, label: str
         else:
             _capacity_note(ax, cap, name)
             right = top / scale * 1.55  # room for the note beside the bar
-    ax.set_yticks([y], [label or report.backend], color=FG)
+    ax.set_yticks([y], [label or "at the peak"], color=FG)
     ax.set_xlabel(f"{unit} · peak {format_bytes(report.peak)} ({report.backend})")
     ax.set_xlim(0, right)
     ax.set_ylim(y - 0.6, y + 0.6)

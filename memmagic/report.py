@@ -389,9 +389,12 @@ class MemoryReport:
         )
         bars = []
         for name, value, share in self.breakdown_rows():
+            if not value:
+                continue  # the text report lists every category; the table only what holds bytes
             pct = max(0.0, min(share, 1.0)) * 100
             bars.append(
-                f"<tr><td>{esc(name)}</td><td style='text-align:right'>{esc(format_bytes(value))}</td>"
+                f"<tr><td style='text-align:left'>{esc(name.replace('_', ' '))}</td>"
+                f"<td style='text-align:right'>{esc(format_bytes(value))}</td>"
                 f"<td style='text-align:right'>{share:.1%}</td>"
                 f"<td style='width:12em'><div style='background:{COLORS[name]};height:0.8em;width:{pct:.1f}%'></div></td></tr>"
             )
@@ -412,7 +415,7 @@ class MemoryReport:
         return (
             f"<div class='memmagic-report'>{head}{err}"
             f"<table>{rows}</table>"
-            f"<table><tr><th>category (at peak)</th><th>bytes</th><th>share</th><th></th></tr>{''.join(bars)}</table>"
+            f"<table><tr><th style='text-align:left'>at the peak</th><th>bytes</th><th>share</th><th></th></tr>{''.join(bars)}</table>"
             + mods + notes + "</div>"
         )
 
