@@ -222,7 +222,6 @@ class Trace:
         op_now, start_total, high_total, high = 0, None, -1, None
         prev_total = 0
         last_cats: dict[str, int] = {}
-        peak_point = -1
         for i, op, cats, _, _, _ in self._replay():
             total = sum(cats.values())
             if i == -1:
@@ -235,8 +234,6 @@ class Trace:
                 op_now, start_total, high_total, high = op, prev_total, prev_total, None
             if total > high_total:
                 high_total, high = total, dict(cats)
-            if i == self.peak_event:
-                peak_point = len(points)  # index the op's points will start at
             prev_total, last_cats = total, dict(cats)
         self._close(points, op_now, start_total, high_total, high, prev_total, last_cats)
         if len(points) > max_points:
@@ -244,7 +241,6 @@ class Trace:
             step = len(points) / max_points
             keep = {int(k * step) for k in range(max_points)} | {len(points) - 1, peak_i}
             points = [p for k, p in enumerate(points) if k in keep]
-        del peak_point
         return points
 
     @staticmethod
@@ -344,7 +340,7 @@ class Trace:
                 act_peak = {m: n for m, n in act_now.items() if n}
         params: dict[str, int] = {}
         grads: dict[str, int] = {}
-        final = self._final_sizes()
+        final = {st.serial: st.nbytes for st in self.storages()}
         for serial, path in self.owner.items():
             if self.pool_of.get(serial) != "device":
                 continue
@@ -360,13 +356,3 @@ class Trace:
                           params.get(m, 0), grads.get(m, 0)) for m in names]
         rows.sort(key=lambda r: (-r.activations, -r.parameters, r.module))
         return rows
-
-    def _final_sizes(self) -> dict[int, int]:
-        """Largest size of each storage over the run (its bytes)."""
-        size = dict(self.seed)
-        cur = dict(self.seed)
-        for serial, delta, _ in self.events:
-            cur[serial] = cur.get(serial, 0) + delta
-            if cur[serial] > size.get(serial, 0):
-                size[serial] = cur[serial]
-        return size

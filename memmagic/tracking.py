@@ -356,10 +356,6 @@ class StorageTracker(_priv.TorchDispatchMode):
             frames={s: self.frames[s] for s in serials if s in self.frames},
             peak_event=self.peak_event, before=self.before["device"])
 
-    def breakdown_at(self, event_index: int) -> dict[str, int]:
-        """Device bytes per category after event ``event_index`` (-1: at the start)."""
-        return self.trace().breakdown_at(event_index)
-
     def timeline(self, max_points: int = 2000) -> list[tuple[int, int]]:
         """(op index, live device bytes) through the run: :meth:`Trace.timeline` summed."""
         return [(op, sum(c.values())) for op, c in self.trace().timeline(max_points)]
