@@ -172,7 +172,9 @@ class Cell:
     ``namespace``: the globals the code runs in (a notebook's ``user_ns``; a function's
     own globals by default). ``backend``: "sim" (default: a simulated CUDA GPU, fast,
     touches nothing real), "cpu", "cuda" or "auto"; ``backend_options`` go to it
-    (``gpu=``, ``gpu_memory=``, ``session=``). ``defaults``: the baseline setting (a
+    (``gpu=``, ``gpu_memory=``, ``session=``; ``start_from=`` a notebook's simulated GPU
+    that every run starts from a copy of, for cells that use objects earlier simulated
+    cells left there). ``defaults``: the baseline setting (a
     :class:`Setting` or a dict of knob values; the magic line's options). ``isolated``
     (default): every run leaves the namespace's names as it found them (names the cell
     makes are removed afterwards); on a real backend the objects the cell works on are
@@ -320,12 +322,17 @@ class Cell:
         """(names, batch) of the namespace values the cell names that look like its batch:
         tensors (or tuples/lists/dicts of them) sharing the most common first dimension."""
         ns = self.namespace
+        start = self.backend_options.get("start_from")
+        sim = start.visible(ns) if start is not None else {}
+        if sim:  # outside a run: the simulated objects stand for their placeholders
+            ns = {**ns, **sim}
         firsts: Counter = Counter()
         cands: dict[str, list] = {}
         for name in sorted(self.names):
             if name.startswith("_") or name not in ns:
                 continue
-            ts = _batch_tensors(ns[name])
+            high = KNOBS["batch_size"].high or 0
+            ts = [t for t in _batch_tensors(ns[name]) if t.shape[0] <= high]
             if ts:
                 cands[name] = ts
                 firsts.update({t.shape[0] for t in ts})

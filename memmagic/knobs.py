@@ -199,6 +199,7 @@ class Applier:
         self._scaler_factory: Callable[[], Any] | None = None
         self._scaler = None
         self._on_leave_forward: list[Callable[[], None]] = []
+        self._before_step: list[Callable[[Any], None]] = []
 
     # -- the API knobs use ------------------------------------------------------------------
     def note(self, text: str) -> None:
@@ -219,6 +220,10 @@ class Applier:
         """Call ``fn(tensor)`` before each ``backward()``; it returns the tensor to
         differentiate (a GradScaler's scaled loss) or None to skip the backward."""
         self._on_backward.append(fn)
+
+    def before_step(self, fn: Callable[[Any], None]) -> None:
+        """Call ``fn(optimizer)`` before each optimizer step that runs."""
+        self._before_step.append(fn)
 
     def on_leave_forward(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` where a forward pass ends: at backward, at an optimizer step, and
@@ -406,6 +411,8 @@ def _gated_step(step: Callable, applier: Applier) -> Callable:
         if not all(g() for g in applier._gates):
             applier.steps_skipped += 1
             return None
+        for fn in applier._before_step:
+            fn(opt)
         scaler = applier._scaler
         if scaler is not None:
             scaler.unscale_(opt)
@@ -545,8 +552,27 @@ def _apply_weights(a: Applier, value: str | None) -> None:
         return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
                      and x.dtype != dtype else x for x in args)
 
+    def cast_state(opt):
+        # state an optimizer built before the conversion (an earlier cell's steps) follows
+        # its weights, as after optimizer.load_state_dict() of a converted model
+        cast = 0
+        for group in opt.param_groups:
+            for p in group["params"]:
+                st = opt.state.get(p)
+                if not isinstance(st, dict):
+                    continue
+                for k, v in list(st.items()):
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and \
+                            v.shape == p.shape and v.dtype != p.dtype:
+                        st[k] = v.to(p.dtype)
+                        cast += 1
+        if cast:
+            a.note(f"weights {value}: {cast} optimizer state tensors made before the "
+                   f"conversion were cast to {str(dtype).replace('torch.', '')} with them")
+
     a.at_call(convert)
     a.at_call(cast, every=True)
+    a.before_step(cast_state)
 
 
 def _apply_grad_mode(a: Applier, value: str) -> None:

@@ -73,3 +73,22 @@ def test_out_of_memory_after_releasing_cache():
     # the cache was released and retried, as CUDA does; the failed request is not recorded
     assert a.reserved == 16 * MiB and a.allocated == 16 * MiB and a.num_alloc_retries == 1
     assert (info.value.allocated, info.value.reserved, info.value.capacity) == (16 * MiB, 16 * MiB, 30 * MiB)
+
+
+def test_a_copy_has_the_same_blocks_under_new_keys_and_frees_the_rest():
+    a = CachingAllocatorModel(capacity=1 << 30)
+    for k, n in ((1, 3 << 20), (2, 1000), (3, 12 << 20), (4, 5000)):
+        a.malloc(k, n)
+    a.free(3)  # a cached free block
+    b = a.copy({1: 11, 2: 12})  # 4 is not copied: freed in the copy
+    assert b.reserved == a.reserved and b.segments == a.segments
+    assert b.allocated == a.allocated - a.size_of(4)
+    assert b.size_of(11) == a.size_of(1) and b.size_of(1) == 0 and b.size_of(4) == 0
+    la, lb = a.take_log(), b.take_log()
+    assert [s["address"] for s in la.segments] == [s["address"] for s in lb.segments]
+    # the copy and the original go on alike, apart from each other
+    assert a.malloc(5, 12 << 20) == b.malloc(5, 12 << 20) and a.reserved == b.reserved
+    b.free(11)
+    b.free(5)
+    assert a.size_of(1) > 0 and a.size_of(5) > 0
+    assert b.empty_cache() == 20 * MiB and b.reserved == a.reserved - 20 * MiB

@@ -248,3 +248,62 @@ def test_a_sandboxed_rerun_beside_the_notebooks_simulated_objects(ip):
     r = cell.run(batch_size=64)
     assert r.error is None and r.peak >= 64 * 256 * 4
     assert ip.user_ns["loss"] is placeholder and "x" not in ip.user_ns
+
+
+def _copy_run(nb: Notebook, src: str, **options):
+    """A what-if run: starts from a copy of the notebook's card, leaves the names alone."""
+    code = compile(textwrap.dedent(src), "<cell>", "exec")
+    backend = SimBackend(start_from=nb.session, **{**nb.options, **options})
+    saved = dict(nb.ns)
+    try:
+        return backend.execute(lambda n: exec(code, n), nb.ns)
+    finally:
+        nb.ns.clear()
+        nb.ns.update(saved)
+
+
+def test_a_run_on_a_copy_matches_a_run_on_the_card_and_leaves_it_alone():
+    nb = Notebook()
+    nb.sim(STUDENT[0])
+    nb.sim(STUDENT[1])
+    card = nb.session.card
+    held, reserved, names = card.live_bytes(), card.reserved_bytes(), sorted(card.shadow)
+    state = global_state()
+    copied = _copy_run(nb, STUDENT[1])
+    assert copied.error is None, copied.error
+    assert global_state() == state
+    assert nb.session.card is card and card.live_bytes() == held
+    assert card.reserved_bytes() == reserved and sorted(card.shadow) == names
+    on_card = nb.sim(STUDENT[1])  # the same cell on the notebook's card itself
+    for field in ("before", "peak", "after", "reserved_peak", "reserved_after"):
+        assert getattr(copied.report, field) == getattr(on_card.report, field), field
+    assert copied.report.breakdown == on_card.report.breakdown
+    assert nb.ns["allocated"] == on_card.report.after  # the real run's value, not the copy's
+
+
+def test_copies_leave_no_fake_behind():
+    nb = Notebook()
+    nb.sim(STUDENT[0])
+    nb.sim(STUDENT[1])
+    _copy_run(nb, STUDENT[1])
+    before = _fakes()
+    for _ in range(5):
+        assert _copy_run(nb, STUDENT[1]).error is None
+    assert _copy_run(nb, "big = torch.empty(2**40, device='cuda')").error is not None
+    assert not _fakes() - before
+    nb.session.reset()
+
+
+def test_a_copy_keeps_values_code_reads_and_the_allocator_cache():
+    nb = Notebook()
+    nb.sim(STUDENT[0])
+    nb.sim(STUDENT[1])
+    nb.sim("tmp = torch.empty(2**22, device='cuda')\ndel tmp")  # 16 MiB cached, not held
+    out = _copy_run(nb, "r = torch.cuda.memory_reserved()\na = torch.cuda.memory_allocated()\n"
+                        "steps = [int(s['step']) for s in opt.state.values()]\n"
+                        "w = tuple(model[0].weight.shape)\nassert steps == [3] * 8, steps\n"
+                        "assert w == (256, 256)\nassert model[0].weight.grad is not None")
+    assert out.error is None, out.error
+    assert out.report.before == nb.session.card.live_bytes()
+    assert out.report.reserved_peak == nb.session.card.reserved_bytes()
+    nb.session.reset()

@@ -169,3 +169,56 @@ def test_timeline_and_snapshot_options(ip, tmp_path, capsys):
                           "(x @ x).sum().backward()\n")
     assert r.error is None and path.stat().st_size > 0
     assert f"wrote {path}" in capsys.readouterr().out
+
+
+SIM_SETUP = """\
+from memmagic import zoo
+model, batch = zoo.build('mlp', 'cuda')
+opt = torch.optim.AdamW(model.parameters())
+"""
+SIM_STEP = "loss = model.loss(*batch)\nloss.backward()\nopt.step()\nopt.zero_grad()\n"
+
+
+def test_the_panel_uses_objects_earlier_simulated_cells_left(ip):
+    """A notebook on the simulated GPU: cell 1 builds the model there, cell 2 trains it;
+    the panel on cell 2 re-runs it from a copy of the card, never touching the notebook's."""
+    ip.run_cell_magic("gpumem", "--backend sim --gpu T4 -q", SIM_SETUP)
+    first = ip.run_cell_magic("gpumem", "--backend sim --gpu T4 -o -q --no-chart", SIM_STEP)
+    assert first.error is None, first.error
+    session = shell_session(ip)
+    held, reserved = session.card.live_bytes(), session.card.reserved_bytes()
+    names = sorted(session.card.shadow)
+    real = ip.run_cell_magic("gpumem", "--backend sim --gpu T4 -o -q --no-chart", SIM_STEP)
+    assert session.card.live_bytes() == held  # a second step holds what the first did
+    p = ip.run_cell_magic("gpumem", "--whatif --gpu T4 -o", SIM_STEP)
+    assert p.error is None, p.error
+    base = p.baseline_report
+    # the copy starts where the notebook's card is: the same before, peak and reserved as
+    # the cell's own run on that card
+    assert base.before == real.before == held
+    assert base.peak == real.peak and base.reserved_peak == real.reserved_peak
+    assert base.after == real.after and base.reserved_after == real.reserved_after
+    assert p.controls["batch_size"].value == 64  # the simulated batch's first dimension
+    p.set(batch_size=256)
+    assert p.error is None and p.report.peak > base.peak
+    p.set(batch_size=64, weights_dtype="bf16")  # the copy of the model is converted
+    assert p.error is None and p.report.peak < base.peak
+    # halved, but for 512-B rounding of the small biases
+    assert abs(p.report.breakdown["parameters"] * 2 - base.breakdown["parameters"]) <= 4096
+    assert any("optimizer state tensors made before the conversion" in n for n in p.report.notes)
+    # the notebook's card is as it was: its bytes, its cache, its names
+    assert session.card.live_bytes() == held and session.card.reserved_bytes() == reserved
+    assert sorted(session.card.shadow) == names
+    assert "loss" in ip.user_ns  # a placeholder of the real simulated cell's, kept
+    again = ip.run_cell_magic("gpumem", "--backend sim --gpu T4 -o -q --no-chart", SIM_STEP)
+    assert again.before == held and again.peak == real.peak
+
+
+def test_a_copy_of_the_simulated_gpu_that_no_longer_fits_says_so(ip):
+    ip.run_cell_magic("gpumem", "--backend sim --gpu A100-80GB -q",
+                      "import torch\nbig = torch.empty(20 * 2**30, dtype=torch.uint8, device='cuda')\n")
+    p = ip.run_cell_magic("gpumem", "--whatif --gpu A100-80GB -o",
+                          "y = big[:batch_size].float()\n" if False else "y = big.sum()\n")
+    assert p.error is None
+    p.set(gpu="T4")
+    assert p.error is not None and "do not fit on T4" in str(p.error)

@@ -254,6 +254,43 @@ class CachingAllocatorModel:
                         nb.next.prev = block
         self._insert_free(block)
 
+    def copy(self, rekey: dict) -> "CachingAllocatorModel":
+        """A copy with the same segments, blocks and addresses (no log): the block of each
+        key in ``rekey`` is held by ``rekey[key]`` in the copy; blocks of other keys are
+        freed there (cached, as a free would leave them)."""
+        new = CachingAllocatorModel(self.capacity)
+        new._next_addr = self._next_addr
+        new.allocated, new.reserved = self.allocated, self.reserved
+        new.allocated_peak, new.reserved_peak = self.allocated, self.reserved
+        new.segments_peak = len(self._segments)
+        blocks: dict[int, _Block] = {}  # id(old block) -> its copy
+        for seg in self._segments:
+            s2 = _Segment(seg.addr, seg.size, seg.small, seg.blocks_in_use)
+            new._segments.append(s2)
+            prev, b = None, seg.head
+            while b is not None:
+                c = _Block(b.addr, b.size, s2, b.free, prev, None, b.requested, b.key)
+                if prev is None:
+                    s2.head = c
+                else:
+                    prev.next = c
+                blocks[id(b)] = prev = c
+                b = b.next
+        for small, lst in self._free.items():
+            new._free[small] = [(size, addr, blocks[id(b)]) for size, addr, b in lst]
+        unmapped = []
+        for key, b in self._live.items():
+            c = blocks[id(b)]
+            if key in rekey:
+                c.key = rekey[key]
+                new._live[c.key] = c
+            else:
+                new._live[key] = c
+                unmapped.append(key)
+        for key in unmapped:
+            new.free(key)
+        return new
+
     def size_of(self, key: object) -> int:
         block = self._live.get(key)
         return 0 if block is None else block.size

@@ -78,6 +78,10 @@ class SimBackend(Backend):
     keeps (its tensors and the names that hold them last until the next cell; see
     :mod:`.session`); without one, every run starts from an empty card and leaves the
     namespace as it found it (names the run made become placeholders).
+    ``start_from``: a SimSession whose simulated GPU each run starts from a *copy* of
+    (:meth:`~.session.Card.copy`: the objects earlier simulated cells left, their memory
+    and the allocator's cache), leaving the session as it was: what-if re-runs of a cell
+    that uses those objects.
     ``kernels="cpu"`` selects the CPU's kernels and defaults instead of CUDA's (the
     simulated device then behaves like the CPU: used to check the simulation against
     ``--backend cpu``). ``max_ops`` and ``max_seconds`` bound a run.
@@ -88,10 +92,11 @@ class SimBackend(Backend):
     def __init__(self, gpu: str | GPUSpec | None = None, gpu_memory: int | str | None = None,
                  kernels: str = "cuda", max_ops: int = 2_000_000, max_seconds: float = 120.0,
                  op_cache: bool = True, session: SimSession | None = None,
-                 **options: Any) -> None:
+                 start_from: SimSession | None = None, **options: Any) -> None:
         if options:
             raise TypeError(f"the sim backend takes gpu=, gpu_memory=, kernels=, max_ops=, "
-                            f"max_seconds=, op_cache=, session=; got {sorted(options)}")
+                            f"max_seconds=, op_cache=, session=, start_from=; "
+                            f"got {sorted(options)}")
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, not {kernels!r}")
         if int(max_ops) <= 0 or float(max_seconds) <= 0:
@@ -103,8 +108,14 @@ class SimBackend(Backend):
         self.op_cache = bool(op_cache)
         if session is not None and not isinstance(session, SimSession):
             raise TypeError(f"session must be a SimSession, not {type(session).__name__}")
+        if start_from is not None and not isinstance(start_from, SimSession):
+            raise TypeError(f"start_from must be a SimSession, not {type(start_from).__name__}")
+        if session is not None and start_from is not None:
+            raise TypeError("give session= (run on the notebook's simulated GPU) or start_from= "
+                            "(run on a copy of it), not both")
         self.session = session
-        # ops, op-cache hits and misses of the last run (for tests and benchmarks)
+        self.start_from = start_from
+        # ops, op-cache hits, misses and passes (left to FakeTensorMode) of the last run
         self.last_run_stats: dict[str, int] = {}
 
     @property
@@ -135,18 +146,61 @@ class SimBackend(Backend):
                 "a simulated measurement cannot run inside another one (a measure(..., "
                 "backend='sim') or %%gpumem --backend sim in a simulated cell): measure the "
                 "inner code in a cell of its own")
+        copied = False
         if self.session is not None:
             card, session_notes = self.session.card_for(self.kernels, target, capability,
                                                         self.max_ops, self.max_seconds, entries)
             notes += session_notes
+        elif self.start_from is not None and self.start_from.card is not None \
+                and self.start_from.card.kernels == self.kernels:
+            card, copy_notes = self._copy_card(self.start_from.card, target)
+            notes += copy_notes
+            copied = True
         else:
             card = Card(self.kernels, target, capability, self.max_ops, self.max_seconds, entries)
+        # this frame outlives the call when a caller keeps the cell's error (its traceback's
+        # frames link back here): it must not hold the card
+        box = [card]
+        del card
+        return self._execute_on(box, run, namespace, notes, copied)
+
+    @staticmethod
+    def _copy_card(card: Card, target: GPUSpec | None) -> tuple[Card, list[str]]:
+        copy, notes = card.copy()
+        try:
+            note = copy.retarget(target)
+        except SimulationUnsupported:
+            copy.discard()
+            raise SimulationUnsupported(
+                f"the objects earlier simulated cells left on the simulated GPU "
+                f"({card.live_bytes():,} B) do not fit on {target.name if target else 'that card'}: "
+                "pick a larger card") from None
+        if note:
+            notes.append(f"the what-if run's copy of the notebook's simulated GPU: {note}")
+        return copy, notes
+
+    def _execute_on(self, box: list[Card], run: Callable[[dict], Any], namespace: dict,
+                    notes: list[str], copied: bool) -> Outcome:
+        """The run on ``box``'s card (a copy is discarded afterwards, in this frame: the
+        cell's error holds it, and whoever keeps the error clears it)."""
+        card = box.pop()
+        try:
+            return self._run_on(card, run, namespace, notes,
+                                card.shadow if (self.session is not None or copied) else None)
+        finally:
+            if copied:
+                card.discard()
+            del card
+
+    def _run_on(self, card: Card, run: Callable[[dict], Any], namespace: dict,
+                notes: list[str], shadow: dict | None) -> Outcome:
+        cuda = self.kernels == "cuda"
         state, tracker, fake_mode = card.state, card.tracker, card.fake_mode
         state.begin_run()
         tracker.rearm(self.max_ops, self.max_seconds)
         fast = card.op_cache(self.op_cache)
         tracker.fast = fast
-        hits0, misses0 = (fast.hits, fast.misses) if fast else (0, 0)
+        hits0, misses0, passes0 = (fast.hits, fast.misses, fast.passes) if fast else (0, 0, 0)
         tracking = _SimTracking(tracker, namespace)
         patches = Patches()
         libs: list = []
@@ -159,8 +213,7 @@ class SimBackend(Backend):
                 libs.append(policy[0])
 
         autocast = make_autocast_classes(cuda, install_policy)
-        sandbox = Sandbox(namespace, fake_mode, self._replacements(autocast),
-                          card.shadow if self.session is not None else None)
+        sandbox = Sandbox(namespace, fake_mode, self._replacements(autocast), shadow)
         saved_globals = _save_globals()
         value = error = shown = None
         sdpa = None
@@ -169,7 +222,7 @@ class SimBackend(Backend):
             try:
                 self._install(patches, libs, state, tracker, autocast, notes)
                 if cuda:
-                    k = install_cuda_kernels(patches, capability)
+                    k = install_cuda_kernels(patches, card.capability)
                     libs.append(k["library"])
                     sdpa = k["sdpa"]
                     if torch.is_autocast_enabled("cpu"):  # autocast already on: now
@@ -204,10 +257,11 @@ class SimBackend(Backend):
         if tracking.result is None:  # failed before the cell ran (the sandbox, the seed)
             assert error is not None
             raise error
-        value = sanitize_value(value, shown=shown, live=self.session is not None)
+        value = sanitize_value(value, shown=shown, live=shadow is not None)
         self.last_run_stats = {"ops": tracker.ops,
                                "cache_hits": fast.hits - hits0 if fast else 0,
-                               "cache_misses": fast.misses - misses0 if fast else 0}
+                               "cache_misses": fast.misses - misses0 if fast else 0,
+                               "cache_passes": fast.passes - passes0 if fast else 0}
         if self.session is not None and card.shadow:
             notes.append("the simulated GPU lasts the whole notebook: "
                          + ", ".join(sorted(card.shadow)) + " hold simulated objects for later "

@@ -31,6 +31,7 @@ from .device import SimState, SimTracker
 from .errors import SimulationUnsupported
 from .gpus import GPUSpec
 from .op_cache import FakeOutputCache
+from .patching import Patches
 from .workspaces import Workspaces
 
 __all__ = ["SimSession", "Card", "Shadow", "shell_session"]
@@ -101,6 +102,115 @@ class Card:
         now = target.name if target else "no target"
         return f"the simulated card changed from {was} to {now}: its tensors moved with it"
 
+    def copy(self) -> tuple["Card", list[str]]:
+        """A new card that starts where this one is: copies of the simulated objects the
+        notebook's names hold (same shapes, dtypes, devices, roles, ``.grad``, optimizer
+        state), at the same addresses of a copy of the allocator model (its cached free
+        blocks too), the same workspaces and default device. This card is left as it was.
+        Notes say what was not copied. Used for what-if re-runs of a notebook's cell."""
+        import copy as _copy
+
+        import torch
+
+        from ...tracking import Category
+
+        old = self.tracker
+        new = Card(self.kernels, self.target, self.capability, old.max_ops, old.max_seconds,
+                   self._entries)
+        new.fake_mode = self.fake_mode  # the copies are fakes of this mode
+        new.cells = self.cells
+        new.state.default_cuda = self.state.default_cuda
+        tr = new.tracker
+        tr.persistent = True
+        allocator, tr.allocator = tr.allocator, None  # the copy below replaces it
+        rekey: dict[int, int] = {}
+        bases: dict[int, Any] = {}   # storage key -> a tensor on the copy's storage
+        state = new.state
+
+        def copy_tensor(t: torch.Tensor, memo: dict) -> torch.Tensor:
+            if id(t) in memo:
+                return memo[id(t)]
+            if not _priv.is_fake(t):  # a real tensor a simulated object holds: as torch does
+                with torch.no_grad():
+                    out = t.clone()
+                memo[id(t)] = out
+                return out
+            skey = _priv.storage_key(t.untyped_storage())
+            entry = old._live.get(skey)
+            with self.fake_mode, torch.no_grad():
+                base = bases.get(skey)
+                if _priv.fake_constant(t) is not None:
+                    out = t.clone()  # keeps its constant (values real code reads)
+                    base = out
+                elif base is None or base.dtype != t.dtype:
+                    n = t.untyped_storage().nbytes() // t.element_size()
+                    base = torch.empty(n, dtype=t.dtype)
+                    out = base.as_strided(t.shape, t.stride(), t.storage_offset())
+                else:
+                    out = base.as_strided(t.shape, t.stride(), t.storage_offset())
+            if skey not in bases:
+                bases[skey] = base
+                if entry is not None:
+                    state.pending = entry.pool
+                    serial = tr.track(base, old.roles.get(entry.serial, Category.OTHER))
+                    if serial is not None:
+                        rekey[entry.serial] = serial
+            leaf = t.is_leaf
+            if t.requires_grad:  # a tensor with a graph becomes a leaf (see the notes)
+                out = out.detach().requires_grad_(True)
+            if isinstance(t, torch.nn.Parameter):
+                out = torch.nn.Parameter(out, t.requires_grad)
+            memo[id(t)] = out
+            if leaf and t.grad is not None:
+                out.grad = copy_tensor(t.grad, memo)
+            return out
+
+        names = {k: sh.value for k, sh in self.shadow.items()}
+        patches = Patches()
+        try:
+            patches.set(torch.Tensor, "__deepcopy__", copy_tensor)
+            patches.set(torch.nn.Parameter, "__deepcopy__", copy_tensor)
+            patches.set(_priv.FakeTensorMode, "__deepcopy__", _priv.fake_mode_deepcopy)
+            copies = _copy.deepcopy(names, {})
+        finally:
+            patches.restore()
+            state.pending = "host"
+            bases.clear()  # copy_tensor is in a reference cycle: it must not hold tensors
+        for key, sh in self.shadow.items():
+            new.shadow[key] = Shadow(sh.shown, copies[key])
+        # the workspaces torch keeps for the life of the GPU
+        if old.workspaces is not None:
+            tr.workspaces = _copy.copy(old.workspaces)
+            tr.workspaces.held = dict(old.workspaces.held)
+            for k, e in list(old._live.items()):
+                if k < 0 and e.pool == "device":
+                    tr._serial += 1
+                    e2 = type(e)(tr._serial, e.nbytes, "device")
+                    tr.pool_of[e2.serial] = "device"
+                    tr.roles[e2.serial] = Category.WORKSPACES
+                    tr._add(e2, e2.nbytes)
+                    tr._live[-e2.serial] = e2
+                    rekey[e.serial] = e2.serial
+        if allocator is not None and old.allocator is not None:
+            tr.allocator = old.allocator.copy(rekey)
+            tr._alloc_bytes = {rekey[s]: n for s, n in old._alloc_bytes.items() if s in rekey}
+            tr.cuda_reserved_peak = tr.allocator.reserved
+        notes = []
+        missing = old.current["device"] - tr.current["device"]
+        if missing > 0:
+            from ...report import format_bytes
+
+            notes.append(f"the what-if runs start from a copy of the notebook's simulated GPU; "
+                         f"{format_bytes(missing)} on it that no name reaches (autograd graphs "
+                         f"of earlier cells, objects held elsewhere) was not copied")
+        return new, notes
+
+    def discard(self) -> None:
+        """Drop a copy made by :meth:`copy` (its objects, and its tracker's listening)."""
+        self.shadow.clear()
+        self.tracker.persistent = False
+        self.tracker.close()
+
     def live_bytes(self) -> int:
         return self.tracker.current["device"]
 
@@ -152,6 +262,15 @@ class SimSession:
         card.tracker.close()
         self.resets += 1
         return held
+
+    def visible(self, namespace: dict) -> dict[str, Any]:
+        """name -> the simulated object a simulated cell gets for it (names that still show
+        what the last simulated cell left)."""
+        card = self.card
+        if card is None:
+            return {}
+        return {k: sh.value for k, sh in card.shadow.items()
+                if k in namespace and namespace[k] is sh.shown}
 
     def status(self) -> str:
         card = self.card
