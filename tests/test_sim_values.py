@@ -176,3 +176,30 @@ def test_values_a_known_operand_decides_and_fills_and_real_small_tensors():
     assert seen["decided"] == (True, False)
     assert seen["mixed"] == [False, False]            # placeholders
     assert seen["host"] is True and int(host.sum()) == 32
+
+
+def test_values_written_from_unknown_data_are_forgotten():
+    """A small buffer that starts as a known constant (Adam's zero moments, BatchNorm's
+    running stats) holds data-dependent values once an op writes data into it: reading it
+    gives a placeholder, as on a GPU it gives numbers the simulation cannot know, on every
+    run (also when the op cache or FakeTensorMode's own cache answers)."""
+    for _ in range(2):  # cold, then warm caches
+        seen = {}
+        out, _ = run("""
+            import torch, torch.nn as nn
+            model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).cuda()
+            opt = torch.optim.Adam(model.parameters())
+            loss = model(torch.randn(4, 8, device="cuda")).square().mean()
+            loss.backward()
+            opt.step()
+            bias = model[0].bias
+            seen["moment"] = opt.state[bias]["exp_avg_sq"].sum().item()
+            seen["steps"] = opt.state[bias]["step"].item()   # written from constants only
+            seen["mean"] = model[1].running_mean.sum().item()
+            seen["tracked"] = model[1].num_batches_tracked.item()
+        """, {"seen": Recorder(seen)})
+        assert out.error is None, out.error
+        assert type(seen["moment"]).__name__ == "SimulatedFloat"
+        assert type(seen["mean"]).__name__ == "SimulatedFloat"
+        assert seen["steps"] == 1.0 and type(seen["steps"]) is float
+        assert seen["tracked"] == 1 and type(seen["tracked"]) is int

@@ -62,6 +62,7 @@ _RNN_LAYER_BACKWARD = _aten.mkldnn_rnn_layer_backward.default
 _BATCH_NORMS = {_aten.native_batch_norm.default, _aten._native_batch_norm_legit.default,
                 _aten._native_batch_norm_legit_functional.default,
                 _aten._native_batch_norm_legit.no_stats}
+_BN_UPDATES = {_aten.native_batch_norm.default, _aten._native_batch_norm_legit.default}
 _HALF = (torch.float16, torch.bfloat16)
 _FOUND_INF_OPS = {_aten._amp_foreach_non_finite_check_and_unscale_.default}
 
@@ -355,6 +356,54 @@ def _drop_unfounded(args, kwargs, out) -> None:
                 return
 
 
+_WRITTEN: dict = {}
+
+
+def _written_args(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments ``func`` writes to, from its schema (cached)."""
+    w = _WRITTEN.get(func)
+    if w is None:
+        schema = _priv.op_schema(func)
+        w = tuple((i, p.name) for i, p in enumerate(schema.arguments if schema else ())
+                  if p.alias_info is not None and p.alias_info.is_write)
+        _WRITTEN[func] = w
+    return w
+
+
+def _drop_unfounded_in_place(func, args, kwargs) -> None:
+    """After an in-place op (``add_``, ``native_batch_norm``'s running stats,
+    ``_foreach_lerp_``): a written tensor keeps its values only when every tensor it was
+    computed from had values. FakeTensorMode forgets the constant of a tensor an op writes
+    to, but not of tensors inside a list argument (Adam's small moment buffers would stay
+    zeros forever), not on a hit of its own dispatch cache, and not when the op cache
+    answered instead of it."""
+    for i, name in _written_args(func):
+        target = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(target, torch.Tensor):
+            target = (target,)
+        elif not isinstance(target, (list, tuple)):
+            continue
+        if not any(getattr(t, "constant", None) is not None for t in target):
+            continue
+        lists, singles = [], []
+        for a in (*args, *kwargs.values()):
+            if a is target:
+                continue
+            if isinstance(a, (list, tuple)) and len(a) == len(target) and len(target) > 1:
+                lists.append(a)
+            elif isinstance(a, torch.Tensor):
+                singles.append(a)
+            elif isinstance(a, (list, tuple)):
+                singles.extend(t for t in a if isinstance(t, torch.Tensor))
+        unknown = any(_priv.is_fake(t) and t.constant is None for t in singles)
+        for j, t in enumerate(target):
+            if getattr(t, "constant", None) is None:
+                continue
+            if unknown or any(isinstance(lst[j], torch.Tensor) and _priv.is_fake(lst[j])
+                              and lst[j].constant is None for lst in lists):
+                _priv.drop_constant(t)
+
+
 def _absorbed(func, args, out):
     """``out`` with its values where one known operand decides them (all-True for or,
     all-False or zero for and/mul); ``out`` unchanged otherwise."""
@@ -410,9 +459,22 @@ def _fix_outputs(func, args, kwargs, out):
         if out[3] is out[4]:
             # the meta kernel returns one bias gradient twice; the real kernel returns two
             out = (*out[:4], torch.empty_like(out[3]), *out[5:])
-    elif out[1].dtype in _HALF:  # batch norms
-        # the CPU and CUDA kernels keep the saved mean/invstd in fp32 for half inputs
-        out = (out[0], *(o.new_empty(o.shape, dtype=torch.float32) for o in out[1:3]), *out[3:])
+    else:  # batch norms
+        if func in _BN_UPDATES and len(args) > 5 and args[5] is True:
+            # training updates the running stats (the schema does not say it writes them,
+            # so nothing else forgets their values)
+            for t in args[3:5]:
+                if isinstance(t, torch.Tensor):
+                    _priv.drop_constant(t)
+        if out[1].dtype in _HALF:
+            # the CPU and CUDA kernels keep the saved mean/invstd in fp32 for half inputs
+            out = (out[0], *(o.new_empty(o.shape, dtype=torch.float32) for o in out[1:3]),
+                   *out[3:])
+    # made below the simulation's dispatch: FakeTensorMode keeps new_empty of a tensor that
+    # carries a constant as a constant of uninitialized memory
+    for o in out:
+        if isinstance(o, torch.Tensor):
+            _priv.drop_constant(o)
     return out
 
 
@@ -849,6 +911,7 @@ class SimTracker(StorageTracker):
             self.log_op(name, args, kwargs)
             serial0 = self._serial
             if mutating:
+                _drop_unfounded_in_place(func, args, kwargs)
                 self._visit(out, True)
                 for a in args:
                     self._visit(a, True)

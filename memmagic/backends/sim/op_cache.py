@@ -42,7 +42,7 @@ class FakeOutputCache:
     SymInts, real tensors and any argument the key does not know.
     """
 
-    __slots__ = ("mode", "entries", "rules", "hits", "misses", "template")
+    __slots__ = ("mode", "entries", "rules", "hits", "misses", "passes", "template")
 
     def __init__(self, mode: FakeTensorMode, entries: dict | None = None) -> None:
         """``entries``: a dict to share between runs of one configuration (the entries
@@ -54,6 +54,7 @@ class FakeOutputCache:
         self.rules = _FAKE_CACHE_RULES  # func -> _fake_cache_rule(func)
         self.hits = 0
         self.misses = 0
+        self.passes = 0  # calls left to FakeTensorMode without a key (or a "bypass" entry)
         self.template = _fake_template(mode)
 
     def __call__(self, func, args, kwargs):
@@ -61,16 +62,21 @@ class FakeOutputCache:
         if rule == 0:
             rule = self.rules[func] = _fake_cache_rule(func)
         if rule is None:
+            self.passes += 1
             return func(*args, **kwargs)
         if rule == "lift":
             out = _fast_lift(self.mode, func, args, kwargs)
             if out is None:
+                self.passes += 1
                 return func(*args, **kwargs)
             self.hits += 1
             return out
         key = _fake_cache_key(func, args, kwargs)
         if key is None:
-            return func(*args, **kwargs)
+            key = _loose_cache_key(func, args, kwargs)
+            if key is None:
+                self.passes += 1
+                return func(*args, **kwargs)
         entry = self.entries.get(key)
         if entry is None:
             self.misses += 1
@@ -79,6 +85,7 @@ class FakeOutputCache:
             return out
         kind = entry[0]
         if kind == "bypass":
+            self.passes += 1
             return func(*args, **kwargs)
         self.hits += 1
         if kind == "one":
@@ -222,6 +229,51 @@ def _fake_cache_key(func, args, kwargs):
             append(k)
             append(p)
     return tuple(parts)
+
+
+def _loose_part(a, unknown: list):
+    """:func:`_fake_cache_part`, with tensors carrying a constant keyed by their metadata;
+    ``unknown`` gets True for each fake tensor without one."""
+    if isinstance(a, FakeTensor):
+        dtype = a.dtype
+        if dtype.is_complex or a.layout is not torch.strided:
+            return None
+        if a.constant is None:
+            unknown.append(True)
+            return (dtype, a.shape, a.stride(), a.storage_offset(), a.fake_device)
+        return (dtype, a.shape, a.stride(), a.storage_offset(), a.fake_device, "constant")
+    if a.__class__ is list or a.__class__ is tuple:
+        parts = []
+        for x in a:
+            p = _loose_part(x, unknown)
+            if p is None:
+                return None
+            parts.append(p)
+        return (a.__class__, tuple(parts))
+    return _fake_cache_part(a)
+
+
+def _loose_cache_key(func, args, kwargs):
+    """A key for an op whose inputs mix tensors carrying a constant with tensors of unknown
+    values (Adam's first ``_foreach_addcmul_`` on small zero-filled moments, the backward
+    seed of ``nll_loss_backward``): FakeTensorMode computes on constants only when every
+    input has one, so here it runs the meta kernel, whose outputs follow from metadata
+    alone (ops whose output sizes depend on values are never cached). None when no input
+    is of unknown value, or an argument is not keyed."""
+    unknown: list = []
+    parts = [func, torch.get_default_dtype(), torch.is_inference_mode_enabled(), "loose"]
+    for a in args:
+        p = _loose_part(a, unknown)
+        if p is None:
+            return None
+        parts.append(p)
+    for k, a in (kwargs or {}).items():
+        p = _loose_part(a, unknown)
+        if p is None:
+            return None
+        parts.append(k)
+        parts.append(p)
+    return tuple(parts) if unknown else None
 
 
 def _fake_meta(t, seen: set):
