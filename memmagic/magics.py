@@ -7,6 +7,7 @@ import ast
 import gc
 import re
 import sys
+import textwrap
 import traceback
 from dataclasses import replace
 from typing import Any, Iterator
@@ -324,10 +325,11 @@ class MemMagics(Magics):
                                                 spell=option_spelling)
             except (ValueError, TypeError) as exc:
                 raise UsageError(str(exc)) from None
-        if name == "sim" and persistent:
+        if name == "sim":
             from .backends.sim.session import shell_session
 
-            options["session"] = shell_session(self.shell)  # one simulated GPU per notebook
+            # one simulated GPU per notebook; what-if re-runs start from a copy of it
+            options["session" if persistent else "start_from"] = shell_session(self.shell)
         if real_cuda:
             if args.device is not None:
                 options["device"] = args.device
@@ -556,9 +558,9 @@ class MemMagics(Magics):
             return
         m = _REQUESTED.search(str(error))
         requested = m.group(1) if m else "an unknown amount"
-        print(
-            f"memmagic: out of memory on {report.device}: tried to allocate {requested} while "
-            f"{format_bytes(report.after)} of tensors were live (peak {format_bytes(report.peak)}). "
-            "The failed cell's local variables were released.",
-            file=sys.stderr,
-        )
+        text = (f"memmagic: out of memory on {report.device}: tried to allocate {requested} "
+                f"while {format_bytes(report.after)} of tensors were live (peak "
+                f"{format_bytes(report.peak)}). The failed cell's local variables were released.")
+        # short lines: front ends wrap a long stderr line anywhere, mid-word included
+        print(textwrap.fill(text, 78, break_long_words=False, break_on_hyphens=False),
+              file=sys.stderr)

@@ -22,8 +22,9 @@ __all__ = ["plot_breakdown", "breakdown_figure", "breakdown_chart", "plot_compar
            "plot_sweep", "plot_timeline", "timeline_figure", "timeline_chart", "figure_png",
            "Chart"]
 
-# Text, ticks and reference lines: a grey that reads on white and on a dark (#111) page.
-FG = "#8a8a8a"
+# Text, ticks and reference lines: the grey with the most contrast on both a white and a
+# dark (#111) page: 4.5:1 on white, 4.2:1 on #111 (#8a8a8a was 3.5:1 on white).
+FG = "#767676"
 # The card's capacity and what does not fit it: a red that reads on both backgrounds.
 ALERT = "#e0483e"
 # Light fills of the phases on the timeline (alpha applied when drawn).
@@ -69,7 +70,7 @@ def _theme(ax: "Axes") -> None:
 def _legend(ax: "Axes", handles: list, labels: list[str], **kw: Any) -> None:
     if not handles:
         return
-    opts = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False,
+    opts = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="medium", frameon=False,
                 labelcolor=FG)
     opts.update(kw)
     ax.legend(handles, labels, **opts)
@@ -94,7 +95,7 @@ def _capacity_handle(capacity: int, name: str | None) -> tuple[Any, str]:
     from matplotlib.lines import Line2D
 
     return (Line2D([], [], ls="none", marker="^", ms=7, color=ALERT),
-            f"{name or 'GPU'}: {format_bytes(capacity)} (above this scale)")
+            f"{name or 'GPU'}: {format_bytes(capacity)}\n(above this scale)")
 
 
 # -- the breakdown at the peak ---------------------------------------------------------------

@@ -29,6 +29,7 @@ INSTALL_HINT = ("the what-if panel needs ipywidgets 8: pip install 'ipywidgets>=
 _BATCH_RANGE = (1, 512)
 _ACCUM_RANGE = (1, 16)
 _CACHE = 32
+_LABEL_WIDTH = "12em"  # the column of knob names (the longest, "accumulation steps", on one line)
 _PANEL_DPI = 120  # the panel's charts: sharp enough, and fast to redraw
 
 
@@ -118,42 +119,58 @@ class WhatIfPanel:
         # hidden until a sweep has run (an empty Image shows as a broken-image icon)
         self.sweep_image = w.Image(format="png", layout=w.Layout(max_width="100%", display="none"))
         self.sweep_text = w.HTML()
-        rows = list(self.controls.values())
+        # one row per knob: its name in a right-aligned column, then the control, so that
+        # sliders, toggle buttons, checkboxes and menus line up
+        rows = [self._row(w, KNOBS[name].label, ctl) for name, ctl in self.controls.items()]
         if "batch_size" in self.controls:
-            rows.append(self.sweep_button)
+            rows.append(self._row(w, "", self.sweep_button))
         self.box = w.VBox([w.VBox(rows), self.status, self.image, self.text,
                            self.sweep_image, self.sweep_text])
         self._draw()
 
     # -- controls ---------------------------------------------------------------------------
+    @staticmethod
+    def _row(w, label: str, control):
+        name = w.HTML(f"<div class='memmagic-knob' style='text-align:right;padding-right:0.8em;"
+                      "white-space:nowrap;overflow:hidden;text-overflow:ellipsis;"
+                      f"line-height:var(--jp-widgets-inline-height, 28px)'>{html.escape(label)}"
+                      "</div>", layout=w.Layout(width=_LABEL_WIDTH, min_width=_LABEL_WIDTH))
+        row = w.HBox([name, control], layout=w.Layout(align_items="center"))
+        row.add_class("memmagic-row")
+        return row
+
     def _control(self, w, name: str):
         knob = KNOBS[name]
         value = getattr(self.baseline, name)
-        style = {"description_width": "11em"}
-        layout = w.Layout(width="auto")
-        common = dict(description=knob.label, style=style, layout=layout)
+        # the name is in the row's label column (see _row); the tooltip repeats it
+        common = dict(description="", tooltip=knob.label)
         if name == "batch_size":
             if value is None:
                 return None
             lo, hi = self.ranges.get(name, (min(_BATCH_RANGE[0], value), max(_BATCH_RANGE[1], 4 * value)))
             return w.SelectionSlider(options=_powers(lo, hi, value), value=value,
-                                     continuous_update=False, **common)
+                                     continuous_update=False, layout=w.Layout(width="30em"),
+                                     **common)
+        # wide enough for the longest choice ("inference_mode")
+        buttons = dict(style={"button_width": "9.5em"}, layout=w.Layout(width="auto"), **common)
         if name == "accum_steps":
             lo, hi = self.ranges.get(name, _ACCUM_RANGE)
-            return w.ToggleButtons(options=_powers(lo, hi, value), value=value, **common)
+            return w.ToggleButtons(options=_powers(lo, hi, value), value=value, **buttons)
         if knob.kind == "bool":
-            return w.Checkbox(value=bool(value), indent=False, **common)
+            return w.Checkbox(value=bool(value), indent=False, layout=w.Layout(width="auto"),
+                              **common)
+        menu = dict(layout=w.Layout(width="16em"), **common)
         if name == "gpu":
             from .backends.sim.gpus import GPUS
 
             opts = [("no card", _UNSET)] + [(g.name, g.name) for g in GPUS.values()]
-            return w.Dropdown(options=opts, value=_shown(value), **common)
+            return w.Dropdown(options=opts, value=_shown(value), **menu)
         opts = [(str(c), c) for c in knob.choices]
         if knob.default is None:
             opts.insert(0, ("as written" if name != "optimizer" else "as in the cell", _UNSET))
         if len(opts) <= 4:
-            return w.ToggleButtons(options=opts, value=_shown(value), **common)
-        return w.Dropdown(options=opts, value=_shown(value), **common)
+            return w.ToggleButtons(options=opts, value=_shown(value), **buttons)
+        return w.Dropdown(options=opts, value=_shown(value), **menu)
 
     def current(self) -> Setting:
         """The setting the controls show."""
@@ -231,10 +248,10 @@ class WhatIfPanel:
         from .plots import figure_png, plot_comparison
 
         reports = [self.baseline_report]
-        labels = [f"baseline\n{self.baseline.label()}"]
+        labels = [f"baseline\n{_wrap(self.baseline.label())}"]
         if self.setting != self.baseline:
             reports.append(self.report)
-            labels.append(f"now\n{self.setting.label()}")
+            labels.append(f"now\n{_wrap(self.setting.label())}")
         ax = plot_comparison(reports, labels, ax=_panel_axes())
         self.image.value = figure_png(ax.figure, dpi=_PANEL_DPI)
         self.text.value = self._html()
@@ -340,9 +357,18 @@ def _panel_axes():
     constrained layout costs more than the drawing itself (measured: 0.3 of 0.5 s)."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7.4, 3.2), dpi=_PANEL_DPI)
-    fig.subplots_adjust(left=0.09, right=0.64, bottom=0.17, top=0.96)
+    fig = Figure(figsize=(7.4, 3.6), dpi=_PANEL_DPI)
+    # room below for three lines of bar labels (see _wrap), right for the legend
+    fig.subplots_adjust(left=0.09, right=0.64, bottom=0.22, top=0.96)
     return fig.add_subplot()
+
+
+def _wrap(label: str, width: int = 24) -> str:
+    """A setting's label on lines of at most ``width`` characters, broken after commas (two
+    bars' labels side by side must not run into each other)."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(label, width, break_long_words=False)) or label
 
 
 def _short(text: str, n: int = 300) -> str:

@@ -498,8 +498,10 @@ class WhatIfPanelView:
         self.box.wait_for()
 
     def _control(self, css: str, label: str) -> Any:
-        return self.box.locator(css).filter(
-            has=self.page.locator(".widget-label, .widget-label-basic span", has_text=_exactly(label)))
+        """The control ``css`` in the panel's row named ``label`` (the row's name column)."""
+        row = self.box.locator(".memmagic-row").filter(
+            has=self.page.locator(".memmagic-knob", has_text=_exactly(label)))
+        return row.locator(css)
 
     def state(self) -> PanelState:
         """The rows and the chart's bytes as the browser holds them (the chart is the
