@@ -324,6 +324,8 @@ class Cell:
         ns = self.namespace
         start = self.backend_options.get("start_from")
         sim = start.visible(ns) if start is not None else {}
+        for name in self.backend_options.get("leave_out", ()):
+            sim.pop(name, None)  # not on the copy the runs start from
         if sim:  # outside a run: the simulated objects stand for their placeholders
             ns = {**ns, **sim}
         firsts: Counter = Counter()

@@ -371,12 +371,15 @@ class MemMagics(Magics):
         return values
 
     def _cell(self, source: str, run, args: argparse.Namespace, knobs: dict[str, Any], *,
-              isolated: bool):
-        """The what-if engine for this cell: the magic's knob options are its baseline."""
+              isolated: bool, leave_out: tuple[str, ...] = ()):
+        """The what-if engine for this cell: the magic's knob options are its baseline
+        (``leave_out``: names whose simulated objects its re-runs start without)."""
         from .cell import Cell
         from .knobs import KnobError, Setting
 
         name, options = self._backend_spec(args, persistent=not isolated)
+        if leave_out and "start_from" in options:
+            options["leave_out"] = leave_out
         defaults = dict(knobs)
         if isolated and name == "sim" and args.gpu and not args.gpu_memory:
             try:
@@ -523,7 +526,12 @@ class MemMagics(Magics):
                 if args.backend != "sim":  # rank on a simulated card of the real one's size
                     sim_args.backend, sim_args.gpu = "sim", None
                     sim_args.gpu_memory = self._real_card_memory(args)
-                cell = self._cell(source, run, sim_args, {}, isolated=True)
+                # rank the fixes from the state before the cell ran: what it bound before
+                # failing (a model it builds) stays out of the copy of the simulated GPU
+                from .cell import _names
+
+                cell = self._cell(source, run, sim_args, {}, isolated=True,
+                                  leave_out=tuple(sorted(_names(source)[1])))
             return doctor.advise(view, report=report, error=error, cell=cell,
                                  strategies=cell is not None,
                                  world_sizes=(2, 4, 8) if args.advise else ())

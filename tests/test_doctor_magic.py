@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from memmagic.backends.sim.session import shell_session
+
 LEAKY = """
 model = torch.nn.Linear(256, 256)
 epoch_loss = 0
@@ -56,3 +58,20 @@ def test_another_error_keeps_its_traceback_and_says_what_it_holds(ip):
     assert r.advice is not None and r.advice.failure is not None
     assert r.advice.failure.nbytes >= 4 << 20
     assert "free_traceback" in r.advice.failure.fix
+
+
+def test_fixes_of_a_simulated_oom_start_from_the_state_before_the_cell(ip):
+    """The failed cell bound ``x`` (64 MiB) before it ran out of memory: its fixes are ranked
+    from a copy of the notebook's simulated GPU without it (re-running the cell as it
+    is would hold the old ``x`` while making the new one), and smaller batches fit."""
+    ip.run_cell("batch_size = 16384")
+    ip.run_cell_magic("gpumem", "--backend sim --gpu-memory 96MiB -q",
+                      "model = torch.nn.Linear(1024, 1024).cuda()")
+    cell = ("x = torch.randn(batch_size, 1024, device='cuda')\n"
+            "model(x).relu().sum().backward()\n")
+    r = ip.run_cell_magic("gpumem", "--backend sim --gpu-memory 96MiB --no-raise -o -q", cell)
+    assert r.failed_request is not None
+    fits = [s for s in r.advice.strategies if s.fits]
+    assert fits and all("batch" in s.label for s in fits), [(s.label, s.fits) for s in r.advice.strategies]
+    session = shell_session(ip)
+    assert "x" in session.card.shadow and "model" in session.card.shadow  # the card is as it was

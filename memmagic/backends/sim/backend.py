@@ -6,7 +6,7 @@ import random
 import sys
 import traceback
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -81,7 +81,7 @@ class SimBackend(Backend):
     ``start_from``: a SimSession whose simulated GPU each run starts from a *copy* of
     (:meth:`~.session.Card.copy`: the objects earlier simulated cells left, their memory
     and the allocator's cache), leaving the session as it was: what-if re-runs of a cell
-    that uses those objects.
+    that uses those objects; ``leave_out`` names whose objects the copy leaves out.
     ``kernels="cpu"`` selects the CPU's kernels and defaults instead of CUDA's (the
     simulated device then behaves like the CPU: used to check the simulation against
     ``--backend cpu``). ``max_ops`` and ``max_seconds`` bound a run.
@@ -92,10 +92,11 @@ class SimBackend(Backend):
     def __init__(self, gpu: str | GPUSpec | None = None, gpu_memory: int | str | None = None,
                  kernels: str = "cuda", max_ops: int = 2_000_000, max_seconds: float = 120.0,
                  op_cache: bool = True, session: SimSession | None = None,
-                 start_from: SimSession | None = None, **options: Any) -> None:
+                 start_from: SimSession | None = None, leave_out: Iterable[str] = (),
+                 **options: Any) -> None:
         if options:
             raise TypeError(f"the sim backend takes gpu=, gpu_memory=, kernels=, max_ops=, "
-                            f"max_seconds=, op_cache=, session=, start_from=; "
+                            f"max_seconds=, op_cache=, session=, start_from=, leave_out=; "
                             f"got {sorted(options)}")
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, not {kernels!r}")
@@ -115,6 +116,7 @@ class SimBackend(Backend):
                             "(run on a copy of it), not both")
         self.session = session
         self.start_from = start_from
+        self.leave_out = frozenset(leave_out)
         # ops, op-cache hits, misses and passes (left to FakeTensorMode) of the last run
         self.last_run_stats: dict[str, int] = {}
 
@@ -153,7 +155,7 @@ class SimBackend(Backend):
             notes += session_notes
         elif self.start_from is not None and self.start_from.card is not None \
                 and self.start_from.card.kernels == self.kernels:
-            card, copy_notes = self._copy_card(self.start_from.card, target)
+            card, copy_notes = self._copy_card(self.start_from.card, target, self.leave_out)
             notes += copy_notes
             copied = True
         else:
@@ -165,8 +167,9 @@ class SimBackend(Backend):
         return self._execute_on(box, run, namespace, notes, copied)
 
     @staticmethod
-    def _copy_card(card: Card, target: GPUSpec | None) -> tuple[Card, list[str]]:
-        copy, notes = card.copy()
+    def _copy_card(card: Card, target: GPUSpec | None,
+                   leave_out: frozenset[str]) -> tuple[Card, list[str]]:
+        copy, notes = card.copy(leave_out)
         try:
             note = copy.retarget(target)
         except SimulationUnsupported:

@@ -102,12 +102,14 @@ class Card:
         now = target.name if target else "no target"
         return f"the simulated card changed from {was} to {now}: its tensors moved with it"
 
-    def copy(self) -> tuple["Card", list[str]]:
+    def copy(self, leave_out: frozenset[str] = frozenset()) -> tuple["Card", list[str]]:
         """A new card that starts where this one is: copies of the simulated objects the
         notebook's names hold (same shapes, dtypes, devices, roles, ``.grad``, optimizer
         state), at the same addresses of a copy of the allocator model (its cached free
         blocks too), the same workspaces and default device. This card is left as it was.
-        Notes say what was not copied. Used for what-if re-runs of a notebook's cell."""
+        Notes say what was not copied. Used for what-if re-runs of a notebook's cell.
+        ``leave_out``: names whose objects are not copied (what a failed cell bound before it
+        failed, when its fixes are ranked from the state before it ran)."""
         import copy as _copy
 
         import torch
@@ -165,7 +167,7 @@ class Card:
                 out.grad = copy_tensor(t.grad, memo)
             return out
 
-        names = {k: sh.value for k, sh in self.shadow.items()}
+        names = {k: sh.value for k, sh in self.shadow.items() if k not in leave_out}
         patches = Patches()
         try:
             patches.set(torch.Tensor, "__deepcopy__", copy_tensor)
@@ -177,7 +179,8 @@ class Card:
             state.pending = "host"
             bases.clear()  # copy_tensor is in a reference cycle: it must not hold tensors
         for key, sh in self.shadow.items():
-            new.shadow[key] = Shadow(sh.shown, copies[key])
+            if key in copies:
+                new.shadow[key] = Shadow(sh.shown, copies[key])
         # the workspaces torch keeps for the life of the GPU
         if old.workspaces is not None:
             tr.workspaces = _copy.copy(old.workspaces)
@@ -192,12 +195,27 @@ class Card:
                     tr._live[-e2.serial] = e2
                     rekey[e.serial] = e2.serial
         if allocator is not None and old.allocator is not None:
-            tr.allocator = old.allocator.copy(rekey)
-            tr._alloc_bytes = {rekey[s]: n for s, n in old._alloc_bytes.items() if s in rekey}
+            alloc_bytes = {rekey[s]: n for s, n in old._alloc_bytes.items() if s in rekey}
+            if leave_out:
+                # the state before a failed cell: its blocks packed afresh, not the cache
+                # (and fragmentation) its failed run left
+                for serial in sorted(alloc_bytes):
+                    allocator.malloc(serial, alloc_bytes[serial])
+                tr.allocator = allocator
+            else:
+                tr.allocator = old.allocator.copy(rekey)
+            tr._alloc_bytes = alloc_bytes
             tr.cuda_reserved_peak = tr.allocator.reserved
         notes = []
         missing = old.current["device"] - tr.current["device"]
-        if missing > 0:
+        if missing > 0 and leave_out & set(self.shadow):
+            from ...report import format_bytes
+
+            notes.append(f"the re-runs start from a copy of the notebook's simulated GPU without "
+                         f"what {', '.join(sorted(leave_out & set(self.shadow)))} held "
+                         f"({format_bytes(missing)} with anything no name reaches): the state "
+                         "before the failed cell bound them")
+        elif missing > 0:
             from ...report import format_bytes
 
             notes.append(f"the what-if runs start from a copy of the notebook's simulated GPU; "
