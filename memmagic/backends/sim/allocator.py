@@ -264,9 +264,10 @@ class CachingAllocatorModel:
         new.allocated_peak, new.reserved_peak = self.allocated, self.reserved
         new.segments_peak = len(self._segments)
         blocks: dict[int, _Block] = {}  # id(old block) -> its copy
+        segments: list[_Segment] = []
         for seg in self._segments:
             s2 = _Segment(seg.addr, seg.size, seg.small, seg.blocks_in_use)
-            new._segments.append(s2)
+            segments.append(s2)
             prev, b = None, seg.head
             while b is not None:
                 c = _Block(b.addr, b.size, s2, b.free, prev, None, b.requested, b.key)
@@ -276,6 +277,7 @@ class CachingAllocatorModel:
                     prev.next = c
                 blocks[id(b)] = prev = c
                 b = b.next
+        new._adopt(segments)
         for small, lst in self._free.items():
             new._free[small] = [(size, addr, blocks[id(b)]) for size, addr, b in lst]
         unmapped = []
@@ -290,6 +292,9 @@ class CachingAllocatorModel:
         for key in unmapped:
             new.free(key)
         return new
+
+    def _adopt(self, segments: list[_Segment]) -> None:
+        self._segments = segments
 
     def size_of(self, key: object) -> int:
         block = self._live.get(key)
