@@ -288,6 +288,25 @@ __all__ += [
 ]
 
 
+def profiler_entry_slots() -> list[tuple[type, str]]:
+    """(class, method) pairs through which every torch profiler starts: ``with
+    torch.profiler.profile(...)``, ``prof.start()`` (its private base class
+    ``_KinetoProfile`` too) and the legacy ``torch.autograd.profiler.profile``."""
+    import torch.autograd.profiler as legacy
+    import torch.profiler.profiler as prof
+
+    return [(prof.profile, "start"), (prof._KinetoProfile, "start"),
+            (legacy.profile, "__enter__")]
+
+
+def data_parallel_stream_cache() -> tuple[Any, str] | None:
+    """(module, name) of the global list in which ``nn.DataParallel``'s scatter keeps one
+    stream per device (``torch.nn.parallel._functions._streams``), or None."""
+    import torch.nn.parallel._functions as parallel_functions
+
+    return (parallel_functions, "_streams") if hasattr(parallel_functions, "_streams") else None
+
+
 def is_fake(t: object) -> bool:
     """Whether ``t`` is a FakeTensor (a tensor with metadata but no data)."""
     return isinstance(t, FakeTensor)
@@ -421,6 +440,17 @@ def constant_numel_limit_holder():
     from torch._subclasses import fake_tensor
 
     return fake_tensor, "CONSTANT_NUMEL_LIMIT"
+
+
+def adopt_constant(t: torch.Tensor, source: object) -> None:
+    """After ``t.data = source``: ``t`` holds ``source``'s values, so it carries
+    ``source``'s constant (or none). FakeTensorMode keeps the constant on the Python object,
+    which ``.data =`` does not touch: a CPU parameter moved with ``module.to("cuda",
+    torch.bfloat16)`` kept its float32 constant, and ops computed on it (``detach`` in a
+    checkpoint's saved-tensor hook) came out float32."""
+    if getattr(t, "constant", None) is None:
+        return
+    t.constant = getattr(source, "constant", None) if is_fake(source) else None
 
 
 def drop_constant(t: torch.Tensor) -> None:

@@ -337,7 +337,11 @@ class MemoryReport:
         parts = [f"allocated {format_bytes(self.after)}",
                  f"peak {format_bytes(self.peak)} in this cell"]
         if self.reserved_peak is not None:
-            parts.append(f"reserved {format_bytes(self.reserved_peak)}")
+            now = self.reserved_after if self.reserved_after is not None else self.reserved_peak
+            text = f"reserved {format_bytes(now)}"
+            if self.reserved_peak > now:  # empty_cache() (or an OOM's retry) released some
+                text += f" (peak {format_bytes(self.reserved_peak)})"
+            parts.append(text)
         if self.fits is not None:
             verdict = "fits" if self.fits else "DOES NOT FIT"
             parts.append(f"{verdict} {self.gpu_name or 'GPU'} ({format_bytes(self.gpu_memory)})")

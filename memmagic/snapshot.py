@@ -37,7 +37,8 @@ from .report import Category, MemoryReport
 if TYPE_CHECKING:
     from .trace import Storage, Trace
 
-__all__ = ["snapshot_dict", "write_snapshot", "BUMP_BASE", "BUMP_ALIGN"]
+__all__ = ["snapshot_dict", "write_snapshot", "allocator_history", "allocator_segments",
+           "BUMP_BASE", "BUMP_ALIGN"]
 
 BUMP_BASE = 0x7F00_0000_0000  # first address of the cpu writer's bump allocator
 BUMP_ALIGN = 512
@@ -75,6 +76,18 @@ def write_snapshot(report: MemoryReport, path: str | Path) -> Path:
     with open(path, "wb") as f:
         pickle.dump(data, f, protocol=PICKLE_PROTOCOL)
     return path
+
+
+def allocator_history(trace: "Trace", log_entries: list[dict]) -> list[dict]:
+    """memory_viz ``device_traces`` entries of the simulated allocator's log entries
+    (:class:`~memmagic.backends.sim.allocator.AllocatorLog`), framed from ``trace``: what a
+    simulated ``torch.cuda.memory._snapshot()`` returns as its history."""
+    return _Writer(trace).history(log_entries)
+
+
+def allocator_segments(trace: "Trace", log_segments: list[dict]) -> list[dict]:
+    """memory_viz ``segments`` of the simulated allocator's segments, framed from ``trace``."""
+    return _Writer(trace).segments(log_segments)
 
 
 class _Writer:
@@ -133,18 +146,23 @@ class _Writer:
 
     # -- sim: the caching allocator model's own history ------------------------------------
     def from_allocator_log(self, log: Any) -> dict[str, Any]:
+        entries = self.history(log.entries)
+        # history sizes are the bytes asked for, as torch records them; the marker holds
+        # what the blocks hold now (rounded sizes)
+        held = sum(b["size"] for seg in log.segments for b in seg["blocks"] if b["allocated"])
+        self._snapshot_entry(entries, held - self.trace.before)
+        return {"segments": self.segments(log.segments), "device_traces": [entries]}
+
+    def history(self, log_entries: list[dict]) -> list[dict]:
+        """The memory_viz trace entries of the allocator model's log entries."""
         entries: list[dict] = []
-        live = 0
-        for e in log.entries:
+        for e in log_entries:
             action, op, key = e["action"], e.get("op"), e.get("key")
             if action == "alloc":
-                live += e["size"]
                 frames = self.made_frames(key) if self._made_by(key, op) else self.op_frame(op)
                 entries.append({"action": action, "addr": e["addr"], "size": e["size"],
                                 "stream": 0, "frames": frames, "category": self.category(key)})
             elif action in ("free_requested", "free_completed"):
-                if action == "free_completed":
-                    live -= e["size"]
                 entries.append({"action": action, "addr": e["addr"], "size": e["size"],
                                 "stream": 0, "frames": self.op_frame(op, freed=True),
                                 "category": self.category(key)})
@@ -154,9 +172,12 @@ class _Writer:
             elif action == "oom":
                 entries.append({"action": "oom", "size": e["size"], "stream": 0,
                                 "device_free": e["device_free"], "frames": self.op_frame(op)})
-        self._snapshot_entry(entries, live)
+        return entries
+
+    def segments(self, log_segments: list[dict]) -> list[dict]:
+        """The memory_viz segments of the allocator model's segments and blocks."""
         segments = []
-        for seg in log.segments:
+        for seg in log_segments:
             blocks = []
             for b in seg["blocks"]:
                 if b["allocated"]:
@@ -167,7 +188,7 @@ class _Writer:
                     blocks.append({"address": b["address"], "size": b["size"],
                                    "requested_size": 0, "state": "inactive", "frames": []})
             segments.append(_segment(seg["address"], seg["total_size"], seg["small"], blocks))
-        return {"segments": segments, "device_traces": [entries]}
+        return segments
 
     def _made_by(self, key: object, op: int | None) -> bool:
         """Whether op ``op`` is the one that made storage ``key`` (a storage resized later

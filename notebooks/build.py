@@ -1754,13 +1754,18 @@ NOTEBOOKS["11_caching_allocator.ipynb"] = [
         On a real GPU, `torch.cuda.memory_summary()` prints a table of allocated, active and
         reserved memory, split into the small and large pools, with counts of allocations,
         frees, segments and allocation retries (a retry means the allocator had to free its
-        cache to satisfy a request: a sign you are close to the limit). The simulated GPU
-        answers with a one-line summary, and `memory_stats()` with the main counters:
+        cache to satisfy a request: a sign you are close to the limit). On the simulated GPU
+        it is the same table: torch's own code prints it from `memory_stats()`, which the
+        simulated allocator keeps under the same keys. "Non-releasable memory" is the free
+        space inside segments that still hold a live block: `empty_cache()` cannot give it
+        back, and it is what fragmentation costs:
     """),
     code("""
         %%gpumem --backend sim --gpu T4 -q
-        print(torch.cuda.memory_summary())
-        print({k: format_bytes(v) for k, v in torch.cuda.memory_stats().items() if k.startswith("reserved")})
+        print(torch.cuda.memory_summary(abbreviated=True))
+        stats = torch.cuda.memory_stats()
+        print("non-releasable:", format_bytes(stats["inactive_split_bytes.all.current"]),
+              "| cudaMalloc retries:", stats["num_alloc_retries"])
     """),
     md("**GPU only.** The real table (a CPU-only runner skips it):"),
     code("""

@@ -165,6 +165,40 @@ def _timeline(md, code, setup) -> list:
             print("kinds of event:", sorted({e['action'] for e in events}))
         """),
         md("""
+            PyTorch's own snippet for this also runs as written on the simulated GPU: there
+            `_record_memory_history()` and `_dump_snapshot()` record and write the simulated
+            allocator's history (and `memory_summary()`, `memory_stats()` read its counters):
+        """),
+        code("""
+            %%gpumem --backend sim --gpu T4 -q
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            model, _ = zoo.build("transformer", device="cuda")
+            opt = torch.optim.AdamW(model.parameters())
+            tokens = torch.randint(0, 1000, (8, 128), device="cuda")
+            model.loss(tokens, tokens).backward()
+            opt.step()
+            torch.cuda.memory._dump_snapshot("snippet_step.pickle")
+            torch.cuda.memory._record_memory_history(None)
+        """),
+        code("""
+            import pickle
+            with open("snippet_step.pickle", "rb") as f:
+                snippet = pickle.load(f)
+            def allocations(s):
+                return sum(e["action"] == "alloc" for e in s["device_traces"][0])
+            print("allocations recorded by the snippet:", allocations(snippet))
+            print("allocations in memmagic's file:     ", allocations(snap))
+            workspaces = sum(e["action"] == "alloc" and e.get("category") == "workspaces"
+                             for e in snap["device_traces"][0])
+            print("of which cuBLAS workspaces:         ", workspaces)
+        """),
+        md("""
+            The same step, the same allocations, but for the cuBLAS workspaces: the first
+            cell on this simulated GPU made them (the main thread's cuBLAS and cuBLASLt
+            workspaces and the backward thread's), and as on a GPU they stay for the life of
+            the process, so the second run did not allocate them again.
+        """),
+        md("""
             Drag `transformer_step.pickle` onto https://pytorch.org/memory_viz ("Active Memory
             Timeline"). Each allocation's "stack" says the module, the phase and the op that
             made it. The viewer and memmagic's timeline draw the same history:

@@ -366,8 +366,8 @@ def test_tolist_numpy_and_print():
 
 # -- requirement 6: clear errors, never a crash --------------------------------------------------------
 @pytest.mark.parametrize("line", [
-    "e = torch.cuda.Event(enable_timing=True)",
-    "s = torch.cuda.Stream()",
+    "g = torch.cuda.CUDAGraph()",
+    "p = torch.cuda.MemPool()",
     "g = torch.Generator(device='cuda')",
     "i = torch.nonzero(torch.randn(3, device='cuda'))",
 ])

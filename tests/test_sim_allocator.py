@@ -92,3 +92,80 @@ def test_a_copy_has_the_same_blocks_under_new_keys_and_frees_the_rest():
     b.free(5)
     assert a.size_of(1) > 0 and a.size_of(5) > 0
     assert b.empty_cache() == 20 * MiB and b.reserved == a.reserved - 20 * MiB
+
+
+def _scan(a: CachingAllocatorModel) -> dict[str, int]:
+    """The current statistics recounted from the segments and blocks."""
+    out = dict.fromkeys(("allocation", "allocated_bytes", "requested_bytes", "segment",
+                         "reserved_bytes", "inactive_split", "inactive_split_bytes"), 0)
+    for seg in a.take_log(keep_logging=a.logging).segments:
+        out["segment"] += 1
+        out["reserved_bytes"] += seg["total_size"]
+        for b in seg["blocks"]:
+            if b["allocated"]:
+                out["allocation"] += 1
+                out["allocated_bytes"] += b["size"]
+                out["requested_bytes"] += b["requested"]
+            elif len(seg["blocks"]) > 1:
+                out["inactive_split"] += 1
+                out["inactive_split_bytes"] += b["size"]
+    return out
+
+
+def test_memory_stats_follow_the_blocks():
+    import random
+
+    rng = random.Random(0)
+    a = CachingAllocatorModel(capacity=256 << 20)
+    live: list[int] = []
+    for key in range(3000):
+        if live and rng.random() < 0.45:
+            a.free(live.pop(rng.randrange(len(live))))
+        else:
+            n = rng.choice((rng.randrange(1, 4096), rng.randrange(1, 2 << 20), rng.randrange(1, 40 << 20)))
+            try:
+                a.malloc(key, n)
+                live.append(key)
+            except AllocatorFull:
+                pass
+        if key % 500 == 0:
+            a.empty_cache()
+        stats = a.memory_stats()
+        scan = _scan(a)
+        for name, v in scan.items():
+            assert stats[f"{name}.all.current"] == v, (key, name)
+            assert (stats[f"{name}.small_pool.current"] + stats[f"{name}.large_pool.current"]) == v
+            assert stats[f"{name}.all.allocated"] - stats[f"{name}.all.freed"] == v
+            assert stats[f"{name}.all.peak"] >= v
+    assert stats["active_bytes.all.current"] == stats["allocated_bytes.all.current"] == a.allocated
+    assert stats["reserved_bytes.all.current"] == a.reserved
+    assert stats["allocated_bytes.all.peak"] == a.allocated_peak
+    assert stats["num_alloc_retries"] == a.num_alloc_retries > 0 and stats["num_ooms"] > 0
+    assert stats["num_device_alloc"] - stats["num_device_free"] == a.segments
+    # a copy (the what-if runs' start) counts from the blocks it keeps
+    c = a.copy({k: ("copy", k) for k in live[::2]})
+    cs = c.memory_stats()
+    for name, v in _scan(c).items():
+        assert cs[f"{name}.all.current"] == v and cs[f"{name}.all.peak"] >= v, name
+
+
+def test_memory_stats_of_one_small_tensor_are_cudas():
+    # a 1000-byte tensor on a fresh GPU: one 512-multiple block in a new 2 MiB small-pool
+    # segment, the rest of the segment a split inactive block ("non-releasable")
+    a = CachingAllocatorModel()
+    a.malloc("t", 1000)
+    s = a.memory_stats()
+    assert s["allocated_bytes.small_pool.current"] == 1024 and s["requested_bytes.all.current"] == 1000
+    assert s["segment.small_pool.current"] == 1 and s["reserved_bytes.all.current"] == 2 << 20
+    assert s["inactive_split.small_pool.current"] == 1
+    assert s["inactive_split_bytes.all.current"] == (2 << 20) - 1024
+    a.free("t")
+    s = a.memory_stats()
+    assert s["allocation.all.current"] == 0 and s["allocation.all.freed"] == 1
+    assert s["inactive_split.all.current"] == 0 and s["inactive_split_bytes.all.peak"] == (2 << 20) - 1024
+    a.reset_peak_stats()
+    a.reset_accumulated_stats()
+    s = a.memory_stats()
+    assert s["allocated_bytes.all.peak"] == 0 and s["allocation.all.allocated"] == 0
+    assert s["reserved_bytes.all.peak"] == 2 << 20 and s["num_device_alloc"] == 0
+    assert list(s) == sorted(s) and s["max_split_size"] == -1

@@ -79,17 +79,17 @@ def test_unsupported_cuda_classes_are_classes_until_used():
         seen["hints"] = typing.get_type_hints(capture)
         seen["isinstance"] = (isinstance(3, torch.cuda.Stream), isinstance(None, (torch.cuda.Event, int)))
         seen["subclass"] = issubclass(MyGraph, torch.cuda.CUDAGraph)
-        seen["hasattr"] = hasattr(torch.cuda.Stream, "priority_range")
+        seen["hasattr"] = hasattr(torch.cuda.ExternalStream, "query")
         seen["capturing"] = torch.cuda.is_current_stream_capturing()
         errors = []
-        for make in (torch.cuda.Event, MyGraph, lambda: torch.cuda.Stream(priority=-1),
-                     lambda: torch.cuda.Stream.priority_range()):
+        for make in (torch.cuda.CUDAGraph, MyGraph, lambda: torch.cuda.MemPool(),
+                     lambda: torch.cuda.ExternalStream.query()):
             try:
                 make()
             except Exception as e:
                 errors.append((type(e).__name__, str(e)))
         seen["errors"] = errors
-        torch.cuda.Event(enable_timing=True)
+        torch.cuda.CUDAGraph()
     """, {"seen": Recorder(seen)})
     assert seen["union"] == typing.Optional[seen["union"].__args__[0]]
     assert seen["hints"]["g"].__args__[0].__name__ == "CUDAGraph"
@@ -99,13 +99,14 @@ def test_unsupported_cuda_classes_are_classes_until_used():
     assert kinds == ["SimulationUnsupported", "SimulationUnsupported", "SimulationUnsupported",
                      "_UnsupportedAttribute"]
     msgs = [m for _, m in seen["errors"]]
-    assert msgs[0].startswith("torch.cuda.Event cannot be simulated; ")
+    assert msgs[0].startswith("torch.cuda.CUDAGraph cannot be simulated; ")
     assert msgs[1].startswith("torch.cuda.CUDAGraph cannot be simulated")  # the subclass names its base
-    assert msgs[3].startswith("torch.cuda.Stream.priority_range cannot be simulated")
+    assert msgs[2].startswith("torch.cuda.MemPool cannot be simulated")
+    assert msgs[3].startswith("torch.cuda.ExternalStream.query cannot be simulated")
     assert all("\n" not in m for m in msgs)
     # the cell's own last line fails with the one-line error, naming the line
     assert isinstance(out.error, SimulationUnsupported)
-    assert "torch.cuda.Event cannot be simulated" in str(out.error)
+    assert "torch.cuda.CUDAGraph cannot be simulated" in str(out.error)
     assert str(out.error).startswith("line 26: ")
     assert compat_state() == before
 

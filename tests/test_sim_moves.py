@@ -124,3 +124,28 @@ def test_code_that_catches_the_oom_goes_on_like_on_a_gpu():
     out = SimBackend(gpu_memory="6GiB").execute(lambda ns: exec(src, ns), {})
     assert out.error is None, out.error
     assert out.report.peak == 4 << 30 and out.report.failed_request is None
+
+
+def test_a_caught_oom_frees_what_the_failed_frames_held():
+    # the doubling loop of the field's batch finders: the input of the batch that failed
+    # is only held by the error's traceback; once the handler ends it is freed and
+    # empty_cache() returns its block, as on a GPU (it stayed allocated to the cell's end).
+    # What stays: the weight and the cuBLAS workspace.
+    src = ("import torch\nbig = torch.nn.Linear(4096, 4096, bias=False).cuda()\nbs = 1\n"
+           "while True:\n"
+           "    try:\n"
+           "        out = big(torch.randn(bs * 1024, 4096, device='cuda'))\n"
+           "        del out\n        bs *= 2\n"
+           "    except torch.cuda.OutOfMemoryError:\n"
+           "        break\n"
+           "    finally:\n"
+           "        torch.cuda.empty_cache()\n"
+           # 256 x 1024 x 4096 fp32: a 4 GiB input fits beside the weight, its output not
+           "assert bs == 256, bs\n"
+           "assert torch.cuda.memory_allocated() < 100 * 2**20, torch.cuda.memory_allocated()\n"
+           "assert torch.cuda.memory_reserved() < 100 * 2**20, torch.cuda.memory_reserved()\n")
+    out = SimBackend(gpu_memory="6GiB").execute(lambda ns: exec(src, ns), {})
+    assert out.error is None, out.error
+    weight = 4096 * 4096 * 4
+    assert weight <= out.report.after < weight + (32 << 20), out.report.after
+    assert out.report.reserved_after < weight + (32 << 20), out.report.reserved_after

@@ -203,3 +203,48 @@ def test_values_written_from_unknown_data_are_forgotten():
         assert type(seen["mean"]).__name__ == "SimulatedFloat"
         assert seen["steps"] == 1.0 and type(seen["steps"]) is float
         assert seen["tracked"] == 1 and type(seen["tracked"]) is int
+
+
+def test_a_constant_follows_data_assignment():
+    """``module.to("cuda", torch.bfloat16)`` swaps each CPU parameter's data (``p.data =
+    new``): the parameter then holds the new values and dtype. A parameter made from a
+    constant (``torch.ones``, an RMSNorm weight) kept its float32 constant, so ops on it
+    alone came out float32: a checkpointed transformers Llama failed its recompute check
+    ("Recomputed values ... have different metadata")."""
+    seen = {}
+    out, _ = run("""
+        import torch, torch.nn as nn
+        from torch.utils.checkpoint import checkpoint
+        class Norm(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = nn.Parameter(torch.ones(64))
+            def forward(self, h):
+                return self.weight * h
+        norm = Norm().to("cuda", dtype=torch.bfloat16)
+        seen["detached"] = norm.weight.detach().dtype
+        seen["sum"] = norm.weight.sum().item()       # still known: 64 ones
+        x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        checkpoint(norm, x, use_reentrant=False).sum().backward()
+        w = torch.zeros(8)
+        w.data = torch.randn(8)                      # unknown values now
+        seen["unknown"] = w.sum().item()
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["detached"] == torch.bfloat16
+    assert seen["sum"] == 64.0 and type(seen["sum"]) is float
+    assert type(seen["unknown"]).__name__ == "SimulatedFloat"
+
+
+def test_adopt_constant_contract():
+    mode = priv.new_fake_mode()
+    with mode:
+        c = torch.empty(4)  # no values
+    a = priv.constant_fake(mode, torch.ones(4), c)
+    b = priv.constant_fake(mode, torch.zeros(4, dtype=torch.bfloat16), c)
+    a_const = priv.fake_constant(a)
+    assert a_const is not None and priv.fake_constant(b) is not None
+    priv.adopt_constant(a, b)
+    assert priv.fake_constant(a) is priv.fake_constant(b)
+    priv.adopt_constant(a, c)  # no values: none kept
+    assert priv.fake_constant(a) is None

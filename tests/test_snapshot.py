@@ -9,7 +9,7 @@ import torch
 from torch.cuda import _memory_viz
 
 from memmagic.api import measure
-from memmagic.backends.sim.allocator import CachingAllocatorModel
+from memmagic.backends.sim.allocator import CachingAllocatorModel, round_request
 from memmagic.report import MemoryReport
 from memmagic.snapshot import BUMP_BASE, snapshot_dict, write_snapshot
 
@@ -51,14 +51,17 @@ def events(snap):
     return snap["device_traces"][0]
 
 
-def replay(snap) -> list[int]:
-    """Live bytes after each history entry, relative to the start."""
+def replay(snap, blocks: bool = False) -> list[int]:
+    """Live bytes after each history entry, relative to the start. The history records
+    the bytes asked for, as torch's does; ``blocks``: count them as the caching
+    allocator's blocks hold them (rounded to 512 B)."""
+    size = round_request if blocks else int
     live, out = 0, []
     for e in events(snap):
         if e["action"] == "alloc":
-            live += e["size"]
+            live += size(e["size"])
         elif e["action"] == "free_completed":
-            live -= e["size"]
+            live -= size(e["size"])
         out.append(live)
     return out
 
@@ -81,10 +84,11 @@ def trace_allocs(trace) -> tuple[Counter, Counter]:
     return allocs, frees
 
 
-def snapshot_allocs(snap) -> tuple[Counter, Counter]:
-    allocs = Counter((e["frames"][0]["line"], e["size"]) for e in events(snap)
+def snapshot_allocs(snap, blocks: bool = False) -> tuple[Counter, Counter]:
+    size = round_request if blocks else int
+    allocs = Counter((e["frames"][0]["line"], size(e["size"])) for e in events(snap)
                      if e["action"] == "alloc")
-    frees = Counter((e["frames"][0]["line"], e["size"]) for e in events(snap)
+    frees = Counter((e["frames"][0]["line"], size(e["size"])) for e in events(snap)
                     if e["action"] == "free_completed")
     return allocs, frees
 
@@ -146,8 +150,10 @@ def test_sim_snapshot_opens_in_memory_viz(sim_report, tmp_path):
 
 def test_sim_history_is_the_allocator_models(sim_report):
     snap = snapshot_dict(sim_report)
-    assert snapshot_allocs(snap) == trace_allocs(sim_report.trace)
-    live = replay(snap)
+    assert snapshot_allocs(snap, blocks=True) == trace_allocs(sim_report.trace)
+    # sizes asked for, as torch records them: the last layer's bias is 40 B (a 512 B block)
+    assert 40 in {e["size"] for e in events(snap) if e["action"] == "alloc"}
+    live = replay(snap, blocks=True)
     assert max(live) == sim_report.peak - sim_report.before
     assert live[-1] == sim_report.after - sim_report.before
     # segments at the end are what the model reserves; every alloc lies in a segment
@@ -251,8 +257,8 @@ def test_each_cell_on_a_lasting_simulated_gpu_gets_its_own_history(ip):
     snap = snapshot_dict(second)
     acts = [(e["action"], e["size"]) for e in events(snap)]
     # only this cell's actions; x (an earlier cell's block) is in the segments, not the history
-    assert acts == [("segment_alloc", 12 * MiB), ("alloc", 12 * MiB), ("free_requested", 4096),
-                    ("free_completed", 4096), ("snapshot", second.after)]
+    assert acts == [("segment_alloc", 12 * MiB), ("alloc", 12 * MiB), ("free_requested", 4000),
+                    ("free_completed", 4000), ("snapshot", second.after)]
     held = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
     assert sorted(b["size"] for b in held) == [12 * MiB, 12 * MiB]
-    assert max(replay(snap)) == second.peak - second.before
+    assert max(replay(snap, blocks=True)) == second.peak - second.before

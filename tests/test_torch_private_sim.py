@@ -376,3 +376,33 @@ def test_drop_constant_forgets_the_values():
     priv.drop_constant(fake)
     assert priv.fake_constant(fake) is None
     priv.drop_constant(fake)  # no constant: nothing to do
+
+
+def test_profiler_entry_slots_are_where_profiling_starts():
+    import torch.profiler
+
+    slots = priv.profiler_entry_slots()
+    assert all(callable(getattr(cls, name)) for cls, name in slots)
+    started = []
+    saved = [(cls, name, cls.__dict__[name]) for cls, name in slots]
+    try:
+        for cls, name in slots:
+            setattr(cls, name, lambda *a, _n=f"{cls.__name__}.{name}", **k: started.append(_n))
+        for make in (torch.profiler.profile, torch.autograd.profiler.profile):
+            try:
+                with make():
+                    pass
+            except Exception:
+                pass  # the stubs start nothing: leaving the block may complain
+    finally:
+        for cls, name, value in saved:
+            setattr(cls, name, value)
+    assert "profile.start" in started and "profile.__enter__" in started
+
+
+def test_data_parallel_stream_cache_is_the_scatter_cache():
+    import torch.nn.parallel._functions as parallel_functions
+
+    module, name = priv.data_parallel_stream_cache()
+    assert module is parallel_functions and getattr(module, name) is None
+    assert "_streams" in parallel_functions._get_stream.__code__.co_names

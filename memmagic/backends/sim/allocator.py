@@ -24,6 +24,12 @@ the CUDA allocator's history records it (``torch.cuda.memory._record_memory_hist
 with the model's addresses; :meth:`~CachingAllocatorModel.take_log` returns them with
 the segments and blocks held at that moment (what ``torch.cuda.memory._snapshot()``
 calls "segments"). :mod:`memmagic.snapshot` writes both as a memory_viz snapshot.
+
+:meth:`~CachingAllocatorModel.memory_stats` keeps the allocator's own statistics under
+``torch.cuda.memory_stats()``'s names ("allocated_bytes.all.current",
+"inactive_split.small_pool.peak", "num_alloc_retries", ...), updated where
+``CUDACachingAllocator.cpp`` updates them, so ``torch.cuda.memory_summary()`` can print
+its table from them.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 __all__ = ["CachingAllocatorModel", "AllocatorLog", "round_request", "segment_size", "AllocatorFull",
+           "STAT_NAMES",
            "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER", "MIN_LARGE_ALLOC",
            "ROUND_LARGE"]
 
@@ -42,6 +49,24 @@ SMALL_BUFFER = 2 << 20          # kSmallBuffer: small-pool segment size
 LARGE_BUFFER = 20 << 20         # kLargeBuffer: segment size for requests below 10 MiB
 MIN_LARGE_ALLOC = 10 << 20      # kMinLargeAlloc
 ROUND_LARGE = 2 << 20           # kRoundLarge: larger segments round up to this
+
+
+# the per-pool statistics of torch.cuda.memory_stats(), each with current, peak, allocated
+# (sum of increases) and freed (sum of decreases) for the pools all, small_pool, large_pool
+STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
+              "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
+_POOLS = ("all", "small_pool", "large_pool")
+_FIELDS = ("current", "peak", "allocated", "freed")
+_EVENT_COUNTS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc",
+                 "num_device_free")
+# where each statistic's four fields start in a pool's row; with one stream "active"
+# blocks are the allocated ones, so active and active_bytes read allocation's fields
+_ALLOCATION, _ALLOCATED_BYTES, _REQUESTED, _SEGMENT, _RESERVED, _SPLIT, _SPLIT_BYTES = range(0, 28, 4)
+_ROW = 28
+_STAT_AT = {"allocation": _ALLOCATION, "active": _ALLOCATION, "allocated_bytes": _ALLOCATED_BYTES,
+            "active_bytes": _ALLOCATED_BYTES, "requested_bytes": _REQUESTED, "segment": _SEGMENT,
+            "reserved_bytes": _RESERVED, "inactive_split": _SPLIT,
+            "inactive_split_bytes": _SPLIT_BYTES}
 
 
 def round_request(nbytes: int) -> int:
@@ -131,6 +156,90 @@ class CachingAllocatorModel:
         self.num_alloc_retries = 0
         self._log: list[dict] | None = None
         self._clock: Callable[[], int] | None = None
+        # torch.cuda.memory_stats(): one row of ints per pool (all, small, large), each
+        # statistic's [current, peak, allocated, freed] at its offset (_STAT_AT)
+        self._rows: list[list[int]] = [[0] * _ROW for _ in _POOLS]
+        self._counts: dict[str, int] = dict.fromkeys(_EVENT_COUNTS, 0)
+
+    # -- torch.cuda.memory_stats() --------------------------------------------------------
+    # (on every malloc and free: kept to a few list operations)
+    def _bump(self, at: int, small: bool, delta: int) -> None:
+        rows = self._rows
+        for r in (rows[0], rows[1] if small else rows[2]):
+            v = r[at] + delta
+            r[at] = v
+            if delta > 0:
+                r[at + 2] += delta
+                if v > r[at + 1]:
+                    r[at + 1] = v
+            else:
+                r[at + 3] -= delta
+
+    def _count_block(self, small: bool, size: int, requested: int) -> None:
+        """A block of ``size`` bytes (``requested`` asked for) was handed out."""
+        rows = self._rows
+        for r in (rows[0], rows[1] if small else rows[2]):
+            v = r[0] + 1
+            r[0] = v
+            r[2] += 1
+            if v > r[1]:
+                r[1] = v
+            v = r[4] + size
+            r[4] = v
+            r[6] += size
+            if v > r[5]:
+                r[5] = v
+            v = r[8] + requested
+            r[8] = v
+            r[10] += requested
+            if v > r[9]:
+                r[9] = v
+
+    def _uncount_block(self, small: bool, size: int, requested: int) -> None:
+        rows = self._rows
+        for r in (rows[0], rows[1] if small else rows[2]):
+            r[0] -= 1
+            r[3] += 1
+            r[4] -= size
+            r[7] += size
+            r[8] -= requested
+            r[11] += requested
+
+    def _split_free(self, b: _Block, sign: int) -> None:
+        """Count ``b`` (free, in a segment of several blocks) in or out of inactive_split."""
+        small = b.segment.small
+        self._bump(_SPLIT, small, sign)
+        self._bump(_SPLIT_BYTES, small, sign * b.size)
+
+    def memory_stats(self) -> dict[str, int]:
+        """The model's statistics as ``torch.cuda.memory_stats()`` names them (sorted keys,
+        as torch returns them); "oversize_*" are 0 (no ``max_split_size_mb``)."""
+        out: dict[str, int] = {}
+        for name in STAT_NAMES:
+            at = _STAT_AT[name]
+            for pool, row in zip(_POOLS, self._rows):
+                for i, fld in enumerate(_FIELDS):
+                    out[f"{name}.{pool}.{fld}"] = row[at + i]
+        for name in ("oversize_allocations", "oversize_segments"):
+            for fld in _FIELDS:
+                out[f"{name}.{fld}"] = 0
+        out.update(self._counts)
+        out["max_split_size"] = -1
+        return dict(sorted(out.items()))
+
+    def reset_peak_stats(self) -> None:
+        """``torch.cuda.reset_peak_memory_stats()``: every peak becomes its current value."""
+        for row in self._rows:
+            for at in range(0, _ROW, 4):
+                row[at + 1] = row[at]
+
+    def reset_accumulated_stats(self) -> None:
+        """``torch.cuda.reset_accumulated_memory_stats()``: the allocated and freed sums and
+        the event counts start again from 0."""
+        for row in self._rows:
+            for at in range(0, _ROW, 4):
+                row[at + 2] = row[at + 3] = 0
+        self._counts = dict.fromkeys(_EVENT_COUNTS, 0)
 
     # -- history --------------------------------------------------------------------------
     def start_log(self, clock: Callable[[], int] | None = None) -> None:
@@ -187,23 +296,31 @@ class CachingAllocatorModel:
         del lst[i]
 
     # -- public -------------------------------------------------------------------------
-    def malloc(self, key: object, nbytes: int) -> int:
-        """Allocate ``nbytes`` for ``key``; return the rounded size handed out."""
+    def malloc(self, key: object, nbytes: int, requested: int | None = None) -> int:
+        """Allocate ``nbytes`` for ``key``; return the rounded size handed out.
+        ``requested``: the bytes the caller asked for when ``nbytes`` is already rounded
+        (what the history and "requested_bytes" record; ``nbytes`` by default)."""
         size = round_request(nbytes)
         if size == 0:
             return 0
+        if requested is None:
+            requested = nbytes
         small = size <= SMALL_SIZE
         lst = self._free[small]
         i = bisect.bisect_left(lst, (size, -1))
         if i < len(lst):
             block = lst[i][2]
             del lst[i]
+            if block.prev is not None or block.next is not None:
+                self._split_free(block, -1)
         else:
             seg_size = segment_size(size)
             if self.capacity is not None and self.reserved + seg_size > self.capacity:
                 self.empty_cache()
                 self.num_alloc_retries += 1
+                self._counts["num_alloc_retries"] += 1
                 if self.reserved + seg_size > self.capacity:
+                    self._counts["num_ooms"] += 1
                     if self._log is not None:
                         self._record("oom", None, nbytes,
                                      device_free=max(self.capacity - self.reserved, 0))
@@ -218,11 +335,13 @@ class CachingAllocatorModel:
             block.next = tail
             block.size = size
             self._insert_free(tail)
+            self._split_free(tail, 1)
         block.segment.blocks_in_use += 1
-        block.requested, block.key = nbytes, key
+        block.requested, block.key = requested, key
         self._live[key] = block
         if self._log is not None:
-            self._record("alloc", block.addr, nbytes, key)
+            self._record("alloc", block.addr, requested, key)
+        self._count_block(small, block.size, requested)
         self.allocated += block.size
         self.allocated_peak = max(self.allocated_peak, self.allocated)
         return block.size
@@ -235,12 +354,15 @@ class CachingAllocatorModel:
         if self._log is not None:
             self._record("free_requested", block.addr, block.requested, key)
             self._record("free_completed", block.addr, block.requested, key)
+        small = block.segment.small
+        self._uncount_block(small, block.size, block.requested)
         block.requested, block.key = 0, None
         self.allocated -= block.size
         block.segment.blocks_in_use -= 1
         for nb in (block.prev, block.next):  # merge with free neighbours
             if nb is not None and nb.free:
                 self._remove_free(nb)
+                self._split_free(nb, -1)
                 if nb is block.prev:
                     nb.size += block.size
                     nb.next = block.next
@@ -253,6 +375,8 @@ class CachingAllocatorModel:
                     if nb.next is not None:
                         nb.next.prev = block
         self._insert_free(block)
+        if block.prev is not None or block.next is not None:
+            self._split_free(block, 1)
 
     def copy(self, rekey: dict) -> "CachingAllocatorModel":
         """A copy with the same segments, blocks and addresses (no log): the block of each
@@ -278,6 +402,9 @@ class CachingAllocatorModel:
                 blocks[id(b)] = prev = c
                 b = b.next
         new._adopt(segments)
+        # the statistics as they stand now, peaks at their current values, no history
+        new._rows = [[row[at] if i < 2 else 0 for at in range(0, _ROW, 4) for i in range(4)]
+                     for row in self._rows]
         for small, lst in self._free.items():
             new._free[small] = [(size, addr, blocks[id(b)]) for size, addr, b in lst]
         unmapped = []
@@ -308,6 +435,9 @@ class CachingAllocatorModel:
             if seg.blocks_in_use == 0:
                 self._remove_free(seg.head)
                 released += seg.size
+                self._bump(_SEGMENT, seg.small, -1)
+                self._bump(_RESERVED, seg.small, -seg.size)
+                self._counts["num_device_free"] += 1
                 if self._log is not None:
                     self._record("segment_free", seg.addr, seg.size)
             else:
@@ -328,6 +458,9 @@ class CachingAllocatorModel:
         self._segments.append(seg)
         if self._log is not None:
             self._record("segment_alloc", seg.addr, seg_size)
+        self._bump(_SEGMENT, small, 1)
+        self._bump(_RESERVED, small, seg_size)
+        self._counts["num_device_alloc"] += 1
         self.reserved += seg_size
         self.reserved_peak = max(self.reserved_peak, self.reserved)
         self.segments_peak = max(self.segments_peak, len(self._segments))

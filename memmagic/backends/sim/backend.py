@@ -320,7 +320,7 @@ class SimBackend(Backend):
         patches.set(_priv.FakeTensorMode, "__deepcopy__", _priv.fake_mode_deepcopy)
         patches.set(torch, "set_default_device", set_default_device)
         patches.set(torch, "get_default_device", get_default_device)
-        install_cuda_api(patches, tracker, self.target, autocast)
+        install_cuda_api(patches, tracker, self.target, autocast, notes)
         from .compat import install_compat; install_compat(patches, notes, self.target)  # noqa: E702
 
         swap = torch.utils.swap_tensors

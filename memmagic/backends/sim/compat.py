@@ -20,6 +20,12 @@ Installed for one run and undone in ``finally`` (through :class:`.patching.Patch
 * **The card's size** comes from a default card when none is named, said in a note
   (:func:`.cuda_api.install_default_card_note`).
 * **cuDNN attention's switch** (``torch.backends.cuda.enable_cudnn_sdp``) is put back.
+* **torch.profiler is refused** with one line saying what to use instead: it would time
+  the simulator's fake ops (seconds of Python per step), see no CUDA memory, and flood
+  stderr with "CUDA used in profiler but not enabled".
+* **nn.DataParallel on the one simulated GPU**: its scatter of the inputs to cuda:0 is a
+  move to the simulated GPU (the CPU build has no ``torch._C._scatter``); with one
+  device DataParallel then calls the module itself, as it does on a one-GPU machine.
 
 Replacements stay correct if a reference to one outlives the run: outside a run each
 calls the function it replaced.
@@ -516,6 +522,29 @@ class _CudnnSDPSwitch:
         torch.backends.cuda.enable_cudnn_sdp(bool(value))
 
 
+PROFILER_REFUSED = (
+    "torch.profiler cannot profile a simulated GPU (it would time the simulator's fake ops "
+    "and see no CUDA memory): for the simulated GPU's memory op by op use %%gpumem "
+    "--timeline or report.trace; for the profiler's own memory columns run the cell with "
+    "--backend cpu, or on a GPU")
+
+
+def _refuse_profiler(*args: Any, **kwargs: Any) -> Any:
+    raise SimulationUnsupported(PROFILER_REFUSED)
+
+
+def _one_gpu_scatter(original: Callable) -> Callable:
+    """``torch.nn.parallel.comm.scatter`` onto the one simulated GPU: the whole tensor,
+    moved there (what ``_scatter`` does with one device: a copy when it is elsewhere)."""
+    def scatter(tensor, devices=None, chunk_sizes=None, dim=0, streams=None, *, out=None):
+        devs = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
+                for d in (devices or ())]
+        if out is None and len(devs) == 1 and devs[0].type == "cuda" and devs[0].index in (None, 0):
+            return (tensor.to("cuda"),)
+        return original(tensor, devices, chunk_sizes, dim, streams, out=out)
+    return scatter
+
+
 def install_compat(patches: Patches, notes: list[str], target: GPUSpec | None = None) -> None:
     """Install the adjustments for one simulated run (see the module's docstring); every
     one is undone by ``patches.restore()``. ``notes`` is the report's list of notes;
@@ -535,6 +564,14 @@ def install_compat(patches: Patches, notes: list[str], target: GPUSpec | None = 
         run.replaced.setdefault(id(original), (original, value))
         run.originals[id(value)] = original
         patches.set(mod, attr, value)
+    for cls, attr in _priv.profiler_entry_slots():
+        patches.set(cls, attr, _refuse_profiler)
+    import torch.nn.parallel.comm as comm
+
+    patches.set(comm, "scatter", _one_gpu_scatter(comm.scatter))
+    cache = _priv.data_parallel_stream_cache()
+    if cache is not None:  # the streams it caches in the run are not kept past it
+        patches.set(cache[0], cache[1], getattr(*cache))
     for mod_name, attr, make in _TARGETS:
         module = sys.modules.get(mod_name)
         if module is not None:

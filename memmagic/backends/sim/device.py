@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from ... import _torch_private as _priv
 from ...report import Category, format_bytes
+from ...snapshot import allocator_history, allocator_segments
 from ...tracking import StorageTracker, _Entry
 from .allocator import AllocatorFull, CachingAllocatorModel, round_request
 from .kernels import mkldnn_rnn_workspace
@@ -496,9 +497,12 @@ class DeviceRewriteMode(TorchFunctionMode):
             _priv.PARSE_TO_FUNCTION: self._parse_to, T.__deepcopy__: self._deepcopy,
             T.item: self._marked_read,  # (int(t) and float(t) return plain numbers: Python
                                         # makes exact ints and floats of what __int__ gives)
+            T.data.__set__: self._set_data,
+            T.record_stream: lambda f, a, k: None,  # one stream: nothing to wait for
         }
         if state.cuda:
             h.update({
+                torch.device: self._device,
                 T.is_cuda.__get__: self._is_cuda,
                 T.is_cpu.__get__: lambda f, a, k: self.s.pool_of(a[0]) != "device",
                 T.get_device: lambda f, a, k: 0 if self.s.pool_of(a[0]) == "device" else -1,
@@ -610,6 +614,18 @@ class DeviceRewriteMode(TorchFunctionMode):
             return self._call(func, args, kwargs, "device" if (cuda or not self.s.cuda) else "host")
         return self._call(func, args, kwargs, self.s.pool_of(args[0]) if self.s.cuda else "device")
 
+    def _device(self, func, args, kwargs):
+        """``torch.device(0)``: an index alone names the accelerator's device, cuda:0 here
+        (the real call asks the absent accelerator and fails)."""
+        if len(args) == 1 and not kwargs and type(args[0]) is int:
+            return func("cuda", args[0])
+        return func(*args, **kwargs)
+
+    def _set_data(self, func, args, kwargs):  # t.data = new (nn.Module.to, _apply)
+        out = func(*args, **kwargs)
+        _priv.adopt_constant(args[0], args[1])
+        return out
+
     def _pin_memory(self, func, args, kwargs):
         return self._call(torch.Tensor.clone, (args[0],), {}, "host" if self.s.cuda else "device")
 
@@ -708,12 +724,20 @@ class SimTracker(StorageTracker):
         self.deadline = float("inf")
         self.gpu_name = gpu_name
         self._alloc_bytes: dict[int, int] = {}
+        self._requested = 0  # bytes of the storage being tracked, before rounding
         # torch.cuda.max_memory_* counters (resettable by the cell)
         self.cuda_peak = 0
         self.cuda_reserved_peak = 0
-        self.oom: SimulatedOutOfMemoryError | None = None
         self.oom_live = 0        # device bytes live when the request failed
         self.oom_event = -1      # the last event before it
+        # torch.cuda.memory._record_memory_history on the simulated allocator: memory_viz
+        # entries of earlier cells, and where the recording starts in this cell's log
+        self.history: list[dict] | None = None
+        self.history_from = 0
+        self.history_max: int | None = None
+        # torch.cuda.set_per_process_memory_fraction: the share of the card the process may
+        # reserve (None: all of it)
+        self.memory_fraction: float | None = None
         # serials of storages whose device the simulation guessed (factories called from
         # C++ code, and what is computed from them): never used to report a device mismatch
         self._unsure: set[int] = set()
@@ -746,7 +770,8 @@ class SimTracker(StorageTracker):
         self.module_stack.clear()
         self.phase_override = None
         self._last_op = None
-        self.oom, self.oom_live, self.oom_event = None, 0, -1
+        self.oom_live, self.oom_event = 0, -1
+        self.history_from = 0
         self._closed = False
         self.quiet = 0
         a = self.allocator
@@ -758,12 +783,54 @@ class SimTracker(StorageTracker):
 
     def trace(self) -> Trace:
         """The run's trace, with the allocator model's history of the cell attached as
-        ``allocator_log`` (:class:`~.allocator.AllocatorLog`; None without a CUDA model)."""
+        ``allocator_log`` (:class:`~.allocator.AllocatorLog`; None without a CUDA model).
+        While the cell's code records the allocator's history, what it recorded so far
+        moves to :attr:`history`, framed by this trace (a later cell's snapshot has it)."""
         trace = super().trace()
         a = self.allocator
         if a is not None and a.logging:
-            trace.allocator_log = a.take_log(keep_logging=True)
+            trace.allocator_log = log = a.take_log(keep_logging=True)
+            if self.history is not None:
+                self.history = self._history_of(trace, log.entries)
+                self.history_from = len(log.entries)
         return trace
+
+    # -- torch.cuda.memory._record_memory_history / _snapshot ---------------------------------
+    def record_history(self, on: bool, max_entries: int | None = None) -> None:
+        """Start (or, ``on`` False, stop and drop) the allocator history that
+        :meth:`memory_snapshot` returns, keeping at most ``max_entries`` entries."""
+        a = self.allocator
+        if not on:
+            self.history, self.history_max = None, None
+            return
+        if a is None or not a.logging:
+            raise SimulationUnsupported(
+                "the allocator history needs the simulated CUDA allocator (a run with CUDA "
+                f"kernels); {RERUN_HINT}")
+        if self.history is None:
+            self.history = []
+            self.history_from = len(a.take_log(keep_logging=True).entries)
+        self.history_max = max_entries
+
+    def _history_of(self, trace: Trace, log_entries: list[dict]) -> list[dict]:
+        out = self.history + allocator_history(trace, log_entries[self.history_from:])
+        if self.history_max is not None and len(out) > self.history_max:
+            out = out[len(out) - self.history_max:]  # a ring buffer, as torch keeps
+        return out
+
+    def memory_snapshot(self) -> dict:
+        """What ``torch.cuda.memory._snapshot()`` returns, from the allocator model: its
+        segments and blocks now, and the history recorded since
+        ``_record_memory_history`` (empty when it is off)."""
+        a = self.allocator
+        if a is None:
+            raise SimulationUnsupported(
+                "a memory snapshot needs the simulated CUDA allocator (a run with CUDA "
+                f"kernels); {RERUN_HINT}")
+        trace = super().trace()
+        log = a.take_log(keep_logging=True)
+        entries = [] if self.history is None else self._history_of(trace, log.entries)
+        return {"segments": allocator_segments(trace, log.segments), "device_traces": [entries]}
 
     def close(self) -> None:
         """A persistent card keeps listening for frees between cells (a tensor deleted in
@@ -778,6 +845,7 @@ class SimTracker(StorageTracker):
         return self.s.pending
 
     def _round_pending(self, n: int) -> int:
+        self._requested = n  # what the storage asks for: the allocator's "requested" bytes
         return round_request(n) if (self.s.cuda and self.s.pending == "device") else n
 
     # -- allocator ------------------------------------------------------------------------
@@ -798,8 +866,9 @@ class SimTracker(StorageTracker):
         if old > 0:
             a.free(serial)
         if new > 0:
+            req = self._requested
             try:
-                a.malloc(serial, new)
+                a.malloc(serial, new, req if 0 < req <= new and round_request(req) == new else None)
             except AllocatorFull as full:
                 if old > 0:  # a resize that failed keeps its old block
                     a.malloc(serial, old)
@@ -809,9 +878,11 @@ class SimTracker(StorageTracker):
                 # the report describes the last one
                 self.oom_live = self.current["device"]
                 self.oom_event = len(self.events) - 1
-                self.oom = self._oom_error(full)
+                # not kept here: code that catches the error must free what the failed
+                # frames held as soon as its handler ends, as on a GPU (the error's
+                # traceback holds those frames)
                 # from None: the user sees CUDA's error alone, not our AllocatorFull
-                raise self.oom from None
+                raise self._oom_error(full) from None
             self._alloc_bytes[serial] = new
         if a.reserved > self.cuda_reserved_peak:
             self.cuda_reserved_peak = a.reserved
@@ -830,8 +901,12 @@ class SimTracker(StorageTracker):
         loc += {"forward": " during forward", "backward": " during backward (loss.backward())",
                 "recompute": " while backward recomputed a checkpointed forward",
                 "optimizer": " during optimizer.step()"}.get(phase, "")
+        cap = format_bytes(full.capacity)
+        if self.memory_fraction is not None:
+            cap += (f" (the {self.memory_fraction:g} of the card set_per_process_memory_fraction "
+                    "lets this process use)")
         msg = (f"CUDA out of memory (simulated). Tried to allocate {format_bytes(full.size)}. "
-               f"GPU 0 has a total capacity of {format_bytes(full.capacity)} of which "
+               f"GPU 0 has a total capacity of {cap} of which "
                f"{format_bytes(free)} is free. Of the allocated memory "
                f"{format_bytes(live)} is allocated by PyTorch, and "
                f"{format_bytes(cached)} is reserved by PyTorch but unallocated. "
@@ -938,13 +1013,20 @@ class SimTracker(StorageTracker):
         thread = "backward" if _priv.in_backward() else "main"
         self._last_op = func.__name__  # an OOM here is this op's
         for key, size in ws.needed(func, args, kwargs, thread):
-            self._serial += 1
-            entry = _Entry(self._serial, round_request(size), "device")
-            self.pool_of[entry.serial] = "device"
-            self.roles[entry.serial] = Category.WORKSPACES
-            self._add(entry, entry.nbytes)  # raises the OOM a GPU would raise here
-            self._live[-entry.serial] = entry  # never freed: no storage, a key of its own
-            ws.held[key] = entry.nbytes
+            ws.held[key] = self.hold_workspace(round_request(size))[1]
+
+    def hold_workspace(self, nbytes: int) -> tuple[int, int]:
+        """Allocate a workspace of ``nbytes`` on the device for the life of the GPU (no
+        storage: a key of its own, never freed); (its serial, its bytes). Raises the OOM
+        a GPU would raise here."""
+        self._serial += 1
+        entry = _Entry(self._serial, nbytes, "device")
+        self.pool_of[entry.serial] = "device"
+        self.roles[entry.serial] = Category.WORKSPACES
+        self._requested = nbytes
+        self._add(entry, entry.nbytes)
+        self._live[-entry.serial] = entry
+        return entry.serial, entry.nbytes
 
     def _pool_from_inputs(self, func, args, kwargs) -> str:
         """The pool of the op's outputs: "device" when any input tensor is on the simulated

@@ -71,9 +71,9 @@ class FakeOutputCache:
                 return func(*args, **kwargs)
             self.hits += 1
             return out
-        key = _fake_cache_key(func, args, kwargs)
+        key = _cache_key(func, args, kwargs)
         if key is None:
-            key = _loose_cache_key(func, args, kwargs)
+            key = _cache_key(func, args, kwargs, loose=True)
             if key is None:
                 self.passes += 1
                 return func(*args, **kwargs)
@@ -189,19 +189,28 @@ def _fake_cache_rule(func):
     return "fresh"
 
 
-def _fake_cache_part(a):
+def _cache_part(a, unknown: list | None):
+    """The key part of argument ``a``, or None when it is not keyed. Strict (``unknown``
+    None): a tensor carrying a constant is not keyed, its values matter. Loose (a list):
+    it is keyed by its metadata, and ``unknown`` gets True for each fake tensor without
+    one (see :func:`_cache_key`)."""
     if isinstance(a, FakeTensor):
         dtype = a.dtype
-        if a.constant is not None or dtype.is_complex or a.layout is not torch.strided:
-            return None  # a value that matters, or conj/neg bits: not keyed
-        return (dtype, a.shape, a.stride(), a.storage_offset(), a.fake_device)
+        if dtype.is_complex or a.layout is not torch.strided:
+            return None  # conj/neg bits: not keyed
+        meta = (dtype, a.shape, a.stride(), a.storage_offset(), a.fake_device)
+        if a.constant is None:
+            if unknown is not None:
+                unknown.append(True)
+            return meta
+        return None if unknown is None else meta + ("constant",)
     cls = a.__class__
     if cls is int or cls is float or cls is bool or cls is str or a is None:
         return (cls, a)  # 1, 1.0 and True hash alike but promote differently
     if cls is list or cls is tuple:
         parts = []
         for x in a:
-            p = _fake_cache_part(x)
+            p = _cache_part(x, unknown)
             if p is None:
                 return None
             parts.append(p)
@@ -213,67 +222,35 @@ def _fake_cache_part(a):
     return None  # a real tensor, a SymInt, anything else: not keyed
 
 
-def _fake_cache_key(func, args, kwargs):
+def _cache_key(func, args, kwargs, loose: bool = False):
+    """The op cache's key of a call, or None when an argument is not keyed.
+
+    ``loose``: for an op whose inputs mix tensors carrying a constant with tensors of
+    unknown values (Adam's first ``_foreach_addcmul_`` on small zero-filled moments, the
+    backward seed of ``nll_loss_backward``). FakeTensorMode computes on constants only when
+    every input has one, so there it runs the meta kernel, whose outputs follow from
+    metadata alone (ops whose output sizes depend on values are never cached); None when
+    no input is of unknown value."""
+    unknown: list | None = [] if loose else None
     parts = [func, torch.get_default_dtype(), torch.is_inference_mode_enabled()]
+    if loose:
+        parts.append("loose")
     append = parts.append
     for a in args:
-        p = _fake_cache_part(a)
+        p = _cache_part(a, unknown)
         if p is None:
             return None
         append(p)
     if kwargs:
         for k, a in kwargs.items():
-            p = _fake_cache_part(a)
+            p = _cache_part(a, unknown)
             if p is None:
                 return None
             append(k)
             append(p)
+    if loose and not unknown:
+        return None
     return tuple(parts)
-
-
-def _loose_part(a, unknown: list):
-    """:func:`_fake_cache_part`, with tensors carrying a constant keyed by their metadata;
-    ``unknown`` gets True for each fake tensor without one."""
-    if isinstance(a, FakeTensor):
-        dtype = a.dtype
-        if dtype.is_complex or a.layout is not torch.strided:
-            return None
-        if a.constant is None:
-            unknown.append(True)
-            return (dtype, a.shape, a.stride(), a.storage_offset(), a.fake_device)
-        return (dtype, a.shape, a.stride(), a.storage_offset(), a.fake_device, "constant")
-    if a.__class__ is list or a.__class__ is tuple:
-        parts = []
-        for x in a:
-            p = _loose_part(x, unknown)
-            if p is None:
-                return None
-            parts.append(p)
-        return (a.__class__, tuple(parts))
-    return _fake_cache_part(a)
-
-
-def _loose_cache_key(func, args, kwargs):
-    """A key for an op whose inputs mix tensors carrying a constant with tensors of unknown
-    values (Adam's first ``_foreach_addcmul_`` on small zero-filled moments, the backward
-    seed of ``nll_loss_backward``): FakeTensorMode computes on constants only when every
-    input has one, so here it runs the meta kernel, whose outputs follow from metadata
-    alone (ops whose output sizes depend on values are never cached). None when no input
-    is of unknown value, or an argument is not keyed."""
-    unknown: list = []
-    parts = [func, torch.get_default_dtype(), torch.is_inference_mode_enabled(), "loose"]
-    for a in args:
-        p = _loose_part(a, unknown)
-        if p is None:
-            return None
-        parts.append(p)
-    for k, a in (kwargs or {}).items():
-        p = _loose_part(a, unknown)
-        if p is None:
-            return None
-        parts.append(k)
-        parts.append(p)
-    return tuple(parts) if unknown else None
 
 
 def _fake_meta(t, seen: set):

@@ -84,6 +84,8 @@ class Card:
         if tr.allocator is None:
             return None
         new = CachingAllocatorModel(target.total_memory if target else None)
+        if tr.memory_fraction is not None and target is not None:  # set_per_process_memory_fraction
+            new.capacity = int(tr.memory_fraction * target.total_memory)
         try:
             for serial in sorted(tr._alloc_bytes):
                 new.malloc(serial, tr._alloc_bytes[serial])
@@ -187,13 +189,7 @@ class Card:
             tr.workspaces.held = dict(old.workspaces.held)
             for k, e in list(old._live.items()):
                 if k < 0 and e.pool == "device":
-                    tr._serial += 1
-                    e2 = type(e)(tr._serial, e.nbytes, "device")
-                    tr.pool_of[e2.serial] = "device"
-                    tr.roles[e2.serial] = Category.WORKSPACES
-                    tr._add(e2, e2.nbytes)
-                    tr._live[-e2.serial] = e2
-                    rekey[e.serial] = e2.serial
+                    rekey[e.serial] = tr.hold_workspace(e.nbytes)[0]
         if allocator is not None and old.allocator is not None:
             alloc_bytes = {rekey[s]: n for s, n in old._alloc_bytes.items() if s in rekey}
             if leave_out:
@@ -206,6 +202,8 @@ class Card:
                 tr.allocator = old.allocator.copy(rekey)
             tr._alloc_bytes = alloc_bytes
             tr.cuda_reserved_peak = tr.allocator.reserved
+            tr.allocator.capacity = old.allocator.capacity  # a memory fraction the cells set
+            tr.memory_fraction = old.memory_fraction
         notes = []
         missing = old.current["device"] - tr.current["device"]
         if missing > 0 and leave_out & set(self.shadow):
