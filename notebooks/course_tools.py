@@ -6,6 +6,7 @@ returns {file name: cells}, made with build.py's own cell helpers.
 
 from __future__ import annotations
 
+import textwrap
 from typing import Callable
 
 __all__ = ["notebooks"]
@@ -18,6 +19,20 @@ def notebooks(md: Callable, code: Callable, setup: str) -> dict[str, list]:
         "15_whatif_playground.ipynb": _playground(md, code, setup),
         "16_your_own_model.ipynb": _your_model(md, code, setup),
     }
+
+
+# PyTorch's documented snapshot snippet around a transformer step: the same lines run on
+# the simulated GPU and, in a GPU-only cell, on a real one
+_SNAPSHOT_SNIPPET = """\
+torch.cuda.memory._record_memory_history(max_entries=100_000)
+model, _ = zoo.build("transformer", device="cuda")
+opt = torch.optim.AdamW(model.parameters())
+tokens = torch.randint(0, 1000, (8, 128), device="cuda")
+model.loss(tokens, tokens).backward()
+opt.step()
+torch.cuda.memory._dump_snapshot("{path}")
+torch.cuda.memory._record_memory_history(None)
+"""
 
 
 def _timeline(md, code, setup) -> list:
@@ -169,17 +184,7 @@ def _timeline(md, code, setup) -> list:
             `_record_memory_history()` and `_dump_snapshot()` record and write the simulated
             allocator's history (and `memory_summary()`, `memory_stats()` read its counters):
         """),
-        code("""
-            %%gpumem --backend sim --gpu T4 -q
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
-            model, _ = zoo.build("transformer", device="cuda")
-            opt = torch.optim.AdamW(model.parameters())
-            tokens = torch.randint(0, 1000, (8, 128), device="cuda")
-            model.loss(tokens, tokens).backward()
-            opt.step()
-            torch.cuda.memory._dump_snapshot("snippet_step.pickle")
-            torch.cuda.memory._record_memory_history(None)
-        """),
+        code("%%gpumem --backend sim --gpu T4 -q\n" + _SNAPSHOT_SNIPPET.format(path="snippet_step.pickle")),
         code("""
             import pickle
             with open("snippet_step.pickle", "rb") as f:
@@ -206,21 +211,13 @@ def _timeline(md, code, setup) -> list:
         code("""
             timeline_chart(sim_step)
         """),
-        code("""
-            # On a real GPU only: the allocator's own history, for the same viewer.
-            if torch.cuda.is_available():
-                torch.cuda.memory._record_memory_history(max_entries=100_000)
-                model, _ = zoo.build("transformer", device="cuda")
-                opt = torch.optim.AdamW(model.parameters())
-                tokens = torch.randint(0, 1000, (8, 128), device="cuda")
-                model.loss(tokens, tokens).backward()
-                opt.step()
-                torch.cuda.memory._dump_snapshot("real_step.pickle")
-                torch.cuda.memory._record_memory_history(None)
-                print("wrote real_step.pickle")
-            else:
-                print("no GPU here: this cell records the real allocator on a GPU machine")
-        """, "gpu-only"),
+        code("# On a real GPU only: the allocator's own history, for the same viewer.\n"
+             "if torch.cuda.is_available():\n"
+             + textwrap.indent(_SNAPSHOT_SNIPPET.format(path="real_step.pickle")
+                               + 'print("wrote real_step.pickle")\n', "    ")
+             + "else:\n"
+             + '    print("no GPU here: this cell records the real allocator on a GPU machine")',
+             "gpu-only"),
         md("""
             ## What we measured
         """),
