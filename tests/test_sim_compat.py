@@ -436,3 +436,20 @@ def test_compat_is_undone_after_an_exception():
     finally:
         patches.restore()
     assert compat_state() == before
+
+
+# -- libraries' cached probes --------------------------------------------------------------
+def test_cached_cuda_probes_of_transformers_answer_per_side():
+    pytest.importorskip("transformers")
+    import transformers.utils.import_utils as iu
+
+    seen: dict = {}
+    assert iu.is_torch_cuda_available() is False  # a real cell first: cached as False
+    out, _ = run("""
+        import transformers.utils.import_utils as iu
+        seen["cuda"] = iu.is_torch_cuda_available()
+        seen["bf16"] = iu.is_torch_bf16_gpu_available()
+    """, {"seen": Recorder(seen)}, gpu="A100")
+    assert out.error is None, out.error
+    assert seen == {"cuda": True, "bf16": True}  # the simulated GPU's answers, not the cache's
+    assert iu.is_torch_cuda_available() is False and iu.is_torch_bf16_gpu_available() is False

@@ -23,6 +23,11 @@ Installed for one run and undone in ``finally`` (through :class:`.patching.Patch
 * **torch.profiler is refused** with one line saying what to use instead: it would time
   the simulator's fake ops (seconds of Python per step), see no CUDA memory, and flood
   stderr with "CUDA used in profiler but not enabled".
+* **Libraries' cached probes start and end fresh**: transformers (and accelerate,
+  diffusers, peft) cache ``is_torch_cuda_available()``, ``is_torch_bf16_gpu_available()``
+  and friends for the life of the process. Their caches are cleared when a run starts
+  (a real cell's "no CUDA" must not steer the simulation onto the CPU path) and when it
+  ends (the simulation's "CUDA, bf16" must not outlive it).
 * **nn.DataParallel on the one simulated GPU**: its scatter of the inputs to cuda:0 is a
   move to the simulated GPU (the CPU build has no ``torch._C._scatter``); with one
   device DataParallel then calls the module itself, as it does on a one-GPU machine.
@@ -545,10 +550,30 @@ def _one_gpu_scatter(original: Callable) -> Callable:
     return scatter
 
 
+# modules whose lru_cached is_*() probes answer from torch.cuda (what the run changes)
+_CACHED_PROBE_MODULES = ("transformers.utils.import_utils", "accelerate.utils.imports",
+                         "diffusers.utils.import_utils", "peft.import_utils")
+
+
+def clear_probe_caches() -> None:
+    """Empty the caches of the libraries' ``is_*`` probes that are loaded (they answer
+    anew on their next call)."""
+    for name in _CACHED_PROBE_MODULES:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        for attr, value in list(vars(module).items()):
+            clear = getattr(value, "cache_clear", None)
+            if attr.startswith("is_") and callable(clear):
+                clear()
+
+
 def install_compat(patches: Patches, notes: list[str], target: GPUSpec | None = None) -> None:
     """Install the adjustments for one simulated run (see the module's docstring); every
     one is undone by ``patches.restore()``. ``notes`` is the report's list of notes;
     ``target`` the named card (None: size queries answer for a default card, noted)."""
+    clear_probe_caches()
+    patches.call_on_restore(clear_probe_caches)  # runs after everything installed below
     run = _Run(patches, notes)
     patches.set(run, "active", True)  # restored last: undoes what the run bound by name
     switch = _CudnnSDPSwitch()

@@ -1,4 +1,5 @@
-"""Temporary attribute patches, all undone in reverse order (also after an exception)."""
+"""Temporary attribute patches, all undone in reverse order (also after an exception);
+callbacks registered with ``call_on_restore`` run in that order too."""
 
 from __future__ import annotations
 
@@ -22,12 +23,19 @@ class Patches:
         self._undo.append((obj, name, old))
         setattr(obj, name, value)
 
+    def call_on_restore(self, callback: Any) -> None:
+        """Call ``callback()`` when :meth:`restore` reaches this point (undoing a change that
+        is not an attribute: a cache filled while patched)."""
+        self._undo.append((None, "", callback))
+
     def restore(self) -> None:
         errors = []
         while self._undo:
             obj, name, old = self._undo.pop()
             try:
-                if old is _MISSING:
+                if obj is None and not name:
+                    old()
+                elif old is _MISSING:
                     delattr(obj, name)
                 else:
                     setattr(obj, name, old)
