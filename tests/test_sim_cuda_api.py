@@ -254,3 +254,14 @@ def test_a_memory_fraction_makes_a_smaller_card():
     assert seen["fraction"] == 0.25
     assert "Tried to allocate 2.00 GiB" in seen["error"] and "set_per_process_memory_fraction" in seen["error"]
     assert "Allowed range: 0~1" in seen["bad"]
+
+
+def test_allocator_settings_the_model_does_not_follow_are_named(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    out, _ = run("import torch\nx = torch.ones(4, device='cuda')\n", gpu="T4")
+    assert out.error is None, out.error
+    assert any(n.startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True is not modelled")
+               for n in out.report.notes)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    out, _ = run("import torch\nx = torch.ones(4, device='cuda')\n", gpu="T4")
+    assert not any("ALLOC_CONF" in n for n in out.report.notes)

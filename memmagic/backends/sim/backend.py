@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import random
 import sys
 import traceback
@@ -392,6 +394,11 @@ class SimBackend(Backend):
         if target is not None:
             all_notes.append("the CUDA context (about 0.3-0.5 GiB) also takes room on the "
                              "card; a peak within that of the limit may still not fit")
+        conf = _alloc_conf()
+        if state.cuda and conf:
+            all_notes.append(f"{conf} is not modelled: reserved memory follows the caching "
+                             "allocator's default configuration (allocated memory does not "
+                             "depend on it)")
         extra: dict[str, Any] = {}
         if state.cuda:
             a = tracker.allocator
@@ -406,6 +413,16 @@ class SimBackend(Backend):
 
 
 # -- helpers ----------------------------------------------------------------------------------
+def _alloc_conf() -> str | None:
+    """'NAME=value' of the allocator settings in the environment (torch reads them when
+    CUDA starts), or None when there are none."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            return f"{name}={value}"
+    return None
+
+
 def _shown(value: Any) -> str | None:
     """The repr a GPU run would show for a cell's value (None: not one to show)."""
     if value is None or isinstance(value, (str, int, float, bool)):
