@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from memmagic.backends.sim import SimBackend, SimulationUnsupported
+from memmagic import format_bytes
 from memmagic.backends.sim.gpus import GPUS
 from test_sim import Recorder, run
 from test_sim_session import Notebook
@@ -252,7 +253,10 @@ def test_a_memory_fraction_makes_a_smaller_card():
     """, {"seen": Recorder(seen)}, gpu="V100")
     assert out.error is None, out.error
     assert seen["fraction"] == 0.25
-    assert "Tried to allocate 2.00 GiB" in seen["error"] and "set_per_process_memory_fraction" in seen["error"]
+    v100 = GPUS["v100-16gb"].total_memory
+    assert "Tried to allocate 2.00 GiB" in seen["error"]
+    assert f"total capacity of {format_bytes(v100)} " in seen["error"]
+    assert f"{format_bytes(int(0.25 * v100))} allowed; " in seen["error"]  # torch's words
     assert "Allowed range: 0~1" in seen["bad"]
 
 

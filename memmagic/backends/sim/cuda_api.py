@@ -347,6 +347,7 @@ def install_cuda_api(patches: Patches, tracker, target: GPUSpec | None,
         if a is not None:
             a.capacity = int(fraction * props.total_memory)
         tracker.memory_fraction = None if fraction == 1.0 else fraction
+        tracker.card_memory = props.total_memory
 
     def get_per_process_memory_fraction(device=None) -> float:
         _check_device(device)

@@ -738,6 +738,7 @@ class SimTracker(StorageTracker):
         # torch.cuda.set_per_process_memory_fraction: the share of the card the process may
         # reserve (None: all of it)
         self.memory_fraction: float | None = None
+        self.card_memory = 0  # the card's bytes, when a fraction is set
         # serials of storages whose device the simulation guessed (factories called from
         # C++ code, and what is computed from them): never used to report a device mismatch
         self._unsure: set[int] = set()
@@ -890,7 +891,6 @@ class SimTracker(StorageTracker):
     def _oom_error(self, full: AllocatorFull) -> SimulatedOutOfMemoryError:
         phase, where, label = self.context()
         op = self._last_op
-        free = max(full.capacity - full.reserved, 0)
         live = self.current["device"]  # what the report counts live at the failure
         cached = max(full.reserved - live, 0)
         loc = f"aten.{op}" if op else "an allocation"
@@ -901,15 +901,19 @@ class SimTracker(StorageTracker):
         loc += {"forward": " during forward", "backward": " during backward (loss.backward())",
                 "recompute": " while backward recomputed a checkpointed forward",
                 "optimizer": " during optimizer.step()"}.get(phase, "")
-        cap = format_bytes(full.capacity)
-        if self.memory_fraction is not None:
-            cap += (f" (the {self.memory_fraction:g} of the card set_per_process_memory_fraction "
-                    "lets this process use)")
+        # torch's words (CUDACachingAllocator.cpp's OutOfMemoryError), then where it ran out
+        total, allowed = full.capacity, ""
+        if self.memory_fraction is not None and self.card_memory:
+            total = self.card_memory
+            allowed = f"{format_bytes(full.capacity)} allowed; "
+        free = max(total - full.reserved, 0)
         msg = (f"CUDA out of memory (simulated). Tried to allocate {format_bytes(full.size)}. "
-               f"GPU 0 has a total capacity of {cap} of which "
-               f"{format_bytes(free)} is free. Of the allocated memory "
+               f"GPU 0 has a total capacity of {format_bytes(total)} of which "
+               f"{format_bytes(free)} is free. {allowed}Of the allocated memory "
                f"{format_bytes(live)} is allocated by PyTorch, and "
-               f"{format_bytes(cached)} is reserved by PyTorch but unallocated. "
+               f"{format_bytes(cached)} is reserved by PyTorch but unallocated. If reserved "
+               "but unallocated memory is large try setting "
+               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation. "
                f"Ran out at {loc}.")
         return SimulatedOutOfMemoryError(msg, op=op, module=where, size=full.size)
 
