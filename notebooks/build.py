@@ -1720,28 +1720,71 @@ NOTEBOOKS["11_caching_allocator.ipynb"] = [
         - `garbage_collection_threshold:0.8`: when reserved memory passes 80% of the card,
           cached blocks are released proactively instead of only after a failed allocation.
 
-        **What the simulator models:** the default configuration only: 512-byte rounding, the
-        two pools and their segment sizes, best-fit reuse, splitting and merging,
-        `empty_cache()`, and the release-and-retry before an out-of-memory error. **It does not
-        model** the options above, streams (each stream has its own cached blocks), CUDA
-        graphs' private pools, the CUDA context (hundreds of MiB that `nvidia-smi` counts
-        too), or other processes. The model follows the allocator's source code; in this
-        project it has not yet been checked against a real GPU.
+        **What the simulator models:** 512-byte rounding, the two pools and their segment
+        sizes, best-fit reuse, splitting and merging, `empty_cache()`, the release-and-retry
+        before an out-of-memory error, and of the options above `max_split_size_mb` (with
+        `max_non_split_rounding_mb`) and `garbage_collection_threshold` (which torch applies
+        only once `torch.cuda.set_per_process_memory_fraction` is set), read from the
+        environment when a simulated GPU is made. **It does not model** `expandable_segments`
+        (a simulated cell run with it set says so in its notes), streams (each stream has its
+        own cached blocks), CUDA graphs' private pools, the CUDA context (hundreds of MiB that
+        `nvidia-smi` counts too), or other processes. The model follows the allocator's
+        source code; in this project it has not yet been checked against a real GPU.
 
-        **GPU only.** On a machine with CUDA, this cell runs the fragmentation case above in
-        fresh processes with three settings (a CPU-only runner skips it):
+        Where `max_split_size_mb` helps: a 100 MiB tensor is freed, then a 30 MiB and an
+        85 MiB one are made. By default the 30 MiB tensor is cut out of the cached 100 MiB
+        block, and the 85 MiB one no longer fits in the 70 MiB left: a new segment. With
+        `max_split_size_mb:64` the 100 MiB block is never split for a smaller request, so it
+        stays whole for the 85 MiB tensor. Each run below is on a fresh simulated T4 made
+        with the setting (`memmagic.measure`):
+    """),
+    code("""
+        import os
+        import memmagic
+
+        def mixed_sizes():
+            big = alloc(100)
+            del big
+            a, b = alloc(30), alloc(85)
+
+        saved = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        try:
+            for conf in ["", "max_split_size_mb:64"]:
+                os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+                r = memmagic.measure(mixed_sizes, backend="sim", gpu="T4")
+                print(f"{conf or 'default':<22} allocated peak {format_bytes(r.peak)}, reserved peak {format_bytes(r.reserved_peak)}")
+        finally:
+            if saved is None:
+                os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+            else:
+                os.environ["PYTORCH_CUDA_ALLOC_CONF"] = saved
+    """),
+    md("""
+        It does not help the fragmentation case above: those blocks are 6 MiB, below any
+        allowed `max_split_size_mb` (at least 20). That is `expandable_segments`' job.
+
+        **GPU only.** On a machine with CUDA, this cell runs both cases in fresh processes
+        with three settings (a CPU-only runner skips it):
     """),
     code("""
         script = '''
         import torch
-        blocks = [torch.empty(6 * 2**20, dtype=torch.uint8, device="cuda") for _ in range(20)]
+        def alloc(mib):
+            return torch.empty(mib * 2**20, dtype=torch.uint8, device="cuda")
+        blocks = [alloc(6) for _ in range(20)]
         del blocks[::2]
-        twelve = torch.empty(12 * 2**20, dtype=torch.uint8, device="cuda")
-        print(torch.cuda.memory_allocated() // 2**20, "MiB allocated,", torch.cuda.memory_reserved() // 2**20, "MiB reserved")
+        twelve = alloc(12)
+        print("fragmentation:", torch.cuda.memory_allocated() // 2**20, "MiB allocated,", torch.cuda.memory_reserved() // 2**20, "MiB reserved")
+        del blocks, twelve
+        torch.cuda.empty_cache()
+        big = alloc(100)
+        del big
+        a, b = alloc(30), alloc(85)
+        print("mixed sizes:", torch.cuda.max_memory_reserved() // 2**20, "MiB reserved at the peak")
         '''
         if torch.cuda.is_available():
             import os, subprocess, sys, textwrap
-            for conf in ["", "expandable_segments:True", "max_split_size_mb:8"]:
+            for conf in ["", "expandable_segments:True", "max_split_size_mb:64"]:
                 env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf}
                 run = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True)
                 print(f"{conf or 'default':<26} {run.stdout.strip() or run.stderr.strip()[-200:]}")

@@ -1,9 +1,8 @@
-"""A model of the CUDA caching allocator's default configuration ("reserved" memory).
+"""A model of the CUDA caching allocator ("reserved" memory).
 
 Pure Python, no torch. It replays the allocations and frees a simulated run makes and
 keeps the segments (``cudaMalloc`` calls) the real allocator would hold, following the
-constants and rules of c10's ``CUDACachingAllocator.cpp`` with default settings (no
-``expandable_segments``, no ``max_split_size_mb``, no ``garbage_collection_threshold``):
+constants and rules of c10's ``CUDACachingAllocator.cpp``. With default settings:
 
 * a request rounds up to a multiple of 512 B (at least 512 B);
 * requests of at most 1 MiB come from the small pool, whose segments are 2 MiB;
@@ -14,6 +13,13 @@ constants and rules of c10's ``CUDACachingAllocator.cpp`` with default settings 
   (large pool); freed blocks merge with free neighbours in the same segment;
 * when a new segment would not fit the card, every fully free cached segment is
   released first (what ``empty_cache`` does) and the allocation is retried.
+
+Of the settings ``PYTORCH_CUDA_ALLOC_CONF`` takes (:func:`parse_alloc_conf`,
+:class:`AllocatorConfig`) it follows ``max_split_size_mb``, ``max_non_split_rounding_mb``
+and ``garbage_collection_threshold`` as the C++ does (see :class:`CachingAllocatorModel`);
+``expandable_segments:True``, ``roundup_power2_divisions``, ``large_segment_size_mb``,
+``backend:cudaMallocAsync`` and the pinned-memory options are not modelled (the config
+names them in :attr:`AllocatorConfig.unmodelled`).
 
 It does not model streams, CUDA graphs, or memory other processes or the CUDA context
 (hundreds of MiB) take on the card.
@@ -35,11 +41,13 @@ its table from them.
 from __future__ import annotations
 
 import bisect
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
 __all__ = ["CachingAllocatorModel", "AllocatorLog", "round_request", "segment_size", "AllocatorFull",
-           "STAT_NAMES",
+           "STAT_NAMES", "AllocatorConfig", "parse_alloc_conf", "alloc_conf_from_env",
+           "ALLOC_CONF_VARS", "SIZE_MAX",
            "MIN_BLOCK", "SMALL_SIZE", "SMALL_BUFFER", "LARGE_BUFFER", "MIN_LARGE_ALLOC",
            "ROUND_LARGE"]
 
@@ -49,6 +57,212 @@ SMALL_BUFFER = 2 << 20          # kSmallBuffer: small-pool segment size
 LARGE_BUFFER = 20 << 20         # kLargeBuffer: segment size for requests below 10 MiB
 MIN_LARGE_ALLOC = 10 << 20      # kMinLargeAlloc
 ROUND_LARGE = 2 << 20           # kRoundLarge: larger segments round up to this
+SIZE_MAX = (1 << 64) - 1        # std::numeric_limits<size_t>::max(): max_split_size unset
+_MB = 1 << 20                   # kMB of c10/core/AllocatorConfig.cpp
+
+
+# -- PYTORCH_CUDA_ALLOC_CONF ---------------------------------------------------------------
+# AcceleratorAllocatorConfig::instance() (c10/core/AllocatorConfig.cpp) reads the first of
+# these that is set (even when set to ""), once, when the allocator is first used
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+# every key torch's parsers accept (AcceleratorAllocatorConfig::getKeys() and the CUDA
+# hook's CUDAAllocatorConfig::getKeys(), torch 2.13); any other key makes torch refuse the
+# settings ("Unrecognized key ... in Accelerator allocator config.")
+_TORCH_KEYS = frozenset((
+    "large_segment_size_mb", "max_split_size_mb", "max_non_split_rounding_mb",
+    "garbage_collection_threshold", "roundup_power2_divisions", "expandable_segments",
+    "pinned_use_background_threads", "pinned_max_round_threshold_mb", "pinned_max_cached_size_mb",
+    "backend", "release_lock_on_cudamalloc", "release_lock_on_hipmalloc",
+    "pinned_use_cuda_host_register", "pinned_use_hip_host_register",
+    "graph_capture_record_stream_reuse", "pinned_reserve_segment_size_mb",
+    "pinned_num_register_threads", "per_process_memory_fraction", "pinned_free_catch_all",
+    "throw_on_cudamalloc_oom"))
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """The allocator settings of ``PYTORCH_CUDA_ALLOC_CONF`` the model follows (sizes in
+    bytes), as c10's ``AcceleratorAllocatorConfig::parseArgs`` reads them.
+
+    ``max_split_size``: blocks of this size or more are "oversize" (``SIZE_MAX``: unset);
+    ``max_non_split_rounding_size``: how much larger than an oversize request a cached
+    oversize block may be; ``garbage_collection_threshold``: 0 (off) or the share of the
+    allowed memory above which cached blocks are released before a new segment (only once
+    ``set_per_process_memory_fraction`` was called, as in torch). ``source``: the text the
+    settings came from ("NAME=value", "" for the defaults). ``unmodelled``: the settings
+    given that the model does not follow, each as written ("key:value"), unknown keys
+    marked so; ``modelled``: the others.
+    """
+
+    max_split_size: int = SIZE_MAX
+    max_non_split_rounding_size: int = LARGE_BUFFER
+    garbage_collection_threshold: float = 0.0
+    expandable_segments: bool = False
+    source: str = ""
+    unmodelled: tuple[str, ...] = ()
+    modelled: tuple[str, ...] = ()
+
+    @property
+    def is_default(self) -> bool:
+        """True when the model behaves exactly as with no settings."""
+        return (self.max_split_size == SIZE_MAX and self.garbage_collection_threshold == 0.0
+                and self.max_non_split_rounding_size == LARGE_BUFFER)
+
+
+def _tokens(text: str) -> list[str]:
+    """c10's ConfigTokenizer: ',', ':', '[' and ']' are tokens of their own, whitespace
+    is dropped, anything else runs together into one token."""
+    out: list[str] = []
+    buf: list[str] = []
+    for ch in text:
+        if ch in ",:[]":
+            if buf:
+                out.append("".join(buf))
+                buf = []
+            out.append(ch)
+        elif not ch.isspace():
+            buf.append(ch)
+    if buf:
+        out.append("".join(buf))
+    return out
+
+
+def parse_alloc_conf(text: str, source: str = "PYTORCH_CUDA_ALLOC_CONF") -> AllocatorConfig:
+    """The settings of an allocator configuration string ("max_split_size_mb:128,
+    garbage_collection_threshold:0.6"), checked as c10's ``AcceleratorAllocatorConfig::
+    parseArgs`` checks them. A value torch refuses raises a one-line ValueError with
+    torch's words (``source`` names the variable in it). Keys torch does not know, and
+    options the model does not follow, are kept in ``unmodelled``, not refused."""
+    tok = _tokens(text)
+    where = f"{source}={text!r}" if text else source
+
+    def fail(msg: str) -> ValueError:
+        return ValueError(f"{where}: {msg}")
+
+    def at(i: int) -> str:
+        if i >= len(tok):
+            raise fail("the settings end too early (Index out of bounds in ConfigTokenizer)")
+        return tok[i]
+
+    def colon(i: int) -> int:  # checkToken(++i, ":")
+        if at(i + 1) != ":":
+            raise fail(f"expected ':' after {tok[i]!r}")
+        return i + 1
+
+    def size_t(i: int) -> int:  # ConfigTokenizer::toSizeT: std::stoull
+        m = re.match(r"\+?\d+", at(i))
+        if m is None:
+            raise fail(f"expected a whole number, not {tok[i]!r}")
+        return int(m.group())
+
+    def double(i: int) -> float:  # ConfigTokenizer::toDouble: std::stod
+        m = re.match(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", at(i))
+        if m is None:
+            raise fail(f"expected a number, not {tok[i]!r}")
+        return float(m.group())
+
+    def boolean(i: int) -> bool:  # ConfigTokenizer::toBool
+        v = at(i)
+        if v not in ("True", "False"):
+            raise fail(f"Expected 'True' or 'False' at index {i} in ConfigTokenizer but got '{v}'")
+        return v == "True"
+
+    def skip(i: int) -> int:  # ConfigTokenizer::skipKey: to the value, or the closing ']'
+        i = colon(i) + 1
+        if at(i) == "[":
+            while i + 1 < len(tok) and tok[i + 1] != "]":
+                i += 1
+            i += 1
+            if i >= len(tok):
+                raise fail("Expected closing bracket ']' in ConfigTokenizer but reached end of config")
+        return i
+
+    # large_segment_size_mb is read first: the smallest max_split_size_mb and the default
+    # max_non_split_rounding_mb follow it (parseLargeSegmentSize)
+    large = LARGE_BUFFER
+    i = 0
+    while i < len(tok):
+        if tok[i] == "large_segment_size_mb":
+            i = colon(i)
+            v = size_t(i + 1)
+            if not v > MIN_LARGE_ALLOC // _MB:
+                raise fail(f"CachingAllocator option large_segment_size_mb must be > "
+                           f"{MIN_LARGE_ALLOC // _MB} MB")
+            large = min(v, SIZE_MAX // _MB) * _MB
+            i += 1
+        i += 1
+    max_split, rounding, gc, expandable = SIZE_MAX, large, 0.0, False
+    unmodelled: list[str] = []
+    modelled: list[str] = []
+    i = 0
+    while i < len(tok):
+        key, start = tok[i], i
+        follows = True
+        if key == "max_split_size_mb":  # parseMaxSplitSize
+            i = colon(i) + 1
+            v = size_t(i)
+            if v < large // _MB:
+                raise fail(f"CachingAllocator option max_split_size_mb too small, must be >= "
+                           f"{large // _MB}")
+            max_split = min(v, SIZE_MAX // _MB) * _MB
+        elif key == "max_non_split_rounding_mb":  # parseMaxNonSplitRoundingSize
+            i = colon(i) + 1
+            v = size_t(i)
+            if v < large // _MB:
+                raise fail(f"CachingAllocator option max_non_split_rounding_mb too small, "
+                           f"must be >= {large // _MB}")
+            rounding = min(v, SIZE_MAX // _MB) * _MB
+        elif key == "garbage_collection_threshold":  # parseGarbageCollectionThreshold
+            i = colon(i) + 1
+            v = double(i)
+            if not 0 < v < 1.0:
+                raise fail("garbage_collect_threshold is invalid, set it in (0.0, 1.0)")
+            gc = v
+        elif key == "expandable_segments":  # parseExpandableSegments
+            i = colon(i) + 1
+            expandable = boolean(i)
+            follows = not expandable  # growing segments are not modelled
+        elif key == "backend":  # CUDAAllocatorConfig::parseAllocatorConfig
+            i = colon(i) + 1
+            if at(i) not in ("native", "cudaMallocAsync"):
+                raise fail("Unknown allocator backend, options are native and cudaMallocAsync")
+            follows = tok[i] == "native"  # cudaMallocAsync: CUDA's own pool, not modelled
+        elif key in ("release_lock_on_cudamalloc", "release_lock_on_hipmalloc"):
+            i = colon(i) + 1
+            boolean(i)  # only whether the lock is held around cudaMalloc: no memory effect
+        elif key in (",", ":", "[", "]"):
+            raise fail(f"unexpected {key!r} at index {i}")
+        else:  # roundup_power2_divisions, large_segment_size_mb, the pinned-memory options,
+            # per_process_memory_fraction, ... and keys torch does not know
+            i = skip(i)
+            follows = False
+        text_kv = "".join(tok[start:i + 1])
+        if follows:
+            modelled.append(text_kv)
+        else:
+            unmodelled.append(text_kv if key in _TORCH_KEYS else f"{text_kv} (unknown to torch)")
+        if i + 1 < len(tok):
+            if tok[i + 1] != ",":
+                raise fail(f"expected ',' after {text_kv!r}")
+            i += 1
+        i += 1
+    return AllocatorConfig(max_split, rounding, gc, expandable,
+                           f"{source}={text}" if (unmodelled or modelled) else "",
+                           tuple(unmodelled), tuple(modelled))
+
+
+def alloc_conf_from_env(environ=None) -> AllocatorConfig:
+    """The allocator settings of the environment, as torch reads them when CUDA starts:
+    the first of :data:`ALLOC_CONF_VARS` that is set. Raises ValueError for values torch
+    refuses."""
+    import os
+
+    env = os.environ if environ is None else environ
+    for name in ALLOC_CONF_VARS:
+        value = env.get(name)
+        if value is not None:
+            return parse_alloc_conf(value, name)
+    return AllocatorConfig()
 
 
 # the per-pool statistics of torch.cuda.memory_stats(), each with current, peak, allocated
@@ -103,6 +317,10 @@ class _Block:
     next: "_Block | None" = None
     requested: int = 0          # bytes asked for (while allocated)
     key: object = None          # who holds it (while allocated)
+    # the pool's get_free_block count when it was last put in the free list (Block::
+    # gc_count_base); a class default, set on the instance only while garbage collection
+    # is on (the counts stay 0 until then, so 0 is every earlier block's base)
+    gc_base = 0
 
 
 @dataclass(frozen=True)
@@ -133,17 +351,51 @@ class _Segment:
     head: _Block | None = field(default=None, repr=False)
 
 
+_DEFAULT_CONFIG = AllocatorConfig()
+
+
 class CachingAllocatorModel:
     """Replays alloc/free calls; ``reserved`` and ``reserved_peak`` are in bytes.
 
     ``capacity`` (bytes, or None for no limit) is the card's memory: a request that would
     need more first releases the cached free segments and retries, as the CUDA allocator
     does, then raises :class:`AllocatorFull` with nothing recorded (a failed request never
-    counts in ``allocated`` or ``reserved``, which stay within the card).
+    counts in ``allocated`` or ``reserved``, which stay within the card). Assigning
+    ``capacity`` later is what ``torch.cuda.set_per_process_memory_fraction`` does (the
+    C++ ``setMemoryFraction``: ``allowed_memory_maximum`` and ``set_fraction``);
+    :meth:`set_capacity` sets it with or without that.
+
+    ``config`` (:class:`AllocatorConfig`, the defaults when None) adds, as
+    ``DeviceCachingAllocator`` in CUDACachingAllocator.cpp does:
+
+    * ``max_split_size``: blocks of at least this size are "oversize". ``get_free_block``:
+      a smaller request never takes an oversize cached block, an oversize request takes
+      one only if it is less than ``max_non_split_rounding_size`` (20 MiB) larger.
+      ``should_split``: a large-pool block is split only for a request below
+      max_split_size. When a new segment does not fit, ``release_available_cached_blocks``
+      first frees the smallest oversize cached block at least max(request,
+      max_split_size) large, else oversize blocks from the largest down until that much is
+      freed, and retries before ``release_cached_blocks`` (what ``empty_cache`` does).
+      memory_stats' "oversize_allocations" and "oversize_segments" count them.
+    * ``garbage_collection_threshold`` (only once a memory fraction is set, as in torch):
+      each free-list search ages the pool's cached blocks by one (``get_free_block``
+      counts ``get_free_blocks_call_count``); before a new segment, while reserved is
+      above threshold x allowed memory, ``garbage_collect_cached_blocks`` frees the
+      unsplit large-pool cached blocks at least as old as their average age, pass after
+      pass, until that excess is reclaimed.
     """
 
-    def __init__(self, capacity: int | None = None) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: int | None = None, config: AllocatorConfig | None = None) -> None:
+        self._capacity = capacity
+        self.fraction_set = False  # set_per_process_memory_fraction was called
+        self.config = config = config if config is not None else _DEFAULT_CONFIG
+        self._max_split = config.max_split_size
+        self._round_limit = config.max_non_split_rounding_size
+        self._gc_threshold = config.garbage_collection_threshold
+        self._gc_on = False  # set_fraction && garbage_collection_threshold() > 0
+        self._gc_calls = {True: 0, False: 0}  # each pool's get_free_blocks_call_count
+        # oversize_allocations, then oversize_segments: current, peak, allocated, freed
+        self._oversize = [0] * 8
         self._free: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}
         self._segments: list[_Segment] = []
         self._live: dict[object, _Block] = {}
@@ -161,8 +413,34 @@ class CachingAllocatorModel:
         self._rows: list[list[int]] = [[0] * _ROW for _ in _POOLS]
         self._counts: dict[str, int] = dict.fromkeys(_EVENT_COUNTS, 0)
 
+    @property
+    def capacity(self) -> int | None:
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, value: int | None) -> None:
+        self.set_capacity(value, fraction=True)
+
+    def set_capacity(self, value: int | None, *, fraction: bool) -> None:
+        """The bytes the allocator may reserve; ``fraction``: they are a share of the card
+        set by ``set_per_process_memory_fraction`` (which garbage collection needs)."""
+        self._capacity = value
+        self.fraction_set = fraction
+        self._gc_on = fraction and value is not None and self._gc_threshold > 0
+
     # -- torch.cuda.memory_stats() --------------------------------------------------------
     # (on every malloc and free: kept to a few list operations)
+    def _bump_oversize(self, at: int, delta: int) -> None:
+        o = self._oversize
+        v = o[at] + delta
+        o[at] = v
+        if delta > 0:
+            o[at + 2] += delta
+            if v > o[at + 1]:
+                o[at + 1] = v
+        else:
+            o[at + 3] -= delta
+
     def _bump(self, at: int, small: bool, delta: int) -> None:
         rows = self._rows
         for r in (rows[0], rows[1] if small else rows[2]):
@@ -213,31 +491,33 @@ class CachingAllocatorModel:
 
     def memory_stats(self) -> dict[str, int]:
         """The model's statistics as ``torch.cuda.memory_stats()`` names them (sorted keys,
-        as torch returns them); "oversize_*" are 0 (no ``max_split_size_mb``)."""
+        as torch returns them); "oversize_*" stay 0 without ``max_split_size_mb``."""
         out: dict[str, int] = {}
         for name in STAT_NAMES:
             at = _STAT_AT[name]
             for pool, row in zip(_POOLS, self._rows):
                 for i, fld in enumerate(_FIELDS):
                     out[f"{name}.{pool}.{fld}"] = row[at + i]
-        for name in ("oversize_allocations", "oversize_segments"):
-            for fld in _FIELDS:
-                out[f"{name}.{fld}"] = 0
+        for name, at in (("oversize_allocations", 0), ("oversize_segments", 4)):
+            for i, fld in enumerate(_FIELDS):
+                out[f"{name}.{fld}"] = self._oversize[at + i]
         out.update(self._counts)
-        out["max_split_size"] = -1
+        # DeviceStats::max_split_size = static_cast<int64_t>(max_split_size()): -1 unset
+        ms = self._max_split
+        out["max_split_size"] = ms if ms < 1 << 63 else ms - (1 << 64)
         return dict(sorted(out.items()))
 
     def reset_peak_stats(self) -> None:
         """``torch.cuda.reset_peak_memory_stats()``: every peak becomes its current value."""
-        for row in self._rows:
-            for at in range(0, _ROW, 4):
+        for row in self._rows + [self._oversize]:
+            for at in range(0, len(row), 4):
                 row[at + 1] = row[at]
 
     def reset_accumulated_stats(self) -> None:
         """``torch.cuda.reset_accumulated_memory_stats()``: the allocated and freed sums and
         the event counts start again from 0."""
-        for row in self._rows:
-            for at in range(0, _ROW, 4):
+        for row in self._rows + [self._oversize]:
+            for at in range(0, len(row), 4):
                 row[at + 2] = row[at + 3] = 0
         self._counts = dict.fromkeys(_EVENT_COUNTS, 0)
 
@@ -286,6 +566,8 @@ class CachingAllocatorModel:
     # -- free lists ---------------------------------------------------------------------
     def _insert_free(self, b: _Block) -> None:
         b.free = True
+        if self._gc_on:  # BlockPool::insert_into_blocks: gc_count_base
+            b.gc_base = self._gc_calls[b.segment.small]
         bisect.insort(self._free[b.segment.small], (b.size, b.addr, b))
 
     def _remove_free(self, b: _Block) -> None:
@@ -307,28 +589,45 @@ class CachingAllocatorModel:
             requested = nbytes
         small = size <= SMALL_SIZE
         lst = self._free[small]
+        if self._gc_on:  # get_free_block: ++pool.get_free_blocks_call_count
+            self._gc_calls[small] += 1
+        ms = self._max_split  # SIZE_MAX unless max_split_size_mb is set
         i = bisect.bisect_left(lst, (size, -1))
+        block = None
         if i < len(lst):
-            block = lst[i][2]
-            del lst[i]
-            if block.prev is not None or block.next is not None:
-                self._split_free(block, -1)
-        else:
+            b = lst[i][2]
+            # get_free_block: a request below max_split_size takes no oversize block; an
+            # oversize one takes a block less than max_non_split_rounding_size larger
+            if (b.size < ms) if size < ms else (b.size < size + self._round_limit):
+                block = b
+                del lst[i]
+                if b.prev is not None or b.next is not None:
+                    self._split_free(b, -1)
+        if block is None:
             seg_size = segment_size(size)
-            if self.capacity is not None and self.reserved + seg_size > self.capacity:
+            if self._gc_on:  # malloc: before alloc_block, with set_fraction
+                self._garbage_collect()
+            cap = self._capacity
+            if cap is not None and self.reserved + seg_size > cap and not (
+                    # alloc_block failed: release_available_cached_blocks && alloc_block
+                    ms != SIZE_MAX and self._release_available(size, small)
+                    and self.reserved + seg_size <= cap):
+                # release_cached_blocks && alloc_block(isRetry=true)
                 self.empty_cache()
                 self.num_alloc_retries += 1
                 self._counts["num_alloc_retries"] += 1
-                if self.reserved + seg_size > self.capacity:
+                if self.reserved + seg_size > cap:
                     self._counts["num_ooms"] += 1
                     if self._log is not None:
                         self._record("oom", None, nbytes,
-                                     device_free=max(self.capacity - self.reserved, 0))
-                    raise AllocatorFull(size, self.allocated, self.reserved, self.capacity)
+                                     device_free=max(cap - self.reserved, 0))
+                    raise AllocatorFull(size, self.allocated, self.reserved, cap)
             block = self._new_segment(seg_size, small)
         block.free = False
         rest = block.size - size
-        if (small and rest >= MIN_BLOCK) or (not small and rest > SMALL_SIZE):
+        # should_split: small pool at 512 B left; large pool at more than 1 MiB left, and
+        # only for a request below max_split_size
+        if (small and rest >= MIN_BLOCK) or (not small and rest > SMALL_SIZE and size < ms):
             tail = _Block(block.addr + size, rest, block.segment, True, block, block.next)
             if block.next is not None:
                 block.next.prev = tail
@@ -342,6 +641,8 @@ class CachingAllocatorModel:
         if self._log is not None:
             self._record("alloc", block.addr, requested, key)
         self._count_block(small, block.size, requested)
+        if block.size >= ms:  # alloc_found_block
+            self._bump_oversize(0, 1)
         self.allocated += block.size
         self.allocated_peak = max(self.allocated_peak, self.allocated)
         return block.size
@@ -356,6 +657,8 @@ class CachingAllocatorModel:
             self._record("free_completed", block.addr, block.requested, key)
         small = block.segment.small
         self._uncount_block(small, block.size, block.requested)
+        if block.size >= self._max_split:  # free()
+            self._bump_oversize(0, -1)
         block.requested, block.key = 0, None
         self.allocated -= block.size
         block.segment.blocks_in_use -= 1
@@ -382,7 +685,9 @@ class CachingAllocatorModel:
         """A copy with the same segments, blocks and addresses (no log): the block of each
         key in ``rekey`` is held by ``rekey[key]`` in the copy; blocks of other keys are
         freed there (cached, as a free would leave them)."""
-        new = CachingAllocatorModel(self.capacity)
+        new = CachingAllocatorModel(self._capacity, self.config)
+        new.set_capacity(self._capacity, fraction=self.fraction_set)
+        new._gc_calls = dict(self._gc_calls)
         new._next_addr = self._next_addr
         new.allocated, new.reserved = self.allocated, self.reserved
         new.allocated_peak, new.reserved_peak = self.allocated, self.reserved
@@ -395,6 +700,7 @@ class CachingAllocatorModel:
             prev, b = None, seg.head
             while b is not None:
                 c = _Block(b.addr, b.size, s2, b.free, prev, None, b.requested, b.key)
+                c.gc_base = b.gc_base
                 if prev is None:
                     s2.head = c
                 else:
@@ -405,6 +711,8 @@ class CachingAllocatorModel:
         # the statistics as they stand now, peaks at their current values, no history
         new._rows = [[row[at] if i < 2 else 0 for at in range(0, _ROW, 4) for i in range(4)]
                      for row in self._rows]
+        o = self._oversize
+        new._oversize = [o[0], o[0], 0, 0, o[4], o[4], 0, 0]
         for small, lst in self._free.items():
             new._free[small] = [(size, addr, blocks[id(b)]) for size, addr, b in lst]
         unmapped = []
@@ -433,18 +741,87 @@ class CachingAllocatorModel:
         keep = []
         for seg in self._segments:
             if seg.blocks_in_use == 0:
-                self._remove_free(seg.head)
+                self._drop_segment(seg)
                 released += seg.size
-                self._bump(_SEGMENT, seg.small, -1)
-                self._bump(_RESERVED, seg.small, -seg.size)
-                self._counts["num_device_free"] += 1
-                if self._log is not None:
-                    self._record("segment_free", seg.addr, seg.size)
             else:
                 keep.append(seg)
         self._segments = keep
-        self.reserved -= released
         return released
+
+    def _drop_segment(self, seg: _Segment) -> None:
+        """release_block: ``cudaFree`` a segment whose one block is free (the caller
+        takes it out of ``_segments``)."""
+        self._remove_free(seg.head)
+        self._bump(_SEGMENT, seg.small, -1)
+        self._bump(_RESERVED, seg.small, -seg.size)
+        self._counts["num_device_free"] += 1
+        if seg.size >= self._max_split:
+            self._bump_oversize(4, -1)
+        if self._log is not None:
+            self._record("segment_free", seg.addr, seg.size)
+        self.reserved -= seg.size
+
+    def _release_block(self, b: _Block) -> None:
+        # a cached block of at least max_split_size is always a whole segment: a segment
+        # is split only for a request below max_split_size (should_split), which leaves
+        # less than max_split_size free beside it
+        assert b.prev is None and b.next is None, "only whole segments are released"
+        self._drop_segment(b.segment)
+        self._segments.remove(b.segment)
+
+    def _release_available(self, size: int, small: bool) -> bool:
+        """release_available_cached_blocks (with max_split_size set): free the smallest
+        cached block of at least max(size, max_split_size); without one, free oversize
+        blocks from the largest down until that much is freed. True when it was."""
+        ms = self._max_split
+        lst = self._free[small]
+        key = size if size >= ms else ms
+        j = bisect.bisect_left(lst, (key, -1))
+        if j < len(lst):
+            self._release_block(lst[j][2])
+            return True
+        if j == 0:
+            return False
+        released = 0
+        j -= 1  # the largest block
+        while released < key and lst[j][2].size >= ms:
+            b = lst[j][2]
+            released += b.size
+            self._release_block(b)  # takes lst[j] out: the next largest is at j - 1
+            if j == 0:
+                break
+            j -= 1
+        return released >= key
+
+    def _garbage_collect(self) -> None:
+        """garbage_collect_cached_blocks: while reserved is above threshold x allowed,
+        free the unsplit large-pool cached blocks whose age (free-list searches of their
+        pool since they were cached) is at least the average, pass after pass."""
+        gc_threshold = int(self._gc_threshold * self._capacity)  # static_cast<size_t>
+        if self.reserved <= gc_threshold:
+            return
+        target = self.reserved - gc_threshold
+        lst = self._free[False]
+        calls = self._gc_calls[False]
+        ages = [calls - b.gc_base for _, _, b in lst if b.prev is None and b.next is None]
+        if not ages:
+            return
+        total_age, count = sum(ages), len(ages)
+        reclaimed = 0
+        freed = True
+        while reclaimed < target and freed and count > 0:
+            age_threshold = total_age / count
+            freed = False
+            # every block at least that old goes, even past the target (so that GC does
+            # not run again soon)
+            for _, _, b in list(lst):
+                age = calls - b.gc_base
+                if b.prev is None and b.next is None and age >= age_threshold:
+                    freed = True
+                    reclaimed += b.size
+                    total_age -= age
+                    count -= 1
+                    self._release_block(b)
 
     @property
     def segments(self) -> int:
@@ -460,6 +837,8 @@ class CachingAllocatorModel:
             self._record("segment_alloc", seg.addr, seg_size)
         self._bump(_SEGMENT, small, 1)
         self._bump(_RESERVED, small, seg_size)
+        if seg_size >= self._max_split:  # alloc_block
+            self._bump_oversize(4, 1)
         self._counts["num_device_alloc"] += 1
         self.reserved += seg_size
         self.reserved_peak = max(self.reserved_peak, self.reserved)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import random
 import sys
@@ -394,11 +393,9 @@ class SimBackend(Backend):
         if target is not None:
             all_notes.append("the CUDA context (about 0.3-0.5 GiB) also takes room on the "
                              "card; a peak within that of the limit may still not fit")
-        conf = _alloc_conf()
-        if state.cuda and conf:
-            all_notes.append(f"{conf} is not modelled: reserved memory follows the caching "
-                             "allocator's default configuration (allocated memory does not "
-                             "depend on it)")
+        conf = _alloc_conf(tracker.allocator) if state.cuda else None
+        if conf:
+            all_notes.append(conf)
         extra: dict[str, Any] = {}
         if state.cuda:
             a = tracker.allocator
@@ -413,14 +410,22 @@ class SimBackend(Backend):
 
 
 # -- helpers ----------------------------------------------------------------------------------
-def _alloc_conf() -> str | None:
-    """'NAME=value' of the allocator settings in the environment (torch reads them when
-    CUDA starts), or None when there are none."""
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        value = os.environ.get(name, "").strip()
-        if value:
-            return f"{name}={value}"
-    return None
+def _alloc_conf(allocator) -> str | None:
+    """The note naming the allocator settings the card was made with (read from
+    PYTORCH_CUDA_ALLOC_CONF when it was made, as torch reads them when CUDA starts) that
+    the allocator model does not follow; None when it follows them all."""
+    config = getattr(allocator, "config", None)
+    if config is None or not config.unmodelled:
+        return None
+    name = config.source.split("=", 1)[0]
+    items = ",".join(config.unmodelled)
+    verb = "is" if len(config.unmodelled) == 1 else "are"
+    if config.modelled:
+        follows = (f"reserved memory follows {','.join(config.modelled)} and the default "
+                   "configuration otherwise")
+    else:
+        follows = "reserved memory follows the caching allocator's default configuration"
+    return f"{name}={items} {verb} not modelled: {follows} (allocated memory does not depend on it)"
 
 
 def _shown(value: Any) -> str | None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import _torch_private as _priv
-from .allocator import AllocatorFull, CachingAllocatorModel
+from .allocator import AllocatorConfig, AllocatorFull, CachingAllocatorModel, alloc_conf_from_env
 from .device import SimState, SimTracker
 from .errors import SimulationUnsupported
 from .gpus import GPUSpec
@@ -47,16 +47,26 @@ class Shadow:
 
 
 class Card:
-    """The simulated GPU itself (see the module docstring)."""
+    """The simulated GPU itself (see the module docstring).
+
+    ``alloc_config``: the caching allocator's settings; None reads them from the
+    environment (``PYTORCH_CUDA_ALLOC_CONF``), as torch does once when CUDA starts: a card
+    keeps the settings it was made with (``%gpusim reset`` makes a new card). A value
+    torch refuses raises ValueError here."""
 
     def __init__(self, kernels: str, target: GPUSpec | None, capability: tuple[int, int],
-                 max_ops: int, max_seconds: float, entries: dict | None) -> None:
+                 max_ops: int, max_seconds: float, entries: dict | None,
+                 alloc_config: AllocatorConfig | None = None) -> None:
         cuda = kernels == "cuda"
         self.kernels = kernels
         self.target = target
         self.capability = capability
         self.state = SimState(cuda)
-        allocator = CachingAllocatorModel(target.total_memory if target else None) if cuda else None
+        if alloc_config is None and cuda:
+            alloc_config = alloc_conf_from_env()
+        self.alloc_config = alloc_config
+        allocator = CachingAllocatorModel(target.total_memory if target else None,
+                                          alloc_config) if cuda else None
         self.tracker = SimTracker(self.state, allocator=allocator, max_ops=max_ops,
                                   max_seconds=max_seconds)
         if cuda:
@@ -83,9 +93,11 @@ class Card:
         tr = self.tracker
         if tr.allocator is None:
             return None
-        new = CachingAllocatorModel(target.total_memory if target else None)
+        new = CachingAllocatorModel(target.total_memory if target else None, tr.allocator.config)
         if tr.memory_fraction is not None and target is not None:  # set_per_process_memory_fraction
             new.capacity = int(tr.memory_fraction * target.total_memory)
+        elif tr.allocator.fraction_set and target is not None:  # a fraction of 1.0
+            new.capacity = target.total_memory
         try:
             for serial in sorted(tr._alloc_bytes):
                 new.malloc(serial, tr._alloc_bytes[serial])
@@ -120,7 +132,7 @@ class Card:
 
         old = self.tracker
         new = Card(self.kernels, self.target, self.capability, old.max_ops, old.max_seconds,
-                   self._entries)
+                   self._entries, self.alloc_config)
         new.fake_mode = self.fake_mode  # the copies are fakes of this mode
         new.cells = self.cells
         new.state.default_cuda = self.state.default_cuda
@@ -202,8 +214,9 @@ class Card:
                 tr.allocator = old.allocator.copy(rekey)
             tr._alloc_bytes = alloc_bytes
             tr.cuda_reserved_peak = tr.allocator.reserved
-            tr.allocator.capacity = old.allocator.capacity  # a memory fraction the cells set
-            tr.memory_fraction = old.memory_fraction
+            # a memory fraction the cells set
+            tr.allocator.set_capacity(old.allocator.capacity, fraction=old.allocator.fraction_set)
+            tr.memory_fraction, tr.card_memory = old.memory_fraction, old.card_memory
         notes = []
         missing = old.current["device"] - tr.current["device"]
         if missing > 0 and leave_out & set(self.shadow):
