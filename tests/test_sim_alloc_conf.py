@@ -410,3 +410,17 @@ def test_a_notebook_card_keeps_the_settings_it_was_made_with(monkeypatch):
     session.reset()  # %gpusim reset: a new card reads the environment again
     _sim("import torch\n", gpu="T4", session=session)
     assert session.card.alloc_config.is_default and session.card.alloc_config.max_split_size == SIZE_MAX
+
+
+def test_a_refused_setting_is_one_line_in_the_notebook(ip, monkeypatch):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:8")
+    from IPython.core.error import UsageError
+
+    r = ip.run_cell("%%gpumem --backend sim --gpu T4 -q\nx = torch.ones(3, device='cuda')")
+    err = r.error_in_exec
+    assert isinstance(err, UsageError), err
+    assert "\n" not in str(err) and str(err).startswith(
+        "PYTORCH_CUDA_ALLOC_CONF='max_split_size_mb:8': CachingAllocator option max_split_size_mb too small")
+    assert "fix or unset the variable" in str(err)
+    assert "x" not in ip.user_ns  # nothing ran

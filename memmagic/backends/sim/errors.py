@@ -6,7 +6,7 @@ import torch
 
 __all__ = ["SimulationError", "SimulationUnsupported", "SimulationBudgetExceeded",
            "SimulatedOutOfMemoryError", "SimulatedValueError", "SimulatedDeviceMismatchError",
-           "RERUN_HINT"]
+           "AllocatorConfigError", "RERUN_HINT"]
 
 RERUN_HINT = "run the cell with --backend cpu (real run on the CPU) or on a GPU"
 
@@ -18,6 +18,11 @@ class SimulationError(RuntimeError):
 class SimulationUnsupported(SimulationError):
     """The cell does something a simulation cannot do (custom CUDA kernels, CUDA events
     and streams, reading a CUDA RNG, a device the rewriting missed)."""
+
+
+class AllocatorConfigError(SimulationError, ValueError):
+    """``PYTORCH_CUDA_ALLOC_CONF`` holds a value torch refuses (torch would fail at the
+    first CUDA call): no simulated GPU can be made with it."""
 
 
 class SimulationBudgetExceeded(SimulationError):

@@ -28,7 +28,7 @@ from typing import Any
 from ... import _torch_private as _priv
 from .allocator import AllocatorConfig, AllocatorFull, CachingAllocatorModel, alloc_conf_from_env
 from .device import SimState, SimTracker
-from .errors import SimulationUnsupported
+from .errors import AllocatorConfigError, SimulationUnsupported
 from .gpus import GPUSpec
 from .op_cache import FakeOutputCache
 from .patching import Patches
@@ -63,7 +63,12 @@ class Card:
         self.capability = capability
         self.state = SimState(cuda)
         if alloc_config is None and cuda:
-            alloc_config = alloc_conf_from_env()
+            try:
+                alloc_config = alloc_conf_from_env()
+            except ValueError as exc:
+                raise AllocatorConfigError(
+                    f"{exc}; torch would refuse it at the first CUDA call: fix or unset the "
+                    "variable, then run the cell again") from None
         self.alloc_config = alloc_config
         allocator = CachingAllocatorModel(target.total_memory if target else None,
                                           alloc_config) if cuda else None
