@@ -11,7 +11,6 @@ only for a request below it).
 
 from __future__ import annotations
 
-import random
 import textwrap
 
 import pytest
@@ -27,6 +26,7 @@ from memmagic.backends.sim.allocator import (
     parse_alloc_conf,
 )
 from memmagic.backends.sim.session import SimSession
+from test_sim_allocator import random_ops
 
 MiB = 1 << 20
 
@@ -228,20 +228,9 @@ def _recount(a: CachingAllocatorModel) -> tuple[int, int, int, int]:
 @pytest.mark.parametrize("conf", ["max_split_size_mb:20", "max_split_size_mb:33",
                                   "max_split_size_mb:24,garbage_collection_threshold:0.4"])
 def test_random_runs_keep_the_counts_right(conf):
-    rng = random.Random(1)
     a = model(conf, capacity=300 * MiB)
     a.capacity = 300 * MiB  # set_per_process_memory_fraction: garbage collection may run
-    live: list[int] = []
-    for key in range(2000):
-        if live and rng.random() < 0.45:
-            a.free(live.pop(rng.randrange(len(live))))
-        else:
-            n = rng.choice((rng.randrange(1, 4096), rng.randrange(1, 12 << 20), rng.randrange(1, 60 << 20)))
-            try:
-                a.malloc(key, n)
-                live.append(key)
-            except AllocatorFull:
-                pass
+    for _key, _live in random_ops(a, 1, 2000, 60 << 20):
         s = a.memory_stats()
         over_alloc, over_seg, allocated, reserved = _recount(a)
         assert (s["oversize_allocations.current"], s["oversize_segments.current"]) == (over_alloc, over_seg)

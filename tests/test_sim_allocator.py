@@ -112,22 +112,29 @@ def _scan(a: CachingAllocatorModel) -> dict[str, int]:
     return out
 
 
-def test_memory_stats_follow_the_blocks():
+def random_ops(a: CachingAllocatorModel, seed: int, steps: int, largest: int):
+    """malloc (sizes up to 4 KiB, 2 MiB or ``largest``) and free at random, ``steps``
+    times, skipping requests the card refuses; yields (step, the keys held) after each."""
     import random
 
-    rng = random.Random(0)
-    a = CachingAllocatorModel(capacity=256 << 20)
+    rng = random.Random(seed)
     live: list[int] = []
-    for key in range(3000):
+    for key in range(steps):
         if live and rng.random() < 0.45:
             a.free(live.pop(rng.randrange(len(live))))
         else:
-            n = rng.choice((rng.randrange(1, 4096), rng.randrange(1, 2 << 20), rng.randrange(1, 40 << 20)))
+            n = rng.choice((rng.randrange(1, 4096), rng.randrange(1, 2 << 20), rng.randrange(1, largest)))
             try:
                 a.malloc(key, n)
                 live.append(key)
             except AllocatorFull:
                 pass
+        yield key, live
+
+
+def test_memory_stats_follow_the_blocks():
+    a = CachingAllocatorModel(capacity=256 << 20)
+    for key, live in random_ops(a, 0, 3000, 40 << 20):
         if key % 500 == 0:
             a.empty_cache()
         stats = a.memory_stats()

@@ -179,6 +179,13 @@ def parse_alloc_conf(text: str, source: str = "PYTORCH_CUDA_ALLOC_CONF") -> Allo
 
     # large_segment_size_mb is read first: the smallest max_split_size_mb and the default
     # max_non_split_rounding_mb follow it (parseLargeSegmentSize)
+    def megabytes(i: int) -> tuple[int, int]:  # "key:N" in MB, at least the large segment size
+        j = colon(i) + 1
+        v = size_t(j)
+        if v < large // _MB:
+            raise fail(f"CachingAllocator option {tok[i]} too small, must be >= {large // _MB}")
+        return j, min(v, SIZE_MAX // _MB) * _MB
+
     large = LARGE_BUFFER
     i = 0
     while i < len(tok):
@@ -199,19 +206,9 @@ def parse_alloc_conf(text: str, source: str = "PYTORCH_CUDA_ALLOC_CONF") -> Allo
         key, start = tok[i], i
         follows = True
         if key == "max_split_size_mb":  # parseMaxSplitSize
-            i = colon(i) + 1
-            v = size_t(i)
-            if v < large // _MB:
-                raise fail(f"CachingAllocator option max_split_size_mb too small, must be >= "
-                           f"{large // _MB}")
-            max_split = min(v, SIZE_MAX // _MB) * _MB
+            i, max_split = megabytes(i)
         elif key == "max_non_split_rounding_mb":  # parseMaxNonSplitRoundingSize
-            i = colon(i) + 1
-            v = size_t(i)
-            if v < large // _MB:
-                raise fail(f"CachingAllocator option max_non_split_rounding_mb too small, "
-                           f"must be >= {large // _MB}")
-            rounding = min(v, SIZE_MAX // _MB) * _MB
+            i, rounding = megabytes(i)
         elif key == "garbage_collection_threshold":  # parseGarbageCollectionThreshold
             i = colon(i) + 1
             v = double(i)
@@ -281,6 +278,19 @@ _STAT_AT = {"allocation": _ALLOCATION, "active": _ALLOCATION, "allocated_bytes":
             "active_bytes": _ALLOCATED_BYTES, "requested_bytes": _REQUESTED, "segment": _SEGMENT,
             "reserved_bytes": _RESERVED, "inactive_split": _SPLIT,
             "inactive_split_bytes": _SPLIT_BYTES}
+
+
+def _stat_add(row: list[int], at: int, delta: int) -> None:
+    """The statistic at ``row[at:at + 4]`` (current, peak, allocated, freed) changes by
+    ``delta``, as c10's ``Stat::increase`` / ``decrease`` count it."""
+    v = row[at] + delta
+    row[at] = v
+    if delta > 0:
+        row[at + 2] += delta
+        if v > row[at + 1]:
+            row[at + 1] = v
+    else:
+        row[at + 3] -= delta
 
 
 def round_request(nbytes: int) -> int:
@@ -431,27 +441,12 @@ class CachingAllocatorModel:
     # -- torch.cuda.memory_stats() --------------------------------------------------------
     # (on every malloc and free: kept to a few list operations)
     def _bump_oversize(self, at: int, delta: int) -> None:
-        o = self._oversize
-        v = o[at] + delta
-        o[at] = v
-        if delta > 0:
-            o[at + 2] += delta
-            if v > o[at + 1]:
-                o[at + 1] = v
-        else:
-            o[at + 3] -= delta
+        _stat_add(self._oversize, at, delta)
 
     def _bump(self, at: int, small: bool, delta: int) -> None:
         rows = self._rows
-        for r in (rows[0], rows[1] if small else rows[2]):
-            v = r[at] + delta
-            r[at] = v
-            if delta > 0:
-                r[at + 2] += delta
-                if v > r[at + 1]:
-                    r[at + 1] = v
-            else:
-                r[at + 3] -= delta
+        _stat_add(rows[0], at, delta)
+        _stat_add(rows[1] if small else rows[2], at, delta)
 
     def _count_block(self, small: bool, size: int, requested: int) -> None:
         """A block of ``size`` bytes (``requested`` asked for) was handed out."""
