@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ...report import format_bytes
+from ...snapshot import PICKLE_PROTOCOL
 from .device import SimulatedFloat
 from .errors import RERUN_HINT, SimulationUnsupported
 from .gpus import DEFAULT_CAPABILITY, GPUS, GPUSpec
@@ -107,7 +108,6 @@ def _unsupported_class(what: str) -> type:
 # torch's own memory_summary, which formats whatever memory_stats() answers (the patched
 # one during a run): kept from import time, before any run patches it
 _TORCH_MEMORY_SUMMARY = torch.cuda.memory.memory_summary
-_SNAPSHOT_PROTOCOL = 4  # what the memory_viz page reads
 
 _STREAMS_NOTE = ("CUDA streams and events ran as one stream: work on a side stream ran as "
                  "on the default one (on a GPU the allocator caches blocks per stream, so "
@@ -329,7 +329,7 @@ def install_cuda_api(patches: Patches, tracker, target: GPUSpec | None,
     def _dump_snapshot(filename: str = "dump_snapshot.pickle", *args: Any, **kwargs: Any) -> None:
         data = tracker.memory_snapshot()
         with open(filename, "wb") as f:
-            pickle.dump(data, f, protocol=_SNAPSHOT_PROTOCOL)
+            pickle.dump(data, f, protocol=PICKLE_PROTOCOL)  # what the memory_viz page reads
 
     def memory_snapshot(*args: Any, **kwargs: Any) -> list[dict]:
         return tracker.memory_snapshot()["segments"]
