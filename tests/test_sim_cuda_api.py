@@ -269,3 +269,17 @@ def test_allocator_settings_the_model_does_not_follow_are_named(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     out, _ = run("import torch\nx = torch.ones(4, device='cuda')\n", gpu="T4")
     assert not any("ALLOC_CONF" in n for n in out.report.notes)
+
+
+def test_a_memory_fraction_follows_the_card_to_another_card():
+    seen: dict = {}
+    nb = Notebook(gpu="T4")
+    assert nb.sim("import torch\ntorch.cuda.set_per_process_memory_fraction(0.25)").error is None
+    nb.ns["seen"] = Recorder(seen)
+    out = nb.sim("try:\n    x = torch.empty(5 * 2**30, dtype=torch.uint8, device='cuda')\n"
+                 "except torch.OutOfMemoryError as e:\n    seen['error'] = str(e)\n", gpu="V100")
+    assert out.error is None, out.error
+    v100 = GPUS["v100-16gb"].total_memory
+    assert f"total capacity of {format_bytes(v100)} " in seen["error"]
+    assert f"{format_bytes(int(0.25 * v100))} allowed; " in seen["error"]
+    nb.session.reset()

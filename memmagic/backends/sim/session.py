@@ -113,6 +113,8 @@ class Card:
                 f"{target.name if target else 'the new card'} can take: run %gpusim reset "
                 "(or memmagic.reset_simulated_gpu()) first") from None
         tr.allocator = new
+        if tr.memory_fraction is not None and target is not None:
+            tr.card_memory = target.total_memory  # what the OOM message calls the capacity
         if tr.workspaces is not None and target is not None:
             fresh = Workspaces(target.capability)  # sizes for workspaces taken from now on
             tr.workspaces.cublas, tr.workspaces.cublaslt = fresh.cublas, fresh.cublaslt
