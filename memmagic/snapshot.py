@@ -137,11 +137,12 @@ class _Writer:
             return Category.ACTIVATIONS.value  # held by autograd for backward
         return s.category
 
-    def _snapshot_entry(self, entries: list[dict], change: int) -> None:
+    @staticmethod
+    def _snapshot_entry(entries: list[dict], live: int) -> None:
         # the allocator's own marker for "a snapshot was taken here", with the bytes live
         # then; its category ("unknown": blocks older than the history) completes the
         # viewer's category list
-        entries.append({"action": "snapshot", "addr": 0, "size": self.trace.before + change,
+        entries.append({"action": "snapshot", "addr": 0, "size": live,
                         "stream": 0, "frames": [], "category": "unknown"})
 
     # -- sim: the caching allocator model's own history ------------------------------------
@@ -150,7 +151,7 @@ class _Writer:
         # history sizes are the bytes asked for, as torch records them; the marker holds
         # what the blocks hold now (rounded sizes)
         held = sum(b["size"] for seg in log.segments for b in seg["blocks"] if b["allocated"])
-        self._snapshot_entry(entries, held - self.trace.before)
+        self._snapshot_entry(entries, held)
         return {"segments": self.segments(log.segments), "device_traces": [entries]}
 
     def history(self, log_entries: list[dict]) -> list[dict]:
@@ -245,7 +246,7 @@ class _Writer:
                 size[serial] = new
             else:
                 size.pop(serial, None)
-        self._snapshot_entry(entries, live)
+        self._snapshot_entry(entries, trace.before + live)
         segments = []
         for serial in sorted(addr, key=addr.__getitem__):
             n = size[serial]

@@ -440,22 +440,12 @@ def _install_accelerator_api(patches: Patches, cuda: dict[str, Any], check_devic
         return
     mem = getattr(acc, "memory", None)
 
-    class device_index:  # noqa: N801 (torch's name): ``with torch.accelerator.device_index(0)``
-        def __init__(self, device, /) -> None:
-            check_device(device)
-
-        def __enter__(self) -> None:
-            return None
-
-        def __exit__(self, *exc: Any) -> None:
-            return None
-
     values: dict[str, Any] = {
         "is_available": lambda: True, "device_count": lambda: 1,
         "current_accelerator": lambda check_available=False: torch.device("cuda"),
         "current_device_index": lambda: 0, "current_device_idx": lambda: 0,
         "set_device_index": check_device, "set_device_idx": check_device,
-        "device_index": device_index,
+        "device_index": cuda["device"],  # ``with torch.accelerator.device_index(0):``
         "synchronize": lambda device=None, /: check_device(device),
         "current_stream": lambda device=None, /: cuda["current_stream"](device),
         "set_stream": cuda["set_stream"],
