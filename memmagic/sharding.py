@@ -81,13 +81,12 @@ def _wrapper_aware_tracking() -> Iterator[None]:
     below the tracker's dispatch mode, so the tracker must look through it."""
     from . import _torch_private as dist_priv
     from . import tracking
-    from ._torch_private import storage_key
     from .backends.sim import device as sim_device
 
     inner, is_wrapper = dist_priv.wrapper_inner_tensors, dist_priv.is_wrapper_subclass
     st = tracking.StorageTracker
     sim = sim_device.SimTracker
-    orig = {name: getattr(st, name) for name in ("track", "note", "serial_of", "_recheck_size")}
+    orig = {name: getattr(st, name) for name in ("track", "note", "serial_of", "recheck_size")}
     orig_pool = getattr(sim, "_pool_from_inputs", None)
 
     def track(self, t, role=tracking.Category.OTHER):
@@ -120,7 +119,7 @@ def _wrapper_aware_tracking() -> Iterator[None]:
             for i in inner(t):
                 recheck(self, i)
             return None
-        return orig["_recheck_size"](self, t)
+        return orig["recheck_size"](self, t)
 
     def unwrap(a):
         if is_wrapper(a):
@@ -134,11 +133,10 @@ def _wrapper_aware_tracking() -> Iterator[None]:
                          {k: unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs)
 
     def resized(t) -> None:
-        active = tracking._ACTIVE
-        tr = active[-1].t if active else None
+        tr = tracking.innermost_tracker()
         if tr is None:
             return
-        entry = tr._live.get(storage_key(t.untyped_storage()))
+        entry = tr.entry_of(t)
         if entry is None:
             return
         s = getattr(tr, "s", None)  # the simulation rounds by the pool of the op running
@@ -146,14 +144,14 @@ def _wrapper_aware_tracking() -> Iterator[None]:
         if s is not None:
             s.pending = entry.pool
         try:
-            tr._recheck_size(t)
+            tr.recheck_size(t)
         finally:
             if s is not None:
                 s.pending = old
 
     with ExitStack() as stack:
         try:
-            st.track, st.note, st.serial_of, st._recheck_size = track, note, serial_of, recheck
+            st.track, st.note, st.serial_of, st.recheck_size = track, note, serial_of, recheck
             if orig_pool is not None:
                 sim._pool_from_inputs = pool_from_inputs
             stack.enter_context(dist_priv.fsdp_storage_resize_hook(resized))

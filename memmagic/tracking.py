@@ -51,7 +51,7 @@ def _identity(n: int) -> int:
 
 
 @dataclass
-class _Entry:
+class Entry:
     serial: int
     nbytes: int
     pool: str
@@ -90,9 +90,9 @@ class StorageTracker(_priv.TorchDispatchMode):
 
     def __init__(self, include: IncludeFn, round_bytes: Callable[[int], int] = _identity) -> None:
         super().__init__()
-        self._include = include
-        self._round = round_bytes
-        self._live: dict[int, _Entry] = {}
+        self.include = include
+        self.round_bytes = round_bytes
+        self._live: dict[int, Entry] = {}
         self._serial = 0
         self.pool_of: dict[int, str] = {}
         self._seed: dict[int, int] = {}
@@ -137,7 +137,7 @@ class StorageTracker(_priv.TorchDispatchMode):
         del self._live[key]
         self._add(entry, -entry.nbytes)
 
-    def _add(self, entry: _Entry, delta: int) -> None:
+    def _add(self, entry: Entry, delta: int) -> None:
         pool = entry.pool
         self.events.append((entry.serial, delta, self.ops))
         cur = self.current[pool] + delta
@@ -227,12 +227,12 @@ class StorageTracker(_priv.TorchDispatchMode):
         key = _priv.storage_key(st)
         entry = self._live.get(key)
         if entry is None:
-            pool = self._include(t)
+            pool = self.include(t)
             if pool is None:
                 return None
             self._serial += 1
             serial = self._serial
-            entry = _Entry(serial, self._round(st.nbytes()), pool)
+            entry = Entry(serial, self.round_bytes(st.nbytes()), pool)
             self.pool_of[serial] = pool
             try:
                 entry.ref = weakref.ref(st, lambda _r, k=key, s=serial: self._on_free(k, s))
@@ -246,7 +246,7 @@ class StorageTracker(_priv.TorchDispatchMode):
             self.note_serial(entry.serial, role)
         return entry.serial
 
-    def _recheck_size(self, t: torch.Tensor) -> None:
+    def recheck_size(self, t: torch.Tensor) -> None:
         """After a mutating op: an existing storage may have been resized (resize_, out=)."""
         try:
             st = t.untyped_storage()
@@ -256,17 +256,21 @@ class StorageTracker(_priv.TorchDispatchMode):
         if entry is None:
             self.track(t)
             return
-        size = self._round(st.nbytes())
+        size = self.round_bytes(st.nbytes())
         if size != entry.nbytes:
             delta = size - entry.nbytes
             entry.nbytes = size
             self._add(entry, delta)
 
-    def serial_of(self, t: torch.Tensor) -> int | None:
+    def entry_of(self, t: torch.Tensor) -> Entry | None:
+        """The live entry of ``t``'s storage (None when it is not tracked)."""
         try:
-            entry = self._live.get(_priv.storage_key(t.untyped_storage()))
+            return self._live.get(_priv.storage_key(t.untyped_storage()))
         except (RuntimeError, NotImplementedError, TypeError):
             return None
+
+    def serial_of(self, t: torch.Tensor) -> int | None:
+        entry = self.entry_of(t)
         return None if entry is None else entry.serial
 
     def saved(self, serial: int, delta: int) -> None:
@@ -324,7 +328,7 @@ class StorageTracker(_priv.TorchDispatchMode):
     def _visit(self, obj: object, mutating: bool) -> None:
         if isinstance(obj, torch.Tensor):
             if mutating:
-                self._recheck_size(obj)
+                self.recheck_size(obj)
             else:
                 self.track(obj)
         elif isinstance(obj, (list, tuple)):
@@ -579,7 +583,12 @@ def _forward_name(node_name: str) -> str:
 
 # Role hooks of the trackings running now, outermost first. Only the outermost installs
 # saved-tensor hooks (autograd calls only the innermost pack hook) and tells all of them.
-_ACTIVE: list["_RoleHooks"] = []
+_ACTIVE_HOOKS: list["RoleHooks"] = []
+
+
+def innermost_tracker() -> "StorageTracker | None":
+    """The tracker of the innermost tracking running now (None outside any)."""
+    return _ACTIVE_HOOKS[-1].t if _ACTIVE_HOOKS else None
 
 
 _ATOMIC = (str, bytes, bytearray, int, float, complex, bool, type(None), range, slice,
@@ -633,7 +642,7 @@ def reachable_existing(roots: Iterable[object], max_objects: int = MAX_WALK
 
 
 # -- role hooks ---------------------------------------------------------------------------
-class _RoleHooks:
+class RoleHooks:
     """Global module / optimizer / saved-tensor hooks that tell the tracker what storages are."""
 
     def __init__(self, tracker: StorageTracker, namespaces: list[dict] | None = None) -> None:
@@ -771,7 +780,7 @@ class _RoleHooks:
         marks = []
         quiet = []
         try:
-            for hooks in _ACTIVE:
+            for hooks in _ACTIVE_HOOKS:
                 t = hooks.t
                 serial = t.serial_of(tensor)
                 if serial is not None:
@@ -796,10 +805,10 @@ class _RoleHooks:
         reg(_module_mod.register_module_forward_hook(self._post_forward, always_call=True))
         reg(register_optimizer_step_pre_hook(lambda o, a, k: self._optimizer(o, a, k, post=False)))
         reg(register_optimizer_step_post_hook(lambda o, a, k: self._optimizer(o, a, k, post=True)))
-        if not _ACTIVE:
+        if not _ACTIVE_HOOKS:
             self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_ctx.__enter__()
-        _ACTIVE.append(self)
+        _ACTIVE_HOOKS.append(self)
 
     def final_notes(self) -> None:
         """At the end: gradients of every parameter seen are gradients, and the state of
@@ -830,8 +839,8 @@ class _RoleHooks:
     def uninstall(self) -> None:
         self.channel.tracker = None
         try:
-            if self in _ACTIVE:
-                _ACTIVE.remove(self)
+            if self in _ACTIVE_HOOKS:
+                _ACTIVE_HOOKS.remove(self)
             if self._saved_ctx is not None:
                 self._saved_ctx.__exit__(None, None, None)
                 self._saved_ctx = None
@@ -948,7 +957,7 @@ class Tracking:
         that walk is too large, through the garbage collector (complete but slower)."""
         self.tracker = StorageTracker(include, round_bytes)
         self._roots = roots
-        self._hooks = _RoleHooks(self.tracker, _namespaces(roots))
+        self._hooks = RoleHooks(self.tracker, _namespaces(roots))
         self._compiled = EagerCompiled()
         self._seed = seed
         self.result: TrackResult | None = None

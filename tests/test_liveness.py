@@ -250,7 +250,7 @@ def test_the_measurement_leaves_no_tracker_behind():
     ns = {"probe": probe, "device": "cpu"}
     _measured(lambda: get_backend("cpu"))(SETUP + PROGRAMS["forward loop, epoch_loss += loss"], ns)
     gc.collect()
-    kinds = (tracking.StorageTracker, tracking.Tracking, tracking._RoleHooks)
+    kinds = (tracking.StorageTracker, tracking.Tracking, tracking.RoleHooks)
     assert not [o for o in gc.get_objects() if isinstance(o, kinds)]
     # the graph the program kept (epoch_loss) holds our saved-tensor stand-ins, cut off
     saved = [o for o in gc.get_objects() if isinstance(o, tracking._Saved)]
@@ -269,7 +269,7 @@ def test_a_failed_measurement_keeps_no_memmagic_object_alive():
     except ValueError:
         tb = sys.exc_info()[2]
     gc.collect()
-    kinds = (tracking.StorageTracker, tracking.Tracking, tracking._RoleHooks)
+    kinds = (tracking.StorageTracker, tracking.Tracking, tracking.RoleHooks)
     assert not [o for o in gc.get_objects() if isinstance(o, kinds)]
     assert tb is not None
     del tb

@@ -76,7 +76,7 @@ def test_world_size_one_is_refused():
 
 
 def test_everything_installed_is_restored_also_after_the_cell_fails(clean_state):
-    methods = {n: tracking.StorageTracker.__dict__[n] for n in ("track", "note", "serial_of", "_recheck_size")}
+    methods = {n: tracking.StorageTracker.__dict__[n] for n in ("track", "note", "serial_of", "recheck_size")}
     pool = sim_device.SimTracker.__dict__["_pool_from_inputs"]
     init = torch.optim.Optimizer.__dict__["__init__"]
     r = sharding.simulate_fsdp(STEP + "raise ValueError('boom')\n", world_size=2)

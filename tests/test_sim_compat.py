@@ -18,7 +18,7 @@ from memmagic.backends.sim import SimulationUnsupported, resolve_target
 from memmagic.backends.sim.compat import holds_simulated_tensors, install_compat
 from memmagic.backends.sim.cuda_api import DEFAULT_CARD
 from memmagic.backends.sim.kernels import NO_BACKEND, NO_KERNEL, choose_sdpa_backend
-from memmagic.backends.sim.patching import Patches
+from memmagic.patching import Patches
 
 from test_sim import Recorder, run  # noqa: E402  (the helpers every sim test uses)
 

@@ -158,7 +158,7 @@ def compiled_note(calls: int) -> str:
 def simulation_running() -> bool:
     """Whether a simulated run is in progress (code inside it runs on fake tensors)."""
     sim = sys.modules.get(__name__ + ".sim.backend")
-    return bool(getattr(sim, "_ACTIVE", None))
+    return sim is not None and sim.simulation_active()
 
 
 def simulated_error_types() -> tuple[type[BaseException], ...]:

@@ -13,7 +13,7 @@ import torch
 
 from ... import _torch_private as _priv
 from ...report import Category, MemoryReport, format_bytes
-from ...tracking import Tracking, _RoleHooks
+from ...tracking import Tracking, RoleHooks
 from .. import Backend, Outcome, release_own_frames
 from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
@@ -29,7 +29,7 @@ from .errors import (
 )
 from .gpus import DEFAULT_CAPABILITY, GPUSpec, resolve_target
 from .kernels import install_cuda_kernels
-from .patching import Patches
+from ...patching import Patches
 from .sandbox import Sandbox, sanitize_value
 from .session import Card, SimSession
 
@@ -50,6 +50,11 @@ _FAST_ENTRIES: dict[tuple, dict] = {}  # FakeOutputCache entries per kernel conf
 _ACTIVE: list = []  # the simulated run in progress (they do not nest)
 
 
+def simulation_active() -> bool:
+    """Whether a simulated run is in progress (code inside it runs on fake tensors)."""
+    return bool(_ACTIVE)
+
+
 def clear_op_cache() -> None:
     """Forget every op-cache entry, and FakeTensorMode's own dispatch cache: the next run
     of any cell starts cold, as in a fresh session."""
@@ -61,9 +66,9 @@ class _SimTracking(Tracking):
     """Tracking with the simulation's tracker (and no scan of the process's tensors)."""
 
     def __init__(self, tracker: SimTracker, namespace: dict | None = None) -> None:
-        super().__init__(tracker._include, tracker._round, seed=False, roots=namespace)
+        super().__init__(tracker.include, tracker.round_bytes, seed=False, roots=namespace)
         self.tracker = tracker
-        self._hooks = _RoleHooks(tracker, [namespace] if isinstance(namespace, dict) else None)
+        self._hooks = RoleHooks(tracker, [namespace] if isinstance(namespace, dict) else None)
 
 
 class SimBackend(Backend):

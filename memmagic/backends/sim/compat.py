@@ -52,7 +52,7 @@ from ... import _torch_private as _priv
 from .cuda_api import install_default_card_note
 from .errors import RERUN_HINT, SimulationUnsupported
 from .gpus import GPUSpec
-from .patching import Patches
+from ...patching import Patches
 
 __all__ = ["install_compat", "holds_simulated_tensors"]
 

@@ -36,7 +36,7 @@ from ...snapshot import PICKLE_PROTOCOL
 from .device import SimulatedFloat
 from .errors import RERUN_HINT, SimulationUnsupported
 from .gpus import DEFAULT_CAPABILITY, GPUS, GPUSpec
-from .patching import Patches
+from ...patching import Patches
 
 __all__ = ["SimDeviceProperties", "install_cuda_api", "install_default_card_note", "DEFAULT_CARD"]
 

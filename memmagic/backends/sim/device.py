@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from ... import _torch_private as _priv
 from ...report import Category, format_bytes
 from ...snapshot import allocator_history, allocator_segments
-from ...tracking import StorageTracker, _Entry
+from ...tracking import StorageTracker, Entry
 from .allocator import AllocatorFull, CachingAllocatorModel, round_request
 from .kernels import mkldnn_rnn_workspace
 from .workspaces import BLAS_OPS, Workspaces
@@ -169,7 +169,7 @@ class SimState:
         if tr is None:
             return "host"
         try:
-            entry = tr._live.get(_priv.storage_key(t.untyped_storage()))
+            entry = tr.entry_of(t)
         except (RuntimeError, NotImplementedError, TypeError):
             return "host"
         return "host" if entry is None else entry.pool
@@ -850,7 +850,7 @@ class SimTracker(StorageTracker):
         return round_request(n) if (self.s.cuda and self.s.pending == "device") else n
 
     # -- allocator ------------------------------------------------------------------------
-    def _add(self, entry: _Entry, delta: int) -> None:
+    def _add(self, entry: Entry, delta: int) -> None:
         if entry.pool == "device" and self.allocator is not None:
             self._allocate(entry, delta)  # a request the card cannot take never counts
         super()._add(entry, delta)
@@ -859,7 +859,7 @@ class SimTracker(StorageTracker):
             if cur > self.cuda_peak:
                 self.cuda_peak = cur
 
-    def _allocate(self, entry: _Entry, delta: int) -> None:
+    def _allocate(self, entry: Entry, delta: int) -> None:
         a = self.allocator
         serial = entry.serial
         old = self._alloc_bytes.pop(serial, 0)
@@ -1024,7 +1024,7 @@ class SimTracker(StorageTracker):
         storage: a key of its own, never freed); (its serial, its bytes). Raises the OOM
         a GPU would raise here."""
         self._serial += 1
-        entry = _Entry(self._serial, nbytes, "device")
+        entry = Entry(self._serial, nbytes, "device")
         self.pool_of[entry.serial] = "device"
         self.roles[entry.serial] = Category.WORKSPACES
         self._requested = nbytes

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ... import _torch_private as _priv
-from .patching import Patches
+from ...patching import Patches
 
 __all__ = ["install_cuda_kernels", "choose_sdpa_backend"]
 

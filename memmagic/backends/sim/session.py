@@ -31,7 +31,7 @@ from .device import SimState, SimTracker
 from .errors import AllocatorConfigError, SimulationUnsupported
 from .gpus import GPUSpec
 from .op_cache import FakeOutputCache
-from .patching import Patches
+from ...patching import Patches
 from .workspaces import Workspaces
 
 __all__ = ["SimSession", "Card", "Shadow", "shell_session"]

@@ -1,5 +1,7 @@
-"""Temporary attribute patches, all undone in reverse order (also after an exception);
-callbacks registered with ``call_on_restore`` run in that order too."""
+"""The one undo log for global state: temporary attribute patches, entered context
+managers and undo callbacks, all undone in reverse order by :meth:`Patches.restore` (also
+after an exception). Every install of global state in memmagic (the simulation's patches,
+the what-if knobs' hooks) goes through one of these."""
 
 from __future__ import annotations
 
@@ -28,6 +30,12 @@ class Patches:
         is not an attribute: a cache filled while patched)."""
         self._undo.append((None, "", callback))
 
+    def enter(self, cm: Any) -> Any:
+        """Enter the context manager ``cm`` now; :meth:`restore` exits it at this point."""
+        value = cm.__enter__()
+        self.call_on_restore(lambda: cm.__exit__(None, None, None))
+        return value
+
     def restore(self) -> None:
         errors = []
         while self._undo:
@@ -39,7 +47,7 @@ class Patches:
                     delattr(obj, name)
                 else:
                     setattr(obj, name, old)
-            except Exception as exc:  # keep restoring the rest
+            except BaseException as exc:  # noqa: BLE001 - keep restoring the rest
                 errors.append(exc)
         if errors:
             raise errors[0]
