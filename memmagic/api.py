@@ -8,8 +8,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from .backends import (NO_GPU_HINT, Measurement, add_note_once, get_backend, needs_missing_cuda,
-                       release_own_frames)
+from .backends import Measurement, get_backend
+from .failures import NO_GPU_HINT, add_note_once, needs_missing_cuda, release_own_frames
 from .report import MemoryReport
 
 __all__ = ["measure", "track"]

@@ -30,7 +30,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping
 
-from .backends import Outcome, get_backend, release_own_frames
+from .backends import Outcome, get_backend
+from .failures import release_own_frames
 from .knobs import KNOBS, Applier, KnobError, Setting, knob_value
 from .report import MemoryReport
 

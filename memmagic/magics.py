@@ -17,67 +17,12 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from .backends import (BACKEND_NAMES, NO_GPU_HINT, BackendUnavailable, add_note_once,
-                       cuda_usable, get_backend, needs_missing_cuda, release_own_frames)
+from .backends import BACKEND_NAMES, BackendUnavailable, cuda_usable, get_backend
+from .failures import (NO_GPU_HINT, add_note_once, is_out_of_memory, needs_missing_cuda,
+                       release_own_frames, strip_own_frames)
 from .report import MemoryReport, format_bytes
 
 __all__ = ["MemMagics"]
-
-_OOM_TEXT = re.compile(r"out of memory|can't allocate memory", re.I)
-_REQUESTED = re.compile(r"(?:Tried to allocate|you tried to allocate)\s+([\d.]+\s*[KMGTP]?i?B|\d+ bytes)", re.I)
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    import torch
-
-    return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and bool(_OOM_TEXT.search(str(error))))
-
-
-_OWN_DIR = __file__.rsplit("/", 1)[0] if "/" in __file__ else ""
-
-
-def _own(tb) -> bool:
-    return tb.tb_frame.f_code.co_filename.startswith(_OWN_DIR)
-
-
-_MACHINERY = ("/torch/_compile.py", "/torch/_dynamo/", "/torch/_subclasses/", "/torch/_ops.py",
-              "/torch/overrides.py", "/torch/utils/_python_dispatch.py", "/torch/utils/_stats.py",
-              "/torch/_prims_common/", "/torch/_refs/", "/torch/_decomp/", "/torch/_meta_registrations.py")
-
-
-def _machinery(filename: str) -> bool:
-    return filename.startswith(_OWN_DIR) or any(m in filename for m in _MACHINERY)
-
-
-def strip_own_frames(tb, error: BaseException):
-    """The traceback without memmagic's frames, so the user sees their code and torch's.
-
-    Frames after the last frame of the user's (where memmagic itself raised) are kept,
-    except for the simulator's own errors, which stand for an error of the code being run.
-    """
-    frames = []
-    while tb is not None:
-        frames.append(tb)
-        tb = tb.tb_next
-    from .backends import simulated_error_types
-
-    simulated = isinstance(error, simulated_error_types())
-    keep_tail = not simulated
-    last_user = max((i for i, t in enumerate(frames) if not _own(t)), default=-1)
-    kept = [t for i, t in enumerate(frames) if not _own(t) or (keep_tail and i > last_user)]
-    if simulated:
-        # a simulated error stands for one a GPU raises from C++ under the op: the user's
-        # code and torch's Python (nn modules, optim) stay, the machinery the simulation
-        # runs through (dispatch modes, dynamo's wrappers, fake tensors) is cut
-        for i, t in enumerate(kept):
-            if _machinery(t.tb_frame.f_code.co_filename):
-                kept = kept[:i]
-                break
-    for a, b in zip(kept, kept[1:] + [None]):
-        a.tb_next = b
-    return kept[0] if kept else None
-
 
 @magics_class
 class MemMagics(Magics):
@@ -564,8 +509,9 @@ class MemMagics(Magics):
         gc.collect()
         if quiet:
             return
-        m = _REQUESTED.search(str(error))
-        requested = m.group(1) if m else "an unknown amount"
+        from .failures import requested_text
+
+        requested = requested_text(error) or "an unknown amount"
         text = (f"memmagic: out of memory on {report.device}: tried to allocate {requested} "
                 f"while {format_bytes(report.after)} of tensors were live (peak "
                 f"{format_bytes(report.peak)}). The failed cell's local variables were released.")

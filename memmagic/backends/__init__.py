@@ -8,19 +8,17 @@ re-raises it after rendering). The simulated backend hands ``run`` a sandboxed n
 
 from __future__ import annotations
 
-import os
-import re
 import sys
 from abc import ABC
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..failures import cuda_usable
 from ..report import MemoryReport
 
 __all__ = ["Backend", "Outcome", "BackendUnavailable", "get_backend", "BACKEND_NAMES",
-           "release_own_frames", "needs_missing_cuda", "simulation_running", "NO_GPU_HINT",
-           "add_note_once", "compiled_note"]
+           "simulation_running", "compiled_note", "cuda_usable"]
 
 BACKEND_NAMES = ("auto", "cuda", "cpu", "sim")
 
@@ -93,60 +91,6 @@ class Backend(ABC):
         return self.execute(lambda _ns: fn(), {})
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_SHARED_WITH_USERS = (os.path.join(_PACKAGE_DIR, "zoo.py"),)  # model code a cell calls
-
-
-def release_own_frames(tb) -> None:
-    """Clear the locals of memmagic's finished frames in a failed run's traceback.
-
-    The traceback of an exception from measured code runs through the backend's frames
-    (and the user's frames point back at them): kept for ``%debug`` or in
-    ``sys.last_traceback``, they would keep the tracker, the simulation's sandbox and the
-    fake tensors alive. The user's own frames are left as they are."""
-    while tb is not None:
-        f = tb.tb_frame
-        name = f.f_code.co_filename
-        if name.startswith(_PACKAGE_DIR) and name not in _SHARED_WITH_USERS:
-            try:
-                f.clear()
-            except RuntimeError:  # still running: the caller re-raising
-                pass
-        tb = tb.tb_next
-
-
-def cuda_usable() -> bool:
-    import torch
-
-    try:
-        return bool(torch.cuda.is_available()) and torch.cuda.device_count() > 0
-    except Exception:
-        return False
-
-
-# torch's errors for CUDA code on a machine without a usable CUDA GPU (a CPU-only build,
-# no driver, no device)
-_NO_CUDA = re.compile(r"not compiled with CUDA enabled|no NVIDIA driver|No CUDA GPUs are available|"
-                      r"CUDA driver initialization failed", re.I)
-
-
-def needs_missing_cuda(error: BaseException) -> bool:
-    """Whether ``error`` is torch saying the code needs a CUDA GPU this machine lacks (the
-    sim backend runs such code on a simulated one)."""
-    return (isinstance(error, (AssertionError, RuntimeError)) and bool(_NO_CUDA.search(str(error)))
-            and not cuda_usable())
-
-
-NO_GPU_HINT = ("memmagic: this code needs a CUDA GPU, which this machine lacks; "
-               "{how} runs it on a simulated one")
-
-
-def add_note_once(error: BaseException, note: str) -> None:
-    """Add ``note`` to the exception's notes (shown under its message), once."""
-    if note not in getattr(error, "__notes__", ()):
-        error.add_note(note)
-
-
 def compiled_note(calls: int) -> str:
     """The note of a run in which ``torch.compile``'d code ran (eagerly) ``calls`` times."""
     return (f"torch.compile'd code ran eagerly here ({calls} call{'s' if calls != 1 else ''}): "
@@ -159,15 +103,6 @@ def simulation_running() -> bool:
     """Whether a simulated run is in progress (code inside it runs on fake tensors)."""
     sim = sys.modules.get(__name__ + ".sim.backend")
     return sim is not None and sim.simulation_active()
-
-
-def simulated_error_types() -> tuple[type[BaseException], ...]:
-    """Exception types the simulator raises in place of an error of the simulated code."""
-    try:
-        from .sim import SimulatedOutOfMemoryError, SimulationError
-    except ImportError:  # pragma: no cover
-        return ()
-    return (SimulationError, SimulatedOutOfMemoryError)
 
 
 def get_backend(name: str = "auto", **options: Any) -> Backend:

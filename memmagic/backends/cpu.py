@@ -9,6 +9,7 @@ from typing import Any, Iterator
 import torch
 
 from .. import _torch_private as _priv
+from ..failures import error_text
 from ..report import MemoryReport
 from ..tracking import Tracking
 from . import Backend, Measurement, compiled_note
@@ -55,14 +56,6 @@ class CPUBackend(Backend):
         finally:
             holder.report = report_from_tracking(
                 tracking, "cpu", f"cpu ({_cpu_name()})", CPU_NOTES, error)
-
-
-def error_text(error: BaseException | None) -> str | None:
-    """``'Type: message'`` (first line only) for a report, None when there was no error."""
-    if error is None:
-        return None
-    msg = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {msg[0]}" if msg else type(error).__name__
 
 
 def report_from_tracking(tracking: Tracking, backend: str, device: str,

@@ -26,10 +26,10 @@ from typing import Iterator
 import torch
 
 from .. import _torch_private as _priv
+from ..failures import error_text
 from ..report import MemoryReport
 from ..tracking import Tracking
 from . import Backend, BackendUnavailable, Measurement, cuda_usable
-from .cpu import error_text
 
 __all__ = ["CUDABackend", "AllocatorProbe", "replay_peak", "CUDA_NOTES"]
 

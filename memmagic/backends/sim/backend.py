@@ -14,7 +14,8 @@ import torch
 from ... import _torch_private as _priv
 from ...report import Category, MemoryReport, format_bytes
 from ...tracking import Tracking, RoleHooks
-from .. import Backend, Outcome, release_own_frames
+from ...failures import release_own_frames
+from .. import Backend, Outcome
 from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
 from .cuda_api import install_cuda_api

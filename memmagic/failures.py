@@ -1,0 +1,190 @@
+"""Failures, written once: is it an out of memory, how many bytes it asked for, which
+frames of a traceback are memmagic's own, and taking those frames out of what the user
+sees and keeps.
+
+Every module that looks at a failed run asks here: the magic, the what-if engine, the
+doctor, the FSDP2 rows, the backends and the simulated device. Knows nothing of IPython.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from .report import parse_bytes
+
+__all__ = ["PACKAGE_DIR", "is_machinery", "is_user_file", "is_out_of_memory",
+           "requested_bytes", "requested_text", "release_own_frames", "strip_own_frames",
+           "needs_missing_cuda", "add_note_once", "NO_GPU_HINT", "simulated_error_types",
+           "error_text"]
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# model code a cell calls (memmagic.zoo): the user's code, not memmagic's machinery
+_SHARED_WITH_USERS = (os.path.join(PACKAGE_DIR, "zoo.py"),)
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+
+
+def is_machinery(filename: str) -> bool:
+    """Whether code in ``filename`` is memmagic's own measuring code (the backends, the
+    tracker, the magic), whose frames hold the measurement's objects, not the user's.
+    The model zoo is not: it is model code a cell calls."""
+    return filename.startswith(PACKAGE_DIR) and filename not in _SHARED_WITH_USERS
+
+
+def _torch_dir() -> str:
+    import torch
+
+    return os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether code in ``filename`` is the user's (a cell, their own module), not torch's,
+    memmagic's, the standard library's or an installed package's."""
+    return not (filename.startswith((_torch_dir(), PACKAGE_DIR, _STDLIB))
+                or "site-packages" in filename or "dist-packages" in filename)
+
+
+# -- out of memory ------------------------------------------------------------------------
+# torch's CUDA message, and the CPU allocator's ("DefaultCPUAllocator: can't allocate memory")
+_OOM_TEXT = re.compile(r"out of memory|can't allocate memory", re.I)
+# "Tried to allocate 2.00 GiB" (CUDA, the simulated card), "you tried to allocate 8 bytes" (CPU)
+_REQUESTED = re.compile(r"(?:Tried to allocate|you tried to allocate)\s+([\d.]+\s*[KMGTP]?i?B|\d+ bytes)",
+                        re.I)
+
+
+def is_out_of_memory(error: BaseException | None) -> bool:
+    """Whether ``error`` is an out of memory: torch's OutOfMemoryError (the simulated
+    card's included), or a RuntimeError saying so (the CPU allocator, older torch)."""
+    if error is None:
+        return False
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and bool(_OOM_TEXT.search(str(error))))
+
+
+def requested_text(error: BaseException) -> str | None:
+    """The size the failed allocation asked for, as the message writes it ("2.00 GiB")."""
+    m = _REQUESTED.search(str(error))
+    return m.group(1) if m else None
+
+
+def requested_bytes(error: BaseException) -> int | None:
+    """The bytes the failed allocation asked for (the simulated error's exact size, else
+    read from the message; None when it does not say)."""
+    size = getattr(error, "size", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    text = requested_text(error)
+    if text is None:
+        return None
+    try:
+        return parse_bytes(text.replace("bytes", "B"))
+    except ValueError:
+        return None
+
+
+# -- the user's view of a failure -----------------------------------------------------------
+def release_own_frames(tb: Any) -> None:
+    """Clear the locals of memmagic's finished frames in a failed run's traceback.
+
+    The traceback of an exception from measured code runs through the backend's frames
+    (and the user's frames point back at them): kept for ``%debug`` or in
+    ``sys.last_traceback``, they would keep the tracker, the simulation's sandbox and the
+    fake tensors alive. The user's own frames are left as they are."""
+    while tb is not None:
+        f = tb.tb_frame
+        if is_machinery(f.f_code.co_filename):
+            try:
+                f.clear()
+            except RuntimeError:  # still running: the caller re-raising
+                pass
+        tb = tb.tb_next
+
+
+_DISPATCH_MACHINERY = ("/torch/_compile.py", "/torch/_dynamo/", "/torch/_subclasses/",
+                       "/torch/_ops.py", "/torch/overrides.py", "/torch/utils/_python_dispatch.py",
+                       "/torch/utils/_stats.py", "/torch/_prims_common/", "/torch/_refs/",
+                       "/torch/_decomp/", "/torch/_meta_registrations.py")
+
+
+def _own(tb: Any) -> bool:
+    return tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR)
+
+
+def strip_own_frames(tb: Any, error: BaseException) -> Any:
+    """The traceback without memmagic's frames, so the user sees their code and torch's.
+
+    Frames after the last frame of the user's (where memmagic itself raised) are kept,
+    except for the simulator's own errors, which stand for an error of the code being run.
+    """
+    frames = []
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    simulated = isinstance(error, simulated_error_types())
+    keep_tail = not simulated
+    last_user = max((i for i, t in enumerate(frames) if not _own(t)), default=-1)
+    kept = [t for i, t in enumerate(frames) if not _own(t) or (keep_tail and i > last_user)]
+    if simulated:
+        # a simulated error stands for one a GPU raises from C++ under the op: the user's
+        # code and torch's Python (nn modules, optim) stay, the machinery the simulation
+        # runs through (dispatch modes, dynamo's wrappers, fake tensors) is cut
+        for i, t in enumerate(kept):
+            name = t.tb_frame.f_code.co_filename
+            if name.startswith(PACKAGE_DIR) or any(m in name for m in _DISPATCH_MACHINERY):
+                kept = kept[:i]
+                break
+    for a, b in zip(kept, kept[1:] + [None]):
+        a.tb_next = b
+    return kept[0] if kept else None
+
+
+def simulated_error_types() -> tuple[type[BaseException], ...]:
+    """Exception types the simulator raises in place of an error of the simulated code."""
+    try:
+        from .backends.sim.errors import SimulatedOutOfMemoryError, SimulationError
+    except ImportError:  # pragma: no cover
+        return ()
+    return (SimulationError, SimulatedOutOfMemoryError)
+
+
+# torch's errors for CUDA code on a machine without a usable CUDA GPU (a CPU-only build,
+# no driver, no device)
+_NO_CUDA = re.compile(r"not compiled with CUDA enabled|no NVIDIA driver|No CUDA GPUs are available|"
+                      r"CUDA driver initialization failed", re.I)
+
+NO_GPU_HINT = ("memmagic: this code needs a CUDA GPU, which this machine lacks; "
+               "{how} runs it on a simulated one")
+
+
+def cuda_usable() -> bool:
+    """Whether a real CUDA GPU can be used here."""
+    import torch
+
+    try:
+        return bool(torch.cuda.is_available()) and torch.cuda.device_count() > 0
+    except Exception:
+        return False
+
+
+def needs_missing_cuda(error: BaseException) -> bool:
+    """Whether ``error`` is torch saying the code needs a CUDA GPU this machine lacks (the
+    sim backend runs such code on a simulated one)."""
+    return (isinstance(error, (AssertionError, RuntimeError)) and bool(_NO_CUDA.search(str(error)))
+            and not cuda_usable())
+
+
+def add_note_once(error: BaseException, note: str) -> None:
+    """Add ``note`` to the exception's notes (shown under its message), once."""
+    if note not in getattr(error, "__notes__", ()):
+        error.add_note(note)
+
+
+def error_text(error: BaseException | None) -> str | None:
+    """``'Type: message'`` (first line only) for a report, None when there was no error."""
+    if error is None:
+        return None
+    msg = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {msg[0]}" if msg else type(error).__name__
