@@ -33,9 +33,9 @@ from typing import Any, Callable, Iterable, Mapping
 from .backends import Outcome, get_backend
 from .failures import release_own_frames
 from .knobs import KNOBS, Applier, KnobError, Setting, knob_value
-from .report import MemoryReport
+from .report import MemoryReport, Note
 
-__all__ = ["Cell", "RunInfo", "KnobError", "Setting", "EXTRA_VARIABLES"]
+__all__ = ["Cell", "RunInfo", "KnobError", "Setting", "EXTRA_VARIABLES", "source_names", "compile_cell"]
 
 # variables a cell may read beside the knobs' own
 EXTRA_VARIABLES = ("micro_batch_size",)
@@ -58,44 +58,34 @@ class RunInfo:
     batch_known: bool = False                            # a batch size to start from exists
     notes: list[str] = field(default_factory=list)       # how memmagic applied the knobs
 
-    def has(self, need: str) -> bool:
-        """Whether a knob that ``needs`` this (see :attr:`memmagic.knobs.Knob.needs`) applies."""
-        if need == "model":
-            return bool(self.models)
-        if need == "batch":
-            return self.batch_known
-        if need == "accum":
-            return self.batch_known and self.backward_calls > 0 and not self.built
-        if need == "blocks":
-            return self.blocks > 0
-        if need == "backward":
-            return self.backward_calls > 0
-        if need == "optimizer":
-            return bool(self.optimizers_built)
-        if need == "inplace":
-            return self.inplace_modules > 0
-        if need == "sim":
-            return self.sim
-        raise ValueError(f"unknown need {need!r}")
 
+def compile_cell(source: str, *, filename: str = "<what-if cell>",
+                 parse: Callable[..., ast.Module] | None = None,
+                 transform: Callable[[ast.Module], ast.Module] | None = None,
+                 compiler: Callable[..., Any] = compile) -> Callable[[dict], Any]:
+    """``run(ns)`` for a cell's source: exec it in ``ns``; the last expression is the value.
 
-def _plain_compile(source: str) -> Callable[[dict], Any]:
-    """``run(ns)`` for plain Python source: exec it, the last expression is the value."""
-    tree = ast.parse(source, filename="<what-if cell>")
+    Raises SyntaxError before running any of it. ``parse``, ``transform`` and ``compiler``
+    default to plain Python; the magic passes IPython's (its AST transformers, its cache
+    of cell sources for tracebacks)."""
+    tree = parse(source, filename=filename) if parse is not None else ast.parse(source, filename)
+    if transform is not None:
+        tree = transform(tree)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)
-    body = compile(tree, "<what-if cell>", "exec")
-    tail = compile(last, "<what-if cell>", "eval") if last is not None else None
+    body = compiler(tree, filename, "exec")
+    tail = compiler(last, filename, "eval") if last is not None else None
 
     def run(ns: dict) -> Any:
+        __tracebackhide__ = True
         exec(body, ns)
         return eval(tail, ns) if tail is not None else None
 
     return run
 
 
-def _names(source: str) -> tuple[set[str], set[str]]:
+def source_names(source: str) -> tuple[set[str], set[str]]:
     """(names the code loads, names it assigns); a regex guess where it does not parse."""
     try:
         tree = ast.parse(source)
@@ -195,8 +185,8 @@ class Cell:
                 raise ValueError("a Cell needs code to run")
             self.source: str | None = code
             self.function: Callable[..., Any] | None = None
-            self._run = (compile or _plain_compile)(code)
-            loads, stores = _names(code)
+            self._run = (compile or compile_cell)(code)
+            loads, stores = source_names(code)
             self.names = loads
             self.namespace = namespace if namespace is not None else {}
         elif callable(code):
@@ -289,9 +279,9 @@ class Cell:
         notes = list(info.notes)
         handled = sorted(k.name for k in KNOBS.values() if k.var in self.reads)
         if full != Setting():
-            notes.insert(0, f"what-if setting: {full.label()}")
+            notes.insert(0, Note(f"what-if setting: {full.label()}", "setting"))
         if handled:
-            notes.append("handled by the cell itself: " + ", ".join(handled))
+            notes.append(Note("handled by the cell itself: " + ", ".join(handled), "handled"))
         if notes:
             outcome.report = replace(outcome.report, notes=outcome.report.notes + tuple(notes))
         return outcome
@@ -306,7 +296,7 @@ class Cell:
             self.run(setting)
             info = self.last_info
         assert info is not None
-        return [k.name for k in KNOBS.values() if k.var in self.reads or info.has(k.needs)]
+        return [k.name for k in KNOBS.values() if k.var in self.reads or k.applies(info)]
 
     # -- internals ----------------------------------------------------------------------------
     def _default_batch(self) -> int | None:
@@ -397,37 +387,14 @@ class Cell:
             if knob.apply is not None and knob.var not in reads:
                 knob.apply(applier, getattr(setting, knob.name))
         applier.install()
-        # the variables the cell reads
-        values: dict[str, Any] = {}
-        for knob in KNOBS.values():
-            if knob.var in reads:
-                v = getattr(setting, knob.name)
-                if knob.name == "batch_size":
-                    if batch is None:
-                        continue  # as written: the namespace's own batch_size
-                    v = batch
-                values[knob.var] = knob_value(knob.name, v)
-        if "micro_batch_size" in reads and setting.batch_size is not None:
-            values["micro_batch_size"] = setting.micro_batch
+        values = self._variables(setting, batch)
         if self.function is None:
             for name, v in values.items():
                 changed.setdefault(name, ns.get(name, _MISSING))
                 ns[name] = v
         # a batch the cell does not size itself: the namespace's batch tensors
         if batch is not None and not reads & {"batch_size", "micro_batch_size"}:
-            found = self._batch_names()
-            if found is None:
-                raise KnobError("batch_size: the cell does not read batch_size and names no "
-                                "batch tensor of the namespace: make the batch with batch_size "
-                                "in the cell (e.g. x = torch.randn(batch_size, ...))")
-            names, b0 = found
-            if batch != b0:
-                for name in names:
-                    changed.setdefault(name, ns[name])
-                    ns[name] = _resize(ns[name], b0, batch)
-                applier.note(f"batch_size {batch}: {', '.join(names)} resized along dim 0 "
-                             f"(from {b0})")
-            info.batch_names = names
+            info.batch_names = self._resize_batch(ns, batch, applier, changed)
         if not engine_accum:
             before = {id(v) for v in ns.values()}
             value = self._call(ns, values)
@@ -452,6 +419,40 @@ class Cell:
                         "it per micro-step would build it again: read accum_steps in the cell "
                         "(for _ in range(accum_steps): ...) or build it in an earlier cell")
         return value
+
+    def _variables(self, setting: Setting, batch: int | None) -> dict[str, Any]:
+        """The values of the knob variables the cell reads, as the cell's variables hold
+        them (``batch``: the batch one run of the cell sees)."""
+        values: dict[str, Any] = {}
+        for knob in KNOBS.values():
+            if knob.var in self.reads:
+                v = getattr(setting, knob.name)
+                if knob.name == "batch_size":
+                    if batch is None:
+                        continue  # as written: the namespace's own batch_size
+                    v = batch
+                values[knob.var] = knob_value(knob.name, v)
+        if "micro_batch_size" in self.reads and setting.batch_size is not None:
+            values["micro_batch_size"] = setting.micro_batch
+        return values
+
+    def _resize_batch(self, ns: dict, batch: int, applier: Applier, changed: dict
+                      ) -> tuple[str, ...]:
+        """Resize the namespace's batch tensors the cell names to ``batch`` rows (the old
+        values go into ``changed``, to be put back); their names."""
+        found = self._batch_names()
+        if found is None:
+            raise KnobError("batch_size: the cell does not read batch_size and names no "
+                            "batch tensor of the namespace: make the batch with batch_size "
+                            "in the cell (e.g. x = torch.randn(batch_size, ...))")
+        names, b0 = found
+        if batch != b0:
+            for name in names:
+                changed.setdefault(name, ns[name])
+                ns[name] = _resize(ns[name], b0, batch)
+            applier.note(f"batch_size {batch}: {', '.join(names)} resized along dim 0 "
+                         f"(from {b0})")
+        return names
 
     def _call(self, ns: dict, values: dict[str, Any]) -> Any:
         __tracebackhide__ = True

@@ -30,7 +30,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from .report import MemoryReport, format_bytes
+from .failures import is_machinery, is_out_of_memory, is_user_file, requested_bytes
+from .report import MemoryReport, format_bytes, needed
 from . import _torch_private as _priv
 
 __all__ = ["Holder", "Retained", "Snapshot", "TracebackHold", "OOMDescription", "Strategy",
@@ -525,14 +526,10 @@ def _tb_of(error_or_tb: Any) -> Any:
     return error_or_tb
 
 
-_OWN_DIR = __file__.rsplit("/", 1)[0] + "/"
-
-
 def _machinery(frame: Any) -> bool:
     """A frame of memmagic's own measuring code (the backends, the tracker): what it holds
     is the measurement's, released by the backend, not the user's."""
-    name = frame.f_code.co_filename
-    return name.startswith(_OWN_DIR) and not name.endswith("/zoo.py")
+    return is_machinery(frame.f_code.co_filename)
 
 
 def traceback_holdings(error: BaseException | Any, namespace: Mapping[str, Any] | None = None
@@ -631,23 +628,13 @@ def release_failed_cell(error: BaseException, namespace: Mapping[str, Any] | Non
 
 
 # -- out of memory --------------------------------------------------------------------------
-_REQUESTED = re.compile(r"Tried to allocate\s+([\d.]+\s*[KMGTP]?i?B)", re.I)
-
-
 def _user_frame(tb: Any) -> tuple[str, int, str, str] | None:
     """(file, line, function, source) of the innermost frame of the user's code."""
-    import os
-
-    import torch
-
-    torch_dir = os.path.dirname(torch.__file__) + os.sep
-    own = os.path.dirname(os.path.abspath(__file__)) + os.sep
     best = None
     for fs in traceback.extract_tb(tb):
-        name = fs.filename
-        if name.startswith(torch_dir) or name.startswith(own) or "site-packages" in name:
+        if not is_user_file(fs.filename):
             continue
-        best = (name, fs.lineno or 0, fs.name, (fs.line or "").strip())
+        best = (fs.filename, fs.lineno or 0, fs.name, (fs.line or "").strip())
     return best
 
 
@@ -700,16 +687,9 @@ def describe_oom(report: MemoryReport, error: BaseException | None = None,
                  namespace: Mapping[str, Any] | None = None) -> OOMDescription:
     """What the out of memory of ``report``'s run was made of (call it before the failed
     cell's frames are cleared: their bytes are what the namespace does not explain)."""
-    from .report import parse_bytes
-
     requested = report.failed_request
     if requested is None and error is not None:
-        m = _REQUESTED.search(str(error))
-        if m:
-            try:
-                requested = parse_bytes(m.group(1))
-            except ValueError:
-                requested = None
+        requested = requested_bytes(error)
     live = report.live_at_failure if report.live_at_failure is not None else report.after
     trace = report.trace
     if trace is not None and trace.events:
@@ -759,8 +739,8 @@ class Strategy:
 
     @property
     def need(self) -> int | None:
-        """What decides fitting: the reserved peak where known, else the peak."""
-        return self.reserved_peak if self.reserved_peak is not None else self.peak
+        """What decides fitting (:func:`memmagic.report.needed`)."""
+        return needed(self.peak, self.reserved_peak)
 
 
 def _fits_text(s: Strategy) -> str:
@@ -895,7 +875,7 @@ def advise(namespace: Mapping[str, Any] | None = None, *, report: MemoryReport |
     ret = retained(namespace, since=since, report=report) if namespace is not None else None
     oom = failure = None
     if error is not None:
-        if _is_oom(error):
+        if is_out_of_memory(error):
             if report is not None:
                 oom = describe_oom(report, error, namespace)
         else:
@@ -909,39 +889,14 @@ def advise(namespace: Mapping[str, Any] | None = None, *, report: MemoryReport |
     return Advice(ret, failure, oom, ranked, baseline, tuple(notes))
 
 
-def _is_oom(error: BaseException) -> bool:
-    import torch
-
-    return isinstance(error, torch.OutOfMemoryError) or bool(
-        re.search(r"out of memory", str(error), re.I))
-
-
 def _candidates(applicable: Sequence[str], batch: int | None, optimizer: str | None
                 ) -> list[tuple[str, dict[str, Any]]]:
-    """(label, knobs) of every single fix that applies to the cell."""
-    out: list[tuple[str, dict[str, Any]]] = []
-    if "batch_size" in applicable and batch:
-        for div in (2, 4):
-            if batch // div >= 1 and batch // div != batch:
-                out.append((f"batch {batch // div} (from {batch})", {"batch_size": batch // div}))
-    if "accum_steps" in applicable and batch:
-        for n in (2, 4):
-            if batch % n == 0 and batch // n >= 1:
-                out.append((f"accumulate {n} x {batch // n} (batch {batch})", {"accum_steps": n}))
-    if "amp" in applicable:
-        out += [("AMP fp16", {"amp": "fp16"}), ("AMP bf16", {"amp": "bf16"})]
-    if "checkpointing" in applicable:
-        out.append(("activation checkpointing", {"checkpointing": True}))
-    if "weights_dtype" in applicable:
-        out += [("bf16 weights", {"weights_dtype": "bf16"}), ("fp16 weights", {"weights_dtype": "fp16"})]
-    if "offload" in applicable:
-        out.append(("offload saved activations to CPU", {"offload": True}))
-    if "optimizer" in applicable:
-        for name, label in (("sgd-momentum", "SGD with momentum (1 state)"),
-                            ("adafactor", "Adafactor (factored state)")):
-            if name != optimizer:
-                out.append((f"optimizer: {label}", {"optimizer": name}))
-    return out
+    """(label, knobs) of every single fix that applies to the cell (each knob's ``fixes``)."""
+    from .knobs import KNOBS, Fixes
+
+    known = Fixes(batch, optimizer)
+    return [fix for name in applicable if KNOBS[name].fixes is not None
+            for fix in KNOBS[name].fixes(known)]
 
 
 def _measure(cell: Any, label: str, knobs: Mapping[str, Any]) -> Strategy:

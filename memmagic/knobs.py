@@ -44,7 +44,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["Knob", "KNOBS", "Setting", "Applier", "KnobError", "make_optimizer",
+from .patching import Patches
+from .report import Note
+
+__all__ = ["Knob", "KNOBS", "NEEDS", "Fixes", "Setting", "Applier", "KnobError", "make_optimizer",
            "AMP_CHOICES", "WEIGHT_DTYPES", "GRAD_MODES", "OPTIMIZERS", "knob_value"]
 
 AMP_CHOICES = ("off", "fp16", "bf16")
@@ -66,9 +69,32 @@ def _dtype(name: str | None):
 
 
 # -- the knobs --------------------------------------------------------------------------
+# What a run of the cell must show for memmagic to apply a knob (``Knob.needs``), judged
+# from what the run did (:class:`memmagic.cell.RunInfo`).
+NEEDS: dict[str, Callable[[Any], bool]] = {
+    "model": lambda info: bool(info.models),                  # a module was called
+    "batch": lambda info: info.batch_known,                   # a batch size to start from
+    "accum": lambda info: info.batch_known and info.backward_calls > 0 and not info.built,
+    "blocks": lambda info: info.blocks > 0,                   # repeated blocks to wrap
+    "backward": lambda info: info.backward_calls > 0,
+    "optimizer": lambda info: bool(info.optimizers_built),    # the cell builds one
+    "inplace": lambda info: info.inplace_modules > 0,
+    "sim": lambda info: info.sim,                             # the simulated backend
+}
+
+
+@dataclass(frozen=True)
+class Fixes:
+    """What the memory doctor knows of the cell when it proposes fixes: the batch size as
+    written (None: unknown) and the optimizer the cell builds (lower-case class name)."""
+
+    batch: int | None = None
+    optimizer: str | None = None
+
+
 @dataclass(frozen=True)
 class Knob:
-    """One what-if knob.
+    """One what-if knob: everything memmagic does with it comes from this entry.
 
     ``name`` is both the :class:`Setting` field and the variable a cell reads to handle
     the knob itself (``variable`` when they differ); ``default`` is the baseline (the cell
@@ -78,6 +104,15 @@ class Knob:
     the cell does not read the variable; ``apply(applier, value)`` does it (None: the
     engine itself applies it: batch size, accumulation, target GPU). ``cell_value`` maps a
     setting's value to what the cell's variable holds (``amp="fp16"`` -> ``torch.float16``).
+    ``needs`` names what a run must show for memmagic to apply it (a key of :data:`NEEDS`).
+
+    The front ends read the rest: ``help``/``metavar`` make the magic's ``--flag`` option
+    (``help=None``: no option); ``short`` names a set value in a setting's label;
+    ``panel`` is the what-if control ("slider", "buttons", "menu", "checkbox"; None: none),
+    ``panel_range`` an integer control's (lo, hi), widened to the cell's own value with
+    ``panel_grow``; ``unset_label`` names the default None in a menu; ``fixes(Fixes)``
+    gives the doctor's candidates as (label, {knob: value}); ``strategy`` (label off,
+    label on, value) makes it an axis of a sweep's default strategies.
     """
 
     name: str
@@ -91,15 +126,63 @@ class Knob:
     apply: Callable[["Applier", Any], None] | None = field(default=None, repr=False)
     cell_value: Callable[[Any], Any] | None = field(default=None, repr=False)
     variable: str | None = None
-    # what a run of the cell must show for memmagic to apply the knob (see RunInfo.has):
-    # "model" (a module was called), "batch", "accum", "blocks", "backward", "optimizer"
-    # (the cell builds one), "inplace", "sim" (the simulated backend)
     needs: str = "model"
+    help: str | None = None
+    metavar: str | None = None
+    short: str = ""
+    panel: str | None = None
+    panel_range: tuple[int, int] | None = None
+    panel_grow: bool = False
+    unset_label: str = "as written"
+    fixes: Callable[[Fixes], list[tuple[str, dict[str, Any]]]] | None = field(default=None, repr=False)
+    strategy: tuple[str, str, Any] | None = None
+    parse_option: Callable[[str], tuple[Any, dict[str, Any]]] | None = field(default=None, repr=False)
 
     @property
     def var(self) -> str:
         """The variable a cell reads to handle this knob itself."""
         return self.variable or self.name
+
+    @property
+    def flag(self) -> str:
+        """The magic's option: ``--batch-size`` for ``batch_size``."""
+        return "--" + self.name.replace("_", "-")
+
+    def applies(self, info: Any) -> bool:
+        """Whether memmagic can apply this knob to a run that did what ``info`` says."""
+        return NEEDS[self.needs](info)
+
+    def values(self) -> tuple:
+        """The values a menu offers (the target GPU's: the simulated device's table)."""
+        return _gpu_names() if self.name == "gpu" else self.choices
+
+    def argument(self) -> tuple[tuple[str, ...], dict[str, Any]]:
+        """(flags, keyword arguments) of the magic's option for this knob."""
+        kwargs: dict[str, Any] = dict(default=None, help=self.help)
+        if self.parse_option is not None:
+            kwargs.update(nargs="?", const="on", metavar=self.metavar)
+        elif self.kind == "bool":
+            kwargs.update(action="store_true")
+        else:
+            kwargs.update(metavar=self.metavar or self.name.upper())
+        return (self.flag,), kwargs
+
+    def from_option(self, text: Any) -> tuple[Any, dict[str, Any]]:
+        """The magic option's text as (value, options for the cell); KnobError names the
+        option."""
+        if self.parse_option is not None:
+            return self.parse_option(text)  # its errors name the option
+        try:
+            return self.check(text), {}
+        except KnobError as exc:
+            raise KnobError(f"{self.flag}: {exc}") from None
+
+    def span(self, value: int | None) -> tuple[int, int]:
+        """An integer control's range for a cell whose own value is ``value``."""
+        lo, hi = self.panel_range or (self.low or 1, self.high or 1)
+        if self.panel_grow and value is not None:
+            lo, hi = min(lo, value), max(hi, 4 * value)
+        return lo, hi
 
     def check(self, value: Any) -> Any:
         """``value`` validated (and normalised: "on" -> True, "32" -> 32) for this knob."""
@@ -175,14 +258,12 @@ class Applier:
         self.device_type = device_type  # autocast's device: "cuda" (cuda, sim) or "cpu"
         self.checkpoint_module = checkpoint_module
         self.notes: list[str] = []
-        self._stack = contextlib.ExitStack()
+        self._undo = Patches()  # every hook, patch and context, undone by close()
         self._at_call: list[tuple[Callable[[Any, tuple], tuple | None], bool]] = []
         self._on_backward: list[Callable[[Any], Any]] = []
-        self._restore: list[Callable[[], None]] = []
         self._depth = 0
         self._seen_roots: set[int] = set()
         self._inside: set[int] = set()  # ids of modules under a root already called
-        self._hooks: list = []
         self._closed = False
         # what the run did
         self.models: list[str] = []          # class names of the models called
@@ -203,12 +284,13 @@ class Applier:
 
     # -- the API knobs use ------------------------------------------------------------------
     def note(self, text: str) -> None:
+        """Say how a knob was applied (a note of kind "knob" on the run's report), once."""
         if text not in self.notes:
-            self.notes.append(text)
+            self.notes.append(Note(text, "knob"))
 
     def around(self, cm: contextlib.AbstractContextManager) -> None:
         """Enter ``cm`` now, for the whole run; exited by :meth:`close`."""
-        self._stack.enter_context(cm)
+        self._undo.enter(cm)
 
     def at_call(self, fn: Callable[[Any, tuple], tuple | None], *, every: bool = False) -> None:
         """Call ``fn(module, args)`` at the first outermost call of each model (not one of
@@ -233,22 +315,11 @@ class Applier:
     def patch(self, obj: Any, attr: str, value: Any) -> None:
         """Set ``obj.attr = value`` until :meth:`close` (an instance attribute is removed
         again if there was none)."""
-        had = attr in getattr(obj, "__dict__", {})
-        old = getattr(obj, "__dict__", {}).get(attr) if had else None
-        setattr(obj, attr, value)
-
-        def undo() -> None:
-            if had:
-                setattr(obj, attr, old)
-            else:
-                try:
-                    delattr(obj, attr)
-                except AttributeError:
-                    pass
-        self._restore.append(undo)
+        self._undo.set(obj, attr, value)
 
     def undo_later(self, fn: Callable[[], None]) -> None:
-        self._restore.append(fn)
+        """Call ``fn()`` when :meth:`close` undoes the run's changes, in reverse order."""
+        self._undo.call_on_restore(fn)
 
     def gate_steps(self, gate: Callable[[], bool], *, zero_grad: bool = False) -> None:
         """Let an optimizer step run only when ``gate()`` is true; with ``zero_grad``,
@@ -268,8 +339,8 @@ class Applier:
         import torch
         from torch.nn.modules import module as _module_mod
 
-        self._hooks.append(_module_mod.register_module_forward_pre_hook(self._pre))
-        self._hooks.append(_module_mod.register_module_forward_hook(self._post, always_call=True))
+        self.undo_later(_module_mod.register_module_forward_pre_hook(self._pre).remove)
+        self.undo_later(_module_mod.register_module_forward_hook(self._post, always_call=True).remove)
         applier = self
         orig_backward = torch.autograd.backward
 
@@ -332,19 +403,10 @@ class Applier:
                 fn()
             except BaseException as exc:  # noqa: BLE001 - restore everything first
                 errors.append(exc)
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
         try:
-            self._stack.close()
+            self._undo.restore()
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
-        for undo in reversed(self._restore):
-            try:
-                undo()
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
-        self._restore.clear()
         self._at_call.clear()
         self._on_backward.clear()
         self._on_leave_forward.clear()
@@ -689,31 +751,98 @@ def _amp_value(v: str):
     return _dtype(v)
 
 
+def _batch_fixes(f: Fixes) -> list[tuple[str, dict[str, Any]]]:
+    b = f.batch
+    return [(f"batch {b // d} (from {b})", {"batch_size": b // d})
+            for d in (2, 4) if b and b // d >= 1 and b // d != b]
+
+
+def _accum_fixes(f: Fixes) -> list[tuple[str, dict[str, Any]]]:
+    b = f.batch
+    return [(f"accumulate {n} x {b // n} (batch {b})", {"accum_steps": n})
+            for n in (2, 4) if b and b % n == 0 and b // n >= 1]
+
+
+def _optimizer_fixes(f: Fixes) -> list[tuple[str, dict[str, Any]]]:
+    return [(f"optimizer: {label}", {"optimizer": name})
+            for name, label in (("sgd-momentum", "SGD with momentum (1 state)"),
+                                ("adafactor", "Adafactor (factored state)"))
+            if name != f.optimizer]
+
+
+_ON = ("on", "true", "yes", "1")
+_OFF = ("off", "false", "no", "0")
+
+
+def _checkpointing_option(text: str) -> tuple[bool, dict[str, Any]]:
+    """``--checkpointing`` [on|off|MODULE]: a module class name wraps the modules of that
+    class instead of the repeated blocks."""
+    low = text.lower()
+    if low in _ON + _OFF:
+        return low in _ON, {}
+    if text.isidentifier():
+        return True, {"checkpoint_module": text}
+    raise KnobError(f"--checkpointing takes on, off or a module class name (TransformerBlock), "
+                    f"not {text!r}")
+
+
 KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("amp", "AMP", "choice", "off", "autocast from each model call until its backward; "
-         "fp16 with a GradScaler", choices=AMP_CHOICES, apply=_apply_amp, cell_value=_amp_value, needs="model"),
+         "fp16 with a GradScaler", choices=AMP_CHOICES, apply=_apply_amp, cell_value=_amp_value,
+         needs="model", short="amp", panel="buttons", metavar="{off,fp16,bf16}",
+         help="What-if knob: autocast around each model call and its loss (fp16 with a "
+              "GradScaler), unless the cell reads the variable amp itself.",
+         fixes=lambda f: [("AMP fp16", {"amp": "fp16"}), ("AMP bf16", {"amp": "bf16"})],
+         strategy=("fp32", "amp bf16", "bf16")),
     Knob("batch_size", "batch size", "int", None, "the namespace's batch tensors the cell "
-         "names, resized along their first dimension", low=1, high=1 << 20, needs="batch"),
+         "names, resized along their first dimension", low=1, high=1 << 20, needs="batch",
+         panel="slider", panel_range=(1, 512), panel_grow=True, metavar="N",
+         help="What-if knob: the (effective) batch size; the cell reads batch_size, or "
+              "memmagic resizes the batch tensors of the namespace the cell names.",
+         fixes=_batch_fixes),
     Knob("accum_steps", "accumulation steps", "int", 1, "the cell repeated per micro-step on "
          "batch_size / accum_steps, optimizer steps held back until the last", low=1, high=1024,
-         needs="accum"),
+         needs="accum", panel="buttons", panel_range=(1, 16), metavar="K",
+         help="What-if knob: gradient accumulation over K micro-batches of "
+              "batch_size / K (the cell reads accum_steps, or memmagic repeats it per "
+              "micro-step with the optimizer step held back).",
+         fixes=_accum_fixes),
     Knob("checkpointing", "checkpointing", "bool", False, "the models' repeated blocks run "
-         "through torch.utils.checkpoint", apply=_apply_checkpointing, needs="blocks"),
+         "through torch.utils.checkpoint", apply=_apply_checkpointing, needs="blocks",
+         short="ckpt", panel="checkbox", metavar="MODULE",
+         help="What-if knob: activation checkpointing of the model's repeated blocks "
+              "(children of a ModuleList/Sequential), or of the modules of class MODULE.",
+         parse_option=_checkpointing_option,
+         fixes=lambda f: [("activation checkpointing", {"checkpointing": True})],
+         strategy=("", "ckpt", True)),
     Knob("weights_dtype", "weights dtype", "choice", None, "each model converted at its first "
          "call (model.half() / .to(bfloat16))", choices=WEIGHT_DTYPES, apply=_apply_weights,
-         cell_value=_dtype, needs="model"),
+         cell_value=_dtype, needs="model", short="weights", panel="buttons",
+         metavar="{fp32,bf16,fp16}",
+         help="What-if knob: convert the model's weights (model.half()).",
+         fixes=lambda f: [("bf16 weights", {"weights_dtype": "bf16"}),
+                          ("fp16 weights", {"weights_dtype": "fp16"})]),
     Knob("grad_mode", "mode", "choice", "train", "the cell under no_grad / inference_mode, "
          "models in eval(), backward and steps skipped", choices=GRAD_MODES,
-         apply=_apply_grad_mode, needs="backward"),
+         apply=_apply_grad_mode, needs="backward", panel="buttons",
+         metavar="{train,no_grad,inference_mode}",
+         help="What-if knob: a training step, or a forward under no_grad / inference_mode."),
     Knob("offload", "offload activations", "bool", False, "save_on_cpu around the cell",
-         apply=_apply_offload, needs="backward"),
+         apply=_apply_offload, needs="backward", short="offload", panel="checkbox",
+         help="What-if knob: keep tensors saved for backward on the CPU (save_on_cpu).",
+         fixes=lambda f: [("offload saved activations to CPU", {"offload": True})]),
     Knob("optimizer", "optimizer", "choice", None, "the optimizer the cell builds replaced",
          choices=OPTIMIZERS, apply=_apply_optimizer, variable="optimizer_name",
-         needs="optimizer"),
+         needs="optimizer", panel="menu", unset_label="as in the cell",
+         metavar="{sgd,sgd-momentum,adam,adamw,adafactor}",
+         help="What-if knob: replace the optimizer the cell builds.", fixes=_optimizer_fixes),
     Knob("inplace", "in-place activations", "bool", False, "inplace=True on activation and "
-         "dropout modules", apply=_apply_inplace, needs="inplace"),
+         "dropout modules", apply=_apply_inplace, needs="inplace", short="inplace",
+         panel="checkbox",
+         help="What-if knob: inplace=True on activation and dropout modules."),
     Knob("gpu", "target GPU", "choice", None, "the simulated card: fits or not",
-         choices=(), variable="gpu_name", needs="sim"),
+         choices=(), variable="gpu_name", needs="sim", short="on", panel="menu",
+         unset_label="no card"),
 ]}
 
 
@@ -797,9 +926,7 @@ class Setting:
             if name == "accum_steps":
                 continue
             knob = KNOBS[name]
-            short = {"checkpointing": "ckpt", "weights_dtype": "weights", "grad_mode": "",
-                     "offload": "offload", "inplace": "inplace", "optimizer": "",
-                     "amp": "amp", "gpu": "on"}[name]
+            short = knob.short
             if knob.kind == "bool":
                 parts.append(short if value else f"no {short}")
             else:

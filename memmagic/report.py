@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:
     from .trace import ModuleRow, Trace
 
-__all__ = ["Category", "MemoryReport", "Footer", "format_bytes", "parse_bytes"]
+__all__ = ["Category", "MemoryReport", "Footer", "format_bytes", "parse_bytes", "needed", "Note", "notes_of"]
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -61,6 +61,35 @@ def parse_bytes(text: str) -> int:
     if value < 0:
         raise ValueError(f"a size cannot be negative: {text!r}")
     return int(value * _PARSE_UNITS[unit])
+
+
+class Note(str):
+    """One note on a report: its text (the note is that string) and its ``kind``, what it is
+    about, for code that selects notes (never by their wording). Kinds in use: "general",
+    "card" (the simulated card's size, as the backend or the options name it), "setting"
+    (the what-if setting of a run), "knob" (how memmagic applied a knob), "handled" (knobs
+    the cell handles itself), "backend" (which backend ran and why)."""
+
+    kind: str
+
+    def __new__(cls, text: str, kind: str = "general") -> "Note":
+        note = super().__new__(cls, text)
+        note.kind = getattr(text, "kind", kind) if kind == "general" else kind
+        return note
+
+    def __reduce__(self):
+        return (Note, (str(self), self.kind))
+
+
+def notes_of(notes: Any) -> tuple[Note, ...]:
+    """``notes`` (strings or :class:`Note`) as a tuple of Notes; plain strings are general."""
+    return tuple(n if isinstance(n, Note) else Note(n) for n in notes)
+
+
+def needed(peak: int | None, reserved_peak: int | None) -> int | None:
+    """What a run needs of a card, the one rule: the allocator's reserved peak where it is
+    known (what the card must hold), else the peak of live tensors. Bytes."""
+    return reserved_peak if reserved_peak is not None else peak
 
 
 class Category(str, Enum):
@@ -176,7 +205,7 @@ class MemoryReport:
             raise ValueError(f"backend must be one of {BACKENDS}, not {self.backend!r}")
         object.__setattr__(self, "breakdown", _frozen_breakdown(self.breakdown))
         object.__setattr__(self, "breakdown_before", _frozen_breakdown(self.breakdown_before))
-        object.__setattr__(self, "notes", tuple(self.notes))
+        object.__setattr__(self, "notes", notes_of(self.notes))
         object.__setattr__(self, "timeline", tuple(tuple(p) for p in self.timeline))
         object.__setattr__(self, "modules", tuple(self.modules))
 
@@ -209,8 +238,12 @@ class MemoryReport:
             return None
         if self.failed_request is not None:
             return False
-        need = self.reserved_peak if self.reserved_peak is not None else self.peak
-        return need <= self.gpu_memory
+        return self.need <= self.gpu_memory
+
+    @property
+    def need(self) -> int:
+        """What the run needs of a card: the reserved peak where known, else the peak."""
+        return needed(self.peak, self.reserved_peak)
 
     @property
     def source(self) -> str:
@@ -228,7 +261,7 @@ class MemoryReport:
             "peak_op": self.peak_op,
             "peak_module": self.peak_module, "host_peak": self.host_peak,
             "gpu_name": self.gpu_name, "gpu_memory": self.gpu_memory,
-            "error": self.error, "notes": list(self.notes),
+            "error": self.error, "notes": [str(n) for n in self.notes],
             "failed_request": self.failed_request, "live_at_failure": self.live_at_failure,
             "peak_phase": self.peak_phase, "peak_label": self.peak_label,
             "peak_words": self.peak_words,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 import weakref
 
+from .failures import is_out_of_memory
 from .report import MemoryReport, format_bytes
 from . import _torch_private as _priv
 
@@ -52,8 +53,8 @@ class ShardResult:
 
     @property
     def reserved_peak(self) -> int | None:
-        r = self.report
-        return None if r is None else (r.reserved_peak if r.reserved_peak is not None else r.peak)
+        """What must fit on each GPU (:attr:`MemoryReport.need`), None when the run failed."""
+        return None if self.report is None else self.report.need
 
     @property
     def fits(self) -> bool | None:
@@ -79,15 +80,17 @@ def _wrapper_aware_tracking() -> Iterator[None]:
     Stand-in until tracking.py / backends/sim/device.py do this themselves (requested):
     a wrapper subclass has no memory of its own, and its ops dispatch their inner ops
     below the tracker's dispatch mode, so the tracker must look through it."""
+    # One piece: the patched methods are closures over the originals they wrap and are
+    # installed and put back together (issue 26 moves this into the tracker itself).
     from . import _torch_private as dist_priv
     from . import tracking
-    from .backends.sim import device as sim_device
+    from .backends.sim.tracker import SimTracker
 
     inner, is_wrapper = dist_priv.wrapper_inner_tensors, dist_priv.is_wrapper_subclass
     st = tracking.StorageTracker
-    sim = sim_device.SimTracker
+    sim = SimTracker
     orig = {name: getattr(st, name) for name in ("track", "note", "serial_of", "recheck_size")}
-    orig_pool = getattr(sim, "_pool_from_inputs", None)
+    orig_pool = getattr(sim, "pool_from_inputs", None)
 
     def track(self, t, role=tracking.Category.OTHER):
         if is_wrapper(t):
@@ -153,7 +156,7 @@ def _wrapper_aware_tracking() -> Iterator[None]:
         try:
             st.track, st.note, st.serial_of, st.recheck_size = track, note, serial_of, recheck
             if orig_pool is not None:
-                sim._pool_from_inputs = pool_from_inputs
+                sim.pool_from_inputs = pool_from_inputs
             stack.enter_context(dist_priv.fsdp_storage_resize_hook(resized))
             stack.enter_context(dist_priv.fsdp_device_handle_without_streams())
             yield
@@ -161,7 +164,7 @@ def _wrapper_aware_tracking() -> Iterator[None]:
             for name, fn in orig.items():
                 setattr(st, name, fn)
             if orig_pool is not None:
-                sim._pool_from_inputs = orig_pool
+                sim.pool_from_inputs = orig_pool
 
 
 # -- sharding the cell's model when it makes its optimizer -----------------------------------
@@ -355,16 +358,10 @@ def simulate_fsdp(cell: str | RunFn, namespace: Mapping[str, Any] | None = None,
         if error is not None:
             why = f"the cell failed before sharding: {report.error}"
         return ShardResult(world_size, None, reason=why)
-    if error is not None and not _is_oom(error):
+    if error is not None and not is_out_of_memory(error):
         return ShardResult(world_size, None, tuple(auto.sharded),
                            reason=f"FSDP2 could not run this model in the simulation: {report.error}")
     return ShardResult(world_size, report, tuple(auto.sharded))
-
-
-def _is_oom(error: BaseException) -> bool:
-    import torch
-
-    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
 def shard_memory(cell: str | RunFn, namespace: Mapping[str, Any] | None = None, *,

@@ -14,7 +14,7 @@ import gc
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .knobs import KNOBS, KnobError, Setting
 from .report import MemoryReport, format_bytes
@@ -23,18 +23,13 @@ if TYPE_CHECKING:
     from .cell import Cell
 
 __all__ = ["Sweep", "sweep", "default_strategies", "parse_values", "BatchSearch",
-           "find_batch_size", "need"]
-
-
-def need(report: MemoryReport) -> int:
-    """What must fit on the card: the reserved peak where known, else the peak (bytes)."""
-    return report.reserved_peak if report.reserved_peak is not None else report.peak
+           "find_batch_size", "run_sweep_option"]
 
 
 def _fits(report: MemoryReport, limit: int | None) -> bool:
     if report.error is not None or report.failed_request is not None:
         return False
-    return limit is None or need(report) <= limit
+    return limit is None or report.need <= limit
 
 
 def parse_values(text: str, knob: str = "batch_size") -> tuple[int, ...]:
@@ -75,14 +70,15 @@ def parse_values(text: str, knob: str = "batch_size") -> tuple[int, ...]:
 
 
 def default_strategies(cell: "Cell", applicable: Sequence[str] | None = None) -> dict[str, Setting]:
-    """One strategy per combination of AMP (off / bf16) and checkpointing (off / on), of
-    those that apply to ``cell``: up to four, named "fp32", "amp bf16", "ckpt", ..."""
+    """One strategy per combination of the knobs that are a sweep's axes (``Knob.strategy``:
+    AMP off / bf16, checkpointing off / on), of those that apply to ``cell``: up to four,
+    named "fp32", "amp bf16", "ckpt", ..."""
     names = applicable if applicable is not None else cell.applicable()
     axes: list[list[tuple[str, dict[str, Any]]]] = []
-    if "amp" in names:
-        axes.append([("fp32", {}), ("amp bf16", {"amp": "bf16"})])
-    if "checkpointing" in names:
-        axes.append([("", {}), ("ckpt", {"checkpointing": True})])
+    for knob in KNOBS.values():
+        if knob.strategy is not None and knob.name in names:
+            off, on, value = knob.strategy
+            axes.append([(off, {}), (on, {knob.name: value})])
     out: dict[str, Setting] = {}
     for combo in itertools.product(*axes) if axes else [()]:
         label = " + ".join(n for n, _ in combo if n) or "as written"
@@ -184,6 +180,14 @@ def sweep(cell: "Cell", knob: str = "batch_size", values: Sequence[int] | str = 
     return Sweep(knob, vals, curves, cap, cap_name, time.perf_counter() - t0, strats)
 
 
+def run_sweep_option(cell: "Cell", option: str) -> Sweep:
+    """The sweep of ``--sweep KNOB=VALUES`` (``batch_size=1:512``, ``batch_size=8,16,32``)."""
+    knob, _, values = option.partition("=")
+    if not values:
+        raise ValueError("--sweep takes KNOB=LO:HI, e.g. --sweep batch_size=1:512")
+    return sweep(cell, knob.strip(), parse_values(values, knob.strip()))
+
+
 # -- the batch-size finder -----------------------------------------------------------------
 @dataclass(frozen=True)
 class BatchSearch:
@@ -240,16 +244,7 @@ def find_batch_size(cell: "Cell", *, budget: int | str | None = None, margin: fl
     not fit (or ``high``), then bisects."""
     from .report import parse_bytes
 
-    if method not in ("simulation", "trials"):
-        raise ValueError(f"method must be 'simulation' or 'trials', not {method!r}")
-    if not 0 <= margin < 1:
-        raise ValueError(f"margin is a fraction of the budget in [0, 1), not {margin!r}")
-    if method == "simulation" and cell.backend_name != "sim":
-        raise ValueError("method='simulation' needs a Cell with backend='sim'; "
-                         "use method='trials' for real runs on a GPU")
-    if method == "trials" and cell.backend_name not in ("cuda", "auto"):
-        raise ValueError("method='trials' runs the cell for real on a GPU: make the Cell with "
-                         "backend='cuda'")
+    _check_search(cell, method, margin)
     base = cell.setting(setting)
     step = base.accum_steps
     if isinstance(budget, str):
@@ -267,17 +262,40 @@ def find_batch_size(cell: "Cell", *, budget: int | str | None = None, margin: fl
                                  "'10GiB') or give the cell a target GPU (gpu='T4')")
         lim = int(budget * (1 - margin))
         ok = _fits(r, lim)
-        trials.append((b, None if r.error else need(r), ok))
+        trials.append((b, None if r.error else r.need, ok))
         reports[b] = r
         if method == "trials":
             _clean_cuda()
         return ok
 
+    lo_ok = _largest(trial, low, high, step)
+    assert budget is not None
+    device = next(iter(reports.values())).device if reports else ""
+    return BatchSearch(lo_ok, int(budget), margin, tuple(trials), method, device,
+                       reports.get(lo_ok) if lo_ok is not None else None)
+
+
+def _check_search(cell: "Cell", method: str, margin: float) -> None:
+    if method not in ("simulation", "trials"):
+        raise ValueError(f"method must be 'simulation' or 'trials', not {method!r}")
+    if not 0 <= margin < 1:
+        raise ValueError(f"margin is a fraction of the budget in [0, 1), not {margin!r}")
+    if method == "simulation" and cell.backend_name != "sim":
+        raise ValueError("method='simulation' needs a Cell with backend='sim'; "
+                         "use method='trials' for real runs on a GPU")
+    if method == "trials" and cell.backend_name not in ("cuda", "auto"):
+        raise ValueError("method='trials' runs the cell for real on a GPU: make the Cell with "
+                         "backend='cuda'")
+
+
+def _largest(fits: Callable[[int], bool], low: int, high: int, step: int) -> int | None:
+    """The largest multiple of ``step`` in [low, high] for which ``fits`` holds, doubling
+    from ``low`` until it does not, then bisecting (None: not even the first fits)."""
     lo_ok: int | None = None
     b = max(step, (low + step - 1) // step * step)
     hi_bad: int | None = None
     while b <= high:
-        if trial(b):
+        if fits(b):
             lo_ok = b
             b *= 2
         else:
@@ -289,15 +307,12 @@ def find_batch_size(cell: "Cell", *, budget: int | str | None = None, margin: fl
             mid = (lo + hi) // 2 // step * step
             if mid <= lo:
                 break
-            if trial(mid):
+            if fits(mid):
                 lo = mid
             else:
                 hi = mid
         lo_ok = lo
-    assert budget is not None
-    device = next(iter(reports.values())).device if reports else ""
-    return BatchSearch(lo_ok, int(budget), margin, tuple(trials), method, device,
-                       reports.get(lo_ok) if lo_ok is not None else None)
+    return lo_ok
 
 
 def _cuda_total(method: str) -> int | None:

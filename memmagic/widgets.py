@@ -26,8 +26,6 @@ __all__ = ["WhatIfPanel", "parse_ranges", "INSTALL_HINT"]
 INSTALL_HINT = ("the what-if panel needs ipywidgets 8: pip install 'ipywidgets>=8' "
                 "(the knob options --amp, --batch-size, --accum-steps, --checkpointing, ... "
                 "work without it)")
-_BATCH_RANGE = (1, 512)
-_ACCUM_RANGE = (1, 16)
 _CACHE = 32
 _LABEL_WIDTH = "12em"  # the column of knob names (the longest, "accumulation steps", on one line)
 _PANEL_DPI = 120  # the panel's charts: sharp enough, and fast to redraw
@@ -70,10 +68,6 @@ def _powers(lo: int, hi: int, extra: int | None = None) -> list[int]:
     if extra is not None:
         vals.add(extra)
     return sorted(vals)
-
-
-def _need(r: MemoryReport) -> int:
-    return r.reserved_peak if r.reserved_peak is not None else r.peak
 
 
 class WhatIfPanel:
@@ -140,37 +134,33 @@ class WhatIfPanel:
         return row
 
     def _control(self, w, name: str):
+        """The control of one knob, as its entry says (``Knob.panel``); None: no control."""
         knob = KNOBS[name]
         value = getattr(self.baseline, name)
         # the name is in the row's label column (see _row); the tooltip repeats it
         common = dict(description="", tooltip=knob.label)
-        if name == "batch_size":
-            if value is None:
-                return None
-            lo, hi = self.ranges.get(name, (min(_BATCH_RANGE[0], value), max(_BATCH_RANGE[1], 4 * value)))
-            return w.SelectionSlider(options=_powers(lo, hi, value), value=value,
-                                     continuous_update=False, layout=w.Layout(width="30em"),
-                                     **common)
         # wide enough for the longest choice ("inference_mode")
         buttons = dict(style={"button_width": "9.5em"}, layout=w.Layout(width="auto"), **common)
-        if name == "accum_steps":
-            lo, hi = self.ranges.get(name, _ACCUM_RANGE)
-            return w.ToggleButtons(options=_powers(lo, hi, value), value=value, **buttons)
+        if knob.panel is None:
+            return None
+        if knob.kind == "int":
+            if value is None:
+                return None
+            opts = _powers(*self.ranges.get(name, knob.span(value)), value)
+            if knob.panel == "buttons":
+                return w.ToggleButtons(options=opts, value=value, **buttons)
+            return w.SelectionSlider(options=opts, value=value, continuous_update=False,
+                                     layout=w.Layout(width="30em"), **common)
         if knob.kind == "bool":
             return w.Checkbox(value=bool(value), indent=False, layout=w.Layout(width="auto"),
                               **common)
-        menu = dict(layout=w.Layout(width="16em"), **common)
-        if name == "gpu":
-            from .backends.sim.gpus import GPUS
-
-            opts = [("no card", _UNSET)] + [(g.name, g.name) for g in GPUS.values()]
-            return w.Dropdown(options=opts, value=_shown(value), **menu)
-        opts = [(str(c), c) for c in knob.choices]
+        opts = [(str(c), c) for c in knob.values()]
         if knob.default is None:
-            opts.insert(0, ("as written" if name != "optimizer" else "as in the cell", _UNSET))
-        if len(opts) <= 4:
+            opts.insert(0, (knob.unset_label, _UNSET))
+        if knob.panel == "buttons" and len(opts) <= 4:
             return w.ToggleButtons(options=opts, value=_shown(value), **buttons)
-        return w.Dropdown(options=opts, value=_shown(value), **menu)
+        return w.Dropdown(options=opts, value=_shown(value), layout=w.Layout(width="16em"),
+                          **common)
 
     def current(self) -> Setting:
         """The setting the controls show."""
@@ -190,7 +180,7 @@ class WhatIfPanel:
             for name, v in values.items():
                 ctl = self.controls[name]
                 with ctl.hold_trait_notifications():
-                    ctl.value = _shown(v) if name not in ("batch_size", "accum_steps") else v
+                    ctl.value = v if KNOBS[name].kind == "int" else _shown(v)
         finally:
             self.debounce_s = pending
         self.update()
@@ -280,8 +270,8 @@ class WhatIfPanel:
         if r.reserved_peak is not None:
             rows.append(("reserved", f"{format_bytes(r.reserved_peak)} "
                                      f"(baseline {format_bytes(b.reserved_peak)})"))
-        saving = _need(b) - _need(r)
-        pct = saving / _need(b) if _need(b) else 0.0
+        saving = b.need - r.need
+        pct = saving / b.need if b.need else 0.0
         word = "saves" if saving >= 0 else "costs"
         what = "reserved" if r.reserved_peak is not None else "peak"
         rows.append((f"{what} vs baseline", f"{word} {format_bytes(abs(saving))} ({abs(pct):.1%})"))

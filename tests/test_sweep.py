@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from memmagic.cell import Cell, Setting
-from memmagic.sweep import (BatchSearch, Sweep, default_strategies, find_batch_size, need,
+from memmagic.sweep import (BatchSearch, Sweep, default_strategies, find_batch_size,
                             parse_values, sweep)
 
 MLP = """
@@ -67,9 +67,9 @@ def test_find_batch_size_keeps_the_margin_and_says_how(cell):
     found = find_batch_size(cell, budget="256MiB", margin=0.2)
     assert isinstance(found, BatchSearch) and found.method == "simulation"
     b = found.batch_size
-    assert b is not None and need(found.report) <= found.limit == int(256 * 2**20 * 0.8)
+    assert b is not None and found.report.need <= found.limit == int(256 * 2**20 * 0.8)
     over = cell.run(batch_size=b + 1)
-    assert need(over) > found.limit
+    assert over.need > found.limit
     assert found.how.startswith(f"{b} is the largest batch whose reserved peak stays under 204.80 MiB "
                                 "(80% of 256.00 MiB)")
     assert [t[0] for t in found.trials][:3] == [1, 2, 4]  # doubling first

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ... import _torch_private as _priv
-from ...report import Category, MemoryReport, format_bytes
+from ...report import Category, MemoryReport, Note, format_bytes
 from ...tracking import Tracking, RoleHooks
 from ...failures import release_own_frames
 from .. import Backend, Outcome
@@ -48,6 +48,7 @@ _RNN_NOTE = "RNNs use the CPU kernels' memory (cuDNN's RNN buffers are not model
 _CPU_NOTE = ("kernels='cpu': CPU kernels and defaults, the simulated device behaves like the "
              "CPU (for checking the simulation against --backend cpu)")
 _FAST_ENTRIES: dict[tuple, dict] = {}  # FakeOutputCache entries per kernel configuration
+_WORKERS_NOTE = "DataLoader workers ran in-process (num_workers=0) in the simulation"
 _ACTIVE: list = []  # the simulated run in progress (they do not nest)
 
 
@@ -357,8 +358,8 @@ class SimBackend(Backend):
             n = loader.num_workers
             if n <= 0:
                 return get_iter(loader)
-            if "workers" not in " ".join(notes):
-                notes.append("DataLoader workers ran in-process (num_workers=0) in the simulation")
+            if _WORKERS_NOTE not in notes:
+                notes.append(_WORKERS_NOTE)
             object.__setattr__(loader, "num_workers", 0)
             try:
                 return _priv.single_process_loader_iter(loader)
@@ -393,9 +394,9 @@ class SimBackend(Backend):
                              "the run stopped where the card would run out")
         if target is not None and target.resized_from is not None:
             card = target.resized_from
-            all_notes.append(f"card size overridden: the {card.name}'s kernels with "
-                             f"{format_bytes(target.total_memory)} instead of its "
-                             f"{format_bytes(card.total_memory)}")
+            all_notes.append(Note(f"card size overridden: the {card.name}'s kernels with "
+                                  f"{format_bytes(target.total_memory)} instead of its "
+                                  f"{format_bytes(card.total_memory)}", "card"))
         if target is not None:
             all_notes.append("the CUDA context (about 0.3-0.5 GiB) also takes room on the "
                              "card; a peak within that of the limit may still not fit")

@@ -1,0 +1,73 @@
+"""The options of ``%%gpumem`` that are not knobs, as data: (flags, argparse keyword
+arguments). The magic builds its parser from these and one option per knob of
+:data:`memmagic.knobs.KNOBS` (placed between the two lists)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .backends import BACKEND_NAMES
+
+__all__ = ["OPTIONS"]
+
+# (flags, argparse options) of the options that are not knobs; the knobs' go between the two
+OPTIONS = [
+    (("--backend",), dict(
+        choices=BACKEND_NAMES, default=None,
+        help="Where to measure: cuda (real GPU allocator), cpu (real run on the CPU, tensors "
+             "tracked op by op), sim (simulated CUDA GPU on fake tensors, no GPU needed; every "
+             "sim cell of the notebook shares one simulated GPU), auto (cuda when a GPU is "
+             "usable, else cpu). Default: auto, or sim after %%gpusim on.")),
+    (("--device",), dict(type=int, default=None, metavar="N",
+                         help="CUDA device index for --backend cuda (default: the current device).")),
+    (("--gpu",), dict(default=None, metavar="NAME",
+                      help="Target GPU for --backend sim, e.g. T4, A100-40GB, RTX4090, laptop-6GB: "
+                           "the report says whether the cell fits.")),
+    (("--gpu-memory",), dict(
+        default=None, metavar="SIZE",
+        help="Target GPU memory for --backend sim, with a unit: 10GiB, 16GB, 512MiB (at least "
+             "64 MiB). With --gpu it replaces the card's memory: --gpu T4 --gpu-memory 6GiB "
+             "simulates a T4 (its kernels) with 6 GiB, named 'T4 with 6.00 GiB' in the report, "
+             "with a note.")),
+    (("--no-breakdown",), dict(action="store_true",
+                               help="cuda only: skip the per-category breakdown (lowest overhead).")),
+    (("--no-chart",), dict(action="store_true", help="Do not draw the breakdown chart.")),
+    (("-o", "--output"), dict(action="store_true",
+                              help="Return the MemoryReport (IPython shows it as the cell's result; "
+                                   "the magic then does not display it too).")),
+    (("-v", "--var"), dict(default=None, metavar="NAME",
+                           help="Store the MemoryReport in the variable NAME.")),
+    (("-q", "--quiet"), dict(action="store_true", help="Print nothing.")),
+    (("--no-raise",), dict(action="store_true",
+                           help="A cell that runs out of memory (real or simulated) shows its report "
+                                "as the verdict and does not raise, so Run All goes on.")),
+    (("--footer",), dict(action="store_true",
+                         help="One line instead of the full report (what %%gpusim on uses).")),
+], [
+    (("--timeline",), dict(action="store_true",
+                           help="Also draw the memory over the run (op by op, with forward, backward "
+                                "and optimizer phases marked); cpu and sim backends.")),
+    (("--snapshot",), dict(default=None, metavar="PATH",
+                           help="Write the run as a CUDA memory snapshot (pickle) that "
+                                "https://pytorch.org/memory_viz opens; cpu and sim backends.")),
+    (("--whatif",), dict(
+        action="store_true",
+        help="Show a panel of controls for the knobs that apply to the cell; every change re-runs "
+             "the cell (on the simulated GPU unless --backend says otherwise) and redraws the "
+             "memory against the baseline. Needs ipywidgets 8.")),
+    (("--range",), dict(action="append", default=None, metavar="KNOB=LO:HI",
+                        help="The panel's range of an integer knob, e.g. batch_size=1:512.")),
+    (("--sweep",), dict(
+        default=None, metavar="KNOB=LO:HI",
+        help="Run the knob across the powers of two from LO to HI (or a list: batch_size=8,16,32) "
+             "for each strategy (AMP, checkpointing) and plot the memory against it, with the "
+             "largest value that fits the card.")),
+    (("--advise",), dict(
+        action="store_true",
+        help="The memory doctor: after the cell, who holds the memory it left (names, the "
+             "autograd graphs they pin, the classic leaks with their fix); after an out of "
+             "memory, the fixes ranked by re-running the cell with each on the simulated GPU, "
+             "and FSDP2 over 2, 4 and 8 GPUs. A failed cell gets the doctor's short advice "
+             "without it.")),
+    (("statement",), dict(nargs=argparse.REMAINDER, help="Line magic: the statement to measure.")),
+]

@@ -1,0 +1,330 @@
+"""One cell, from a request to a report: the path every front end takes.
+
+:func:`run_cell` picks the backend, applies the knobs, runs the cell, adds the notes on
+what the options made of the run, asks the memory doctor, and handles a failure (the
+frames an out of memory holds are released, memmagic's frames are cut from the
+traceback). :func:`make_cell` gives the what-if engine of the same request (the panel,
+the sweep and the doctor's re-runs use it). The magic, the panel, the sweep and scripts
+call these; nothing here knows IPython.
+
+>>> result = run_cell(CellRequest("y = torch.ones(1024, device='cuda')", {"torch": torch},
+...                               backend="sim", gpu="T4"))
+>>> result.report.peak
+4096
+"""
+
+from __future__ import annotations
+
+import gc
+import traceback
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping
+
+from .backends import BACKEND_NAMES, BackendUnavailable, Outcome, get_backend
+from .failures import (NO_GPU_HINT, add_note_once, cuda_usable, is_out_of_memory,
+                       needs_missing_cuda, release_own_frames, requested_text, strip_own_frames)
+from .knobs import KNOBS, KnobError
+from .report import MemoryReport, Note, format_bytes
+
+__all__ = ["CellRequest", "CellResult", "RequestError", "run_cell", "make_cell", "knob_values"]
+
+
+class RequestError(ValueError):
+    """A request that cannot run as asked; the one-line message says what to do (the magic
+    shows it as a UsageError)."""
+
+
+@dataclass(frozen=True)
+class CellRequest:
+    """What to run and how: the magic's line, as data.
+
+    ``source`` runs in ``namespace``; ``run`` is its compiled form (the magic passes one
+    compiled with IPython's transforms; default: plain Python). ``backend`` is one of
+    ``BACKEND_NAMES`` ("auto": cuda when a GPU is usable, else cpu); ``gpu``/``gpu_memory``
+    the simulated card; ``device``/``breakdown`` the CUDA backend's options; ``session``
+    the notebook's simulated GPU that sim cells run on (None: a fresh card per run).
+    ``knobs``: knob name -> value or option text (``{"amp": "fp16"}``); ``advise``: the
+    memory doctor's full advice, also after a cell that ran."""
+
+    source: str
+    namespace: dict = field(default_factory=dict, repr=False)
+    backend: str = "auto"
+    gpu: str | None = None
+    gpu_memory: str | None = None
+    device: int | None = None
+    breakdown: bool = True
+    session: Any = field(default=None, repr=False)
+    knobs: Mapping[str, Any] = field(default_factory=dict)
+    advise: bool = False
+    run: Callable[[dict], Any] | None = field(default=None, repr=False)
+
+
+@dataclass
+class CellResult:
+    """A cell's run: its report (with the doctor's advice when there is any), the value of
+    its last expression, and its exception (never swallowed: the caller raises it; an out
+    of memory's frames are already released, memmagic's own frames cut)."""
+
+    report: MemoryReport
+    value: Any = None
+    error: BaseException | None = None
+
+    @property
+    def out_of_memory(self) -> bool:
+        return is_out_of_memory(self.error)
+
+    def oom_message(self) -> str | None:
+        """The line a front end shows after an out of memory (None when there was none)."""
+        if not self.out_of_memory:
+            return None
+        r = self.report
+        return (f"memmagic: out of memory on {r.device}: tried to allocate "
+                f"{requested_text(self.error) or 'an unknown amount'} while "
+                f"{format_bytes(r.after)} of tensors were live (peak {format_bytes(r.peak)}). "
+                "The failed cell's local variables were released.")
+
+
+# -- the request's parts --------------------------------------------------------------------
+def knob_values(raw: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The knob values of a request, checked: (values, options for the what-if engine such
+    as the checkpointed module's class). RequestError names the option."""
+    values: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    for name, value in raw.items():
+        knob = KNOBS.get(name)
+        if knob is None:
+            raise RequestError(f"unknown knob {name!r}; knobs: {', '.join(KNOBS)}")
+        if value is None:
+            continue
+        try:
+            values[name], more = knob.from_option(value)
+        except KnobError as exc:
+            raise RequestError(str(exc)) from None
+        options.update(more)
+    return values, options
+
+
+def _uses_real_cuda(request: CellRequest) -> bool:
+    return request.backend == "cuda" or (request.backend == "auto" and cuda_usable())
+
+
+def backend_spec(request: CellRequest, *, persistent: bool = True) -> tuple[str, dict[str, Any]]:
+    """The backend's name and options; ``persistent``: a sim cell runs on the notebook's
+    simulated GPU (``request.session``; what-if re-runs start from a copy of it)."""
+    name = request.backend
+    if name not in BACKEND_NAMES:
+        raise RequestError(f"backend must be one of {', '.join(BACKEND_NAMES)}, not {name!r}")
+    if name != "sim" and (request.gpu or request.gpu_memory):
+        raise RequestError("--gpu and --gpu-memory pick a target for the simulation: add --backend sim")
+    real_cuda = _uses_real_cuda(request)
+    if request.device is not None and not real_cuda:
+        raise RequestError("--device picks a CUDA device: use it with --backend cuda on a GPU machine")
+    options: dict[str, Any] = {}
+    if name == "sim" and (request.gpu or request.gpu_memory):
+        from .backends.sim.gpus import option_spelling, resolve_target
+
+        try:  # errors name the options as typed
+            options["gpu"] = resolve_target(request.gpu, request.gpu_memory, spell=option_spelling)
+        except (ValueError, TypeError) as exc:
+            raise RequestError(str(exc)) from None
+    if name == "sim" and request.session is not None:
+        options["session" if persistent else "start_from"] = request.session
+    if real_cuda:
+        if request.device is not None:
+            options["device"] = request.device
+        if not request.breakdown:
+            options["breakdown"] = False
+    elif not request.breakdown:
+        raise RequestError("--no-breakdown applies to --backend cuda only")
+    return name, options
+
+
+def _backend(request: CellRequest):
+    name, options = backend_spec(request)
+    try:
+        return get_backend(name, **options)
+    except (BackendUnavailable, ValueError, TypeError) as exc:
+        raise RequestError(str(exc)) from None
+
+
+def make_cell(request: CellRequest, *, isolated: bool = True, leave_out: tuple[str, ...] = ()):
+    """The what-if engine (:class:`memmagic.cell.Cell`) of this request: its knobs are the
+    baseline; ``isolated`` runs leave the namespace's names as they were and start from a
+    copy of the notebook's simulated GPU (``leave_out``: names whose simulated objects that
+    copy goes without)."""
+    from .cell import Cell
+    from .knobs import Setting
+
+    values, cell_options = knob_values(request.knobs)
+    name, options = backend_spec(request, persistent=not isolated)
+    if leave_out and "start_from" in options:
+        options["leave_out"] = leave_out
+    if isolated and name == "sim" and request.gpu and not request.gpu_memory:
+        try:  # a card of the table: the panel's gpu knob starts there
+            Setting(gpu=request.gpu)
+        except KnobError:
+            pass
+        else:
+            values["gpu"] = request.gpu
+            options.pop("gpu", None)
+    try:
+        return Cell(request.source, request.namespace, backend=name, backend_options=options,
+                    defaults=values, isolated=isolated, compile=_compiled(request),
+                    **cell_options)
+    except (KnobError, ValueError, TypeError) as exc:
+        raise RequestError(str(exc)) from None
+
+
+def _compiled(request: CellRequest) -> Callable[[str], Callable[[dict], Any]] | None:
+    run = request.run
+    return None if run is None else (lambda _source: run)
+
+
+# -- one run --------------------------------------------------------------------------------
+def run_cell(request: CellRequest) -> CellResult:
+    """Run the request's cell once and return its :class:`CellResult`.
+
+    Raises :class:`RequestError` when the request cannot run as asked (a bad option, a
+    measurement inside a simulated one, a card too small to start); the cell's own
+    exception is returned, never raised."""
+    from .backends.sim.errors import SimulationError
+
+    values, cell_options = knob_values(request.knobs)
+    backend = _backend(request)
+    before = _doctor_snapshot(request)
+    try:
+        if values or cell_options:
+            outcome = make_cell(request, isolated=False).execute()
+        else:
+            outcome = backend.execute(_runner(request), request.namespace)
+    except (KnobError, SimulationError) as exc:  # refused before the cell ran
+        raise RequestError(str(exc)) from None
+    report = _with_notes(outcome, request, backend)
+    error = outcome.error
+    if error is not None:  # before the doctor reads the traceback's frames
+        release_own_frames(error.__traceback__)
+    advice = _advise(request, report, error, before)
+    if advice is not None:
+        report = replace(report, advice=advice)
+    if error is not None:
+        if is_out_of_memory(error):
+            _release_failed_cell(error)
+        error = error.with_traceback(strip_own_frames(error.__traceback__, error))
+    return CellResult(report, outcome.value, error)
+
+
+def _runner(request: CellRequest) -> Callable[[dict], Any]:
+    if request.run is not None:
+        return request.run
+    from .cell import compile_cell
+
+    return compile_cell(request.source)
+
+
+def _with_notes(outcome: Outcome, request: CellRequest, backend: Any) -> MemoryReport:
+    """The report with the notes on what the options made of the run (data: a kind each)."""
+    report, error = outcome.report, outcome.error
+    notes: list[Note] = []
+    if request.backend == "auto" and backend.name == "cpu":
+        notes.append(Note("auto picked the cpu backend: no usable CUDA GPU here "
+                          "(use --backend sim to predict what a GPU would use)", "backend"))
+    target = getattr(backend, "target", None)
+    card = getattr(target, "resized_from", None)
+    if request.gpu and request.gpu_memory and card is not None:
+        notes.append(Note(f"--gpu-memory {request.gpu_memory} replaced the {card.name}'s "
+                          f"{format_bytes(card.total_memory)}: simulated as {target.name}, "
+                          f"with the {card.name}'s kernels", "card"))
+    if error is not None and backend.name != "sim" and needs_missing_cuda(error):
+        notes.append(Note("the cell needs a CUDA GPU, which this machine lacks: "
+                          "--backend sim runs it on a simulated one", "backend"))
+        add_note_once(error, NO_GPU_HINT.format(how="--backend sim"))
+    if not notes:
+        return report
+    own = report.notes
+    if any(n.kind == "card" for n in notes):  # said with the options as typed instead
+        own = tuple(n for n in own if n.kind != "card")
+    return replace(report, notes=own + tuple(notes))
+
+
+def _release_failed_cell(error: BaseException) -> None:
+    """Free what the failed cell's frames hold so that the next cell can run."""
+    from . import doctor
+
+    doctor.release_failed_cell(error)  # clears the frames (and f_locals snapshots)
+    traceback.clear_frames(error.__traceback__)
+    gc.collect()
+
+
+# -- the memory doctor ------------------------------------------------------------------------
+def _doctor_view(request: CellRequest) -> dict:
+    """The namespace as the doctor walks it (simulated objects of the notebook's GPU stand
+    for their placeholders)."""
+    from . import doctor
+
+    session = request.session if request.backend == "sim" else None
+    return doctor.namespace_view(request.namespace, session)
+
+
+def _doctor_snapshot(request: CellRequest):
+    """What the namespace holds before the cell (--advise lists what the cell left)."""
+    if not request.advise:
+        return None
+    from . import doctor
+
+    return doctor.snapshot(_doctor_view(request))
+
+
+def _advise(request: CellRequest, report: MemoryReport, error: BaseException | None,
+            before: Any) -> Any:
+    """The doctor's advice: with ``advise`` always; after a failed cell, the short one (an
+    out of memory on the simulated GPU is ranked too: its re-runs are cheap)."""
+    if error is None and not request.advise:
+        return None
+    import sys
+
+    from . import doctor
+
+    try:
+        view = _doctor_view(request)
+        if error is None:
+            return doctor.advise(view, report=report, since=before)
+        if not is_out_of_memory(error):
+            return doctor.advise(view, report=report, error=error)
+        cell = None
+        if request.advise or request.backend == "sim":
+            cell = _ranking_cell(request)
+        return doctor.advise(view, report=report, error=error, cell=cell,
+                             strategies=cell is not None,
+                             world_sizes=(2, 4, 8) if request.advise else ())
+    except RequestError:
+        return None
+    except Exception as exc:  # the doctor never hides the cell's own outcome
+        print(f"memmagic: the memory doctor could not advise on this cell "
+              f"({type(exc).__name__}: {exc})", file=sys.stderr)
+        return None
+
+
+def _ranking_cell(request: CellRequest):
+    """The engine the doctor ranks fixes with: the cell as written on the simulated GPU (a
+    card of the real one's size after a real out of memory), from the state before the cell
+    ran (what it bound before failing, a model it builds, stays out of the copy)."""
+    from .cell import source_names
+
+    sim = request
+    if request.backend != "sim":
+        sim = replace(request, backend="sim", gpu=None, gpu_memory=_real_card_memory(request),
+                      device=None, breakdown=True)
+    sim = replace(sim, knobs={})
+    return make_cell(sim, isolated=True, leave_out=tuple(sorted(source_names(request.source)[1])))
+
+
+def _real_card_memory(request: CellRequest) -> str | None:
+    import torch
+
+    try:
+        if torch.cuda.is_available():
+            dev = request.device if request.device is not None else torch.cuda.current_device()
+            return str(torch.cuda.get_device_properties(dev).total_memory)
+    except Exception:
+        pass
+    return None
