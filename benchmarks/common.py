@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import datetime as _dt
 import gc
+import json
 import os
 import platform
 import re
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 __all__ = [
     "Figure", "Paired", "paired", "machine_info", "slug", "status_of", "median",
+    "code_version", "write_results", "RESULTS_DIR",
 ]
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 
 
 def _cpu_model() -> str:
@@ -170,3 +176,42 @@ class Figure:
                 "target": self.target, "status": self.status,
                 "columns": [list(c) for c in self.columns], "rows": self.rows,
                 "notes": self.notes, "metric": list(self.metric) if self.metric else None}
+
+
+# -- the results file ------------------------------------------------------------------
+def code_version() -> dict[str, Any]:
+    """The commit the numbers were taken at, and the memmagic files that differed from it."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        try:
+            # rstrip only: a porcelain line starts with a space (" M path")
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                                  timeout=10).stdout.rstrip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    dirty = [line[3:] for line in git("status", "--porcelain", "--", "memmagic", "benchmarks").splitlines()]
+    return {"commit": git("rev-parse", "HEAD") or None, "uncommitted": dirty}
+
+
+def write_results(figures: list[Figure], *, kind: str, quick: bool, out: Path,
+                  command: str, started: float, extra: dict[str, Any] | None = None,
+                  code: dict[str, Any] | None = None) -> Path:
+    """``code``: :func:`code_version` taken when the run started (the code it imported);
+    taken now when not given."""
+    machine = machine_info()
+    ident = slug(machine["gpu"]) if kind == "gpu" and machine["gpu"] else f"{slug(machine['cpu'])}-{machine['cores']}c"
+    name = f"{'quick-' if quick else ''}{kind}-{ident}"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    data = {
+        "name": name, "file": f"results/{path.name}", "kind": kind, "quick": quick,
+        "command": command, "date": now_iso(), "elapsed_s": round(time.perf_counter() - started, 1),
+        "machine": machine, "code": code or code_version(), **(extra or {}),
+        "figures": {f.key: f.to_dict() for f in figures},
+    }
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -21,7 +21,8 @@ from .common import Figure, median, paired, status_of
 
 __all__ = ["overhead", "overhead_profile", "sim_speed", "accuracy", "accuracy_loops", "peers", "whatif",
            "whatif_panel", "whatif_sweep", "whatif_cell",
-           "WHATIF_PROBES", "profiler_peak"]
+           "WHATIF_PROBES", "profiler_peak", "torchinfo_estimate", "rule_of_thumb",
+           "memtracker_estimate", "sim_estimate", "relative_error"]
 
 OVERHEAD_TARGET = 1.05
 SIM_SPEED_TARGET = 30.0
@@ -149,6 +150,26 @@ def overhead_profile(cfg: Config, reps: int) -> Figure:
 
 # -- b. simulation speed ------------------------------------------------------------------
 def sim_speed(configs: list[Config], reps: int) -> Figure:
+    fig = _sim_speed_figure(configs, reps)
+    sim, why = sim_backend()
+    if sim is None:
+        fig.notes.append(why or SIM_MISSING)
+    for cfg in configs:
+        row: dict[str, Any] = {**cfg.row()}
+        if sim is None:
+            row.update(sim_s=SIM_MISSING, status="n/a")
+        else:
+            try:
+                row.update(_sim_speed_row(sim, cfg, reps))
+            except Exception as exc:
+                row.update(sim_s=f"sim failed: {type(exc).__name__}: {exc}"[:120], status="miss")
+        fig.rows.append(row)
+        if sim is not None:
+            gc.collect()
+    return fig
+
+
+def _sim_speed_figure(configs: list[Config], reps: int) -> Figure:
     fig = Figure(
         "b_sim_speed", "3b. Simulation speed: simulated cell vs the same cell run for real on the CPU",
         f"cell = build model + AdamW + batch, one training step; A = real run on the CPU "
@@ -172,62 +193,51 @@ def sim_speed(configs: list[Config], reps: int) -> Figure:
     fig.notes.append("simulated time grows with the number of ops, not with tensor sizes; "
                      "real time grows with tensor sizes: the ratio depends on the zoo size "
                      f"({configs[0].size!r} here)" if configs else "no cases")
-    sim, why = sim_backend()
-    if sim is None:
-        fig.notes.append(why or SIM_MISSING)
-    else:
-        from memmagic.backends.sim import clear_op_cache
-    for cfg in configs:
-        row: dict[str, Any] = {**cfg.row()}
-        if sim is None:
-            row.update(sim_s=SIM_MISSING, status="n/a")
-            fig.rows.append(row)
-            continue
-        sim_run = runner(cell_source(cfg, "cuda"))
-
-        def simulated() -> None:
-            out = sim.execute(sim_run, {})
-            if out.error is not None:
-                raise out.error
-
-        def cold() -> float:  # after a warm-up run (imports), with the op caches emptied
-            simulated()
-            clear_op_cache()
-            gc.collect()
-            t0 = time.perf_counter()
-            simulated()
-            return time.perf_counter() - t0
-
-        try:
-            why = cpu_cannot_run(cfg)
-            if cfg.case in REAL_CPU_CASES and not why:
-                real_run = runner(cell_source(cfg, "cpu"))
-                cold_s = cold()
-                p = paired(lambda: real_run({}), simulated, reps, warmup=0)
-                speedup = median([a / b for a, b in zip(p.a_s, p.b_s)])
-                row.update(real_s=median(p.a_s), sim_s=median(p.b_s), speedup=speedup,
-                           spread=p.spread(invert=True), cold_s=cold_s,
-                           cold_speedup=median(p.a_s) / cold_s,
-                           status=status_of(speedup >= SIM_SPEED_TARGET), timing=p.to_dict())
-            else:
-                cold_s = cold()
-                times = []
-                for _ in range(reps):
-                    gc.collect()
-                    t0 = time.perf_counter()
-                    simulated()
-                    times.append(time.perf_counter() - t0)
-                s = median(times)
-                if why:
-                    row.update(real_s=why, sim_s=s, cold_s=cold_s, status="n/a", sim_times_s=times)
-                else:
-                    row.update(real_s="not run (too big for a CPU step)", sim_s=s, cold_s=cold_s,
-                               status=status_of(s < GPT2_SIM_TARGET_S), sim_times_s=times)
-        except Exception as exc:
-            row.update(sim_s=f"sim failed: {type(exc).__name__}: {exc}"[:120], status="miss")
-        fig.rows.append(row)
-        gc.collect()
     return fig
+
+
+def _sim_speed_row(sim, cfg: Config, reps: int) -> dict[str, Any]:
+    """One case of 3b: the simulated cell against the real CPU run (paired) where the CPU
+    can run it, else the simulated cell's own times."""
+    from memmagic.backends.sim import clear_op_cache
+
+    sim_run = runner(cell_source(cfg, "cuda"))
+
+    def simulated() -> None:
+        out = sim.execute(sim_run, {})
+        if out.error is not None:
+            raise out.error
+
+    def cold() -> float:  # after a warm-up run (imports), with the op caches emptied
+        simulated()
+        clear_op_cache()
+        gc.collect()
+        t0 = time.perf_counter()
+        simulated()
+        return time.perf_counter() - t0
+
+    why = cpu_cannot_run(cfg)
+    if cfg.case in REAL_CPU_CASES and not why:
+        real_run = runner(cell_source(cfg, "cpu"))
+        cold_s = cold()
+        p = paired(lambda: real_run({}), simulated, reps, warmup=0)
+        speedup = median([a / b for a, b in zip(p.a_s, p.b_s)])
+        return dict(real_s=median(p.a_s), sim_s=median(p.b_s), speedup=speedup,
+                    spread=p.spread(invert=True), cold_s=cold_s,
+                    cold_speedup=median(p.a_s) / cold_s,
+                    status=status_of(speedup >= SIM_SPEED_TARGET), timing=p.to_dict())
+    cold_s = cold()
+    times = []
+    for _ in range(reps):
+        gc.collect()
+        t0 = time.perf_counter()
+        simulated()
+        times.append(time.perf_counter() - t0)
+    s = median(times)
+    if why:
+        return dict(real_s=why, sim_s=s, cold_s=cold_s, status="n/a", sim_times_s=times)
+    return dict(real_s="not run (too big for a CPU step)", sim_s=s, cold_s=cold_s,
+                status=status_of(s < GPT2_SIM_TARGET_S), sim_times_s=times)
 
 
 # -- c. accuracy of the CPU tracker against torch.profiler ----------------------------------
@@ -364,7 +374,7 @@ def accuracy_loops(configs: list[Config]) -> Figure:
 
 
 # -- d. peers -----------------------------------------------------------------------------
-def _torchinfo_estimate(cfg: Config, device: str = "cpu") -> int | str:
+def torchinfo_estimate(cfg: Config, device: str = "cpu") -> int | str:
     """torchinfo's 'Estimated Total Size' for one forward in train mode on ``device``
     (gpt2_small on the CPU goes through the meta device: too big for a real forward)."""
     try:
@@ -387,7 +397,7 @@ def _torchinfo_estimate(cfg: Config, device: str = "cpu") -> int | str:
         gc.collect()
 
 
-def _rule_of_thumb(cfg: Config) -> int:
+def rule_of_thumb(cfg: Config) -> int:
     """accelerate's 'training using Adam: about 4x the model size' (weights, gradients,
     two Adam moments), with the model in fp32 (AMP keeps fp32 weights)."""
     with torch.device("meta"):
@@ -395,7 +405,7 @@ def _rule_of_thumb(cfg: Config) -> int:
     return 4 * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _memtracker_estimate(cfg: Config, device: str = "cpu") -> int | str:
+def memtracker_estimate(cfg: Config, device: str = "cpu") -> int | str:
     """torch's private MemTracker (torch.distributed._tools.mem_tracker) under
     FakeTensorMode on ``device``: build + AdamW + 2 steps, stats reset between steps (it
     refuses a second forward of the root module otherwise)."""
@@ -420,7 +430,7 @@ def _memtracker_estimate(cfg: Config, device: str = "cpu") -> int | str:
         return f"refused: {type(exc).__name__}: {exc}"[:80]
 
 
-def _sim_estimate(sim, cfg: Config, missing: str = SIM_MISSING) -> tuple[int | str, int | None]:
+def sim_estimate(sim, cfg: Config, missing: str = SIM_MISSING) -> tuple[int | str, int | None]:
     """(peak increment, reserved peak) of the simulated cell (build + AdamW + 2 steps)."""
     if sim is None:
         return missing, None
@@ -433,7 +443,7 @@ def _sim_estimate(sim, cfg: Config, missing: str = SIM_MISSING) -> tuple[int | s
     return out.report.increment, out.report.reserved_peak
 
 
-def _err(est: Any, truth: int | None) -> float | None:
+def relative_error(est: Any, truth: int | None) -> float | None:
     if truth is None or not isinstance(est, int):
         return None
     return est / truth - 1
@@ -479,18 +489,18 @@ def peers(configs: list[Config], truth: dict[Config, int]) -> Figure:
     sim_cpu, why_cpu = sim_backend(kernels="cpu") if sim is not None else (None, why)
     for cfg in configs:
         ref = truth.get(cfg)
-        ti = _torchinfo_estimate(cfg)
-        rule = _rule_of_thumb(cfg)
-        mt = _memtracker_estimate(cfg)
-        sm, _ = _sim_estimate(sim, cfg)
-        sc, _ = _sim_estimate(sim_cpu, cfg, missing=(why_cpu or SIM_MISSING)[:60])
+        ti = torchinfo_estimate(cfg)
+        rule = rule_of_thumb(cfg)
+        mt = memtracker_estimate(cfg)
+        sm, _ = sim_estimate(sim, cfg)
+        sc, _ = sim_estimate(sim_cpu, cfg, missing=(why_cpu or SIM_MISSING)[:60])
         fig.rows.append({
             **cfg.row(), "real": ref if ref is not None else "not run",
-            "torchinfo": ti, "torchinfo_err": _err(ti, ref),
-            "rule": rule, "rule_err": _err(rule, ref),
-            "memtracker": mt, "memtracker_err": _err(mt, ref),
-            "sim_cpu": sc, "sim_cpu_err": _err(sc, ref),
-            "sim": sm, "sim_err": _err(sm, ref), "status": "n/a",
+            "torchinfo": ti, "torchinfo_err": relative_error(ti, ref),
+            "rule": rule, "rule_err": relative_error(rule, ref),
+            "memtracker": mt, "memtracker_err": relative_error(mt, ref),
+            "sim_cpu": sc, "sim_cpu_err": relative_error(sc, ref),
+            "sim": sm, "sim_err": relative_error(sm, ref), "status": "n/a",
         })
         gc.collect()
     return fig

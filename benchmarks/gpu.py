@@ -22,9 +22,10 @@ from memmagic import zoo
 from memmagic.backends import cuda_usable, get_backend
 
 from .cases import ALL_CASES, QUICK_CASES, SIM_MISSING, Config, cell_source, matrix, runner, sim_backend
-from .common import Figure, median, paired, status_of
-from .figures import (_err, _memtracker_estimate, _rule_of_thumb, _sim_estimate,
-                      _torchinfo_estimate)
+from .common import Figure, code_version, median, paired, status_of, write_results
+from .figures import (memtracker_estimate, relative_error, rule_of_thumb, sim_estimate,
+                      torchinfo_estimate)
+from .render import text_table
 
 __all__ = ["run_gpu", "real_cuda_peaks"]
 
@@ -146,21 +147,22 @@ def accuracy_and_peers(configs: list[Config]) -> tuple[Figure, Figure]:
             real_alloc, real_reserved = real_cuda_peaks(cfg)
         except torch.OutOfMemoryError:
             real_alloc = real_reserved = None
-        sim_alloc, sim_reserved = _sim_estimate(sim, cfg)
-        a_err, r_err = _err(sim_alloc, real_alloc), _err(sim_reserved, real_reserved)
+        sim_alloc, sim_reserved = sim_estimate(sim, cfg)
+        a_err = relative_error(sim_alloc, real_alloc)
+        r_err = relative_error(sim_reserved, real_reserved)
         ok = None if a_err is None else (abs(a_err) <= ALLOCATED_TARGET
                                          and r_err is not None and abs(r_err) <= RESERVED_TARGET)
         acc.rows.append({**cfg.row(), "real_alloc": real_alloc if real_alloc is not None else "out of memory",
                          "sim_alloc": sim_alloc, "alloc_err": a_err,
                          "real_reserved": real_reserved, "sim_reserved": sim_reserved,
                          "reserved_err": r_err, "status": status_of(ok)})
-        ti = _torchinfo_estimate(cfg, "cuda")
-        rule = _rule_of_thumb(cfg)
-        mt = _memtracker_estimate(cfg, "cuda")
+        ti = torchinfo_estimate(cfg, "cuda")
+        rule = rule_of_thumb(cfg)
+        mt = memtracker_estimate(cfg, "cuda")
         peers.rows.append({**cfg.row(), "real": real_alloc, "torchinfo": ti,
-                           "torchinfo_err": _err(ti, real_alloc), "rule": rule,
-                           "rule_err": _err(rule, real_alloc), "memtracker": mt,
-                           "memtracker_err": _err(mt, real_alloc), "sim": sim_alloc,
+                           "torchinfo_err": relative_error(ti, real_alloc), "rule": rule,
+                           "rule_err": relative_error(rule, real_alloc), "memtracker": mt,
+                           "memtracker_err": relative_error(mt, real_alloc), "sim": sim_alloc,
                            "sim_err": a_err, "status": "n/a"})
         gc.collect()
         torch.cuda.empty_cache()
@@ -169,9 +171,6 @@ def accuracy_and_peers(configs: list[Config]) -> tuple[Figure, Figure]:
 
 def run_gpu(args, command: str) -> int:
     import time
-
-    from .render import text_table
-    from .run import code_version, write_results
 
     if not cuda_usable():
         print("benchmarks --gpu: skipped, no usable CUDA GPU here (torch "

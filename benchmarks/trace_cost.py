@@ -68,48 +68,58 @@ def trace_cost(configs: list[Config], reps: int) -> Figure:
         row: dict[str, Any] = dict(cfg.row())
         ok: list[bool] = []
         if cpu_cannot_run(cfg) is None:
-            ns, _ = warm_step(cfg)
-            model, opt, batch = ns["model"], ns["opt"], ns["batch"]
-            step = lambda: zoo.train_step(model, opt, batch, amp=cfg.amp)  # noqa: E731
-            # as a notebook cell is measured: the namespace is where existing tensors are found
-            measured = lambda: cpu.execute(lambda _ns: step(), ns)  # noqa: E731
-
-            def unrecorded() -> None:
-                with _NoPerOpRecord():
-                    measured()
-
-            p = paired(step, measured, reps)
-            q = paired(unrecorded, measured, reps)
-            row.update(cpu_ratio=p.ratio, cpu_record=q.ratio,
-                       cpu_timing=p.to_dict(), cpu_record_timing=q.to_dict())
-            ok.append(p.ratio <= CPU_TARGET)
-            del model, opt, batch, step, measured
-            ns.clear()
-            gc.collect()
+            ok.append(_cpu_cost(cpu, cfg, reps, row))
         else:
             row.update(cpu_ratio=cpu_cannot_run(cfg), cpu_record=cpu_cannot_run(cfg))
         if sim is not None:
-            run = runner(cell_source(cfg, "cuda"))
-
-            def simulated() -> Any:
-                out = sim.execute(run, {})
-                if out.error is not None:
-                    raise out.error
-                return out.report
-
-            def sim_unrecorded() -> None:
-                with _NoPerOpRecord():
-                    simulated()
-
-            q = paired(sim_unrecorded, simulated, reps)
-            report = simulated()
-            n = len(report.trace.ops)
-            row.update(sim_record=q.ratio, sim_timing=q.to_dict(), ops=str(n),
-                       kib_per_kop=f"{_trace_bytes(report.trace) / n * 1000 / 1024:.1f}" if n else "-")
-            ok.append(q.ratio <= SIM_TARGET)
+            ok.append(_sim_cost(sim, cfg, reps, row))
         else:
             row.update(sim_record=why)
         row["status"] = status_of(all(ok) if ok else None)
         fig.rows.append(row)
     fig.notes.append(f"torch ran {torch.get_num_threads()} intra-op thread(s)")
     return fig
+
+
+def _cpu_cost(cpu, cfg: Config, reps: int, row: dict[str, Any]) -> bool:
+    """The cpu backend's columns of ``row``; whether the traced step met its target."""
+    ns, _ = warm_step(cfg)
+    model, opt, batch = ns["model"], ns["opt"], ns["batch"]
+    step = lambda: zoo.train_step(model, opt, batch, amp=cfg.amp)  # noqa: E731
+    # as a notebook cell is measured: the namespace is where existing tensors are found
+    measured = lambda: cpu.execute(lambda _ns: step(), ns)  # noqa: E731
+
+    def unrecorded() -> None:
+        with _NoPerOpRecord():
+            measured()
+
+    p = paired(step, measured, reps)
+    q = paired(unrecorded, measured, reps)
+    row.update(cpu_ratio=p.ratio, cpu_record=q.ratio,
+               cpu_timing=p.to_dict(), cpu_record_timing=q.to_dict())
+    del model, opt, batch, step, measured
+    ns.clear()
+    gc.collect()
+    return p.ratio <= CPU_TARGET
+
+
+def _sim_cost(sim, cfg: Config, reps: int, row: dict[str, Any]) -> bool:
+    """The sim backend's columns of ``row``; whether the record met its target."""
+    run = runner(cell_source(cfg, "cuda"))
+
+    def simulated() -> Any:
+        out = sim.execute(run, {})
+        if out.error is not None:
+            raise out.error
+        return out.report
+
+    def sim_unrecorded() -> None:
+        with _NoPerOpRecord():
+            simulated()
+
+    q = paired(sim_unrecorded, simulated, reps)
+    report = simulated()
+    n = len(report.trace.ops)
+    row.update(sim_record=q.ratio, sim_timing=q.to_dict(), ops=str(n),
+               kib_per_kop=f"{_trace_bytes(report.trace) / n * 1000 / 1024:.1f}" if n else "-")
+    return q.ratio <= SIM_TARGET

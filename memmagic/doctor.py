@@ -33,6 +33,8 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 from .failures import is_machinery, is_out_of_memory, is_user_file, requested_bytes
 from .report import MemoryReport, format_bytes, needed
 from . import _torch_private as _priv
+from .objgraph import saved_tensors, walk
+from .trace import Category
 
 __all__ = ["Holder", "Retained", "Snapshot", "TracebackHold", "OOMDescription", "Strategy",
            "Advice", "snapshot", "retained", "traceback_holdings", "free_traceback",
@@ -46,9 +48,6 @@ _SKIP_NAMES = frozenset({"In", "_ih", "_oh", "_dh", "_i", "_ii", "_iii", "exit",
                          "__package__", "__loader__", "__spec__", "__file__", "__cached__"})
 _HISTORY = re.compile(r"^_(\d+|_{0,2})$")  # _, __, ___, _12
 _INPUT_HISTORY = re.compile(r"^_i\d+$")
-_SKIP_PACKAGES = ("IPython", "ipykernel", "traitlets", "zmq", "jupyter_client", "tornado",
-                  "asyncio", "matplotlib", "ipywidgets", "comm", "memmagic", "torch")
-MAX_OBJECTS = 200_000
 
 
 # -- walking the namespace -----------------------------------------------------------------
@@ -64,14 +63,6 @@ def _rank(path: str) -> int:
     return 1
 
 
-def _key(value: Any) -> str:
-    if isinstance(value, str):
-        return repr(value)
-    if isinstance(value, (int, float, bool)) or value is None:
-        return repr(value)
-    return f"<{type(value).__name__}>"
-
-
 @dataclass
 class _Found:
     """What the walk saw: for each storage key, the tensor and the paths holding it."""
@@ -80,8 +71,13 @@ class _Found:
     paths: dict[int, list[str]] = field(default_factory=dict)   # key -> holder paths
     kind: dict[int, str] = field(default_factory=dict)          # key -> parameter/gradient/state/...
     groups: dict[int, str] = field(default_factory=dict)        # key -> owner group (module / optimizer / list)
-    group_len: dict[str, int] = field(default_factory=dict)
     truncated: bool = False
+
+
+# the doctor's word for each category the walk gives a tensor
+_KINDS = {Category.PARAMETERS: "parameter", Category.BUFFERS: "buffer",
+          Category.GRADIENTS: "gradient", Category.OPTIMIZER_STATE: "optimizer state",
+          Category.OTHER: "tensor"}
 
 
 def _storage(t: Any) -> tuple[int, int] | None:
@@ -98,102 +94,26 @@ def _storage(t: Any) -> tuple[int, int] | None:
         return None
 
 
-def _walk(roots: Iterable[tuple[str, Any]], max_objects: int = MAX_OBJECTS) -> _Found:
-    """Every tensor reachable from ``roots`` ((name, object) pairs), with the paths holding it."""
-    import torch
-
+def _walk(roots: Iterable[tuple[str, Any]]) -> _Found:
+    """Every tensor reachable from ``roots`` ((name, object) pairs), with the paths holding
+    it: the one object-graph walk (:func:`memmagic.objgraph.walk`), with names, through
+    the references a user makes (not library internals)."""
     found = _Found()
-    seen: set[int] = set()
-    stack: list[tuple[str, Any, str | None, str]] = [(n, v, None, "tensor") for n, v in reversed(list(roots))]
 
-    def add(path: str, t: Any, group: str | None, kind: str) -> None:
+    def add(t: Any, category: Category, path: str, group: str | None) -> None:
         info = _storage(t)
         if info is None:
             return
         key, _ = info
         found.tensors.setdefault(key, t)
-        found.paths.setdefault(key, [])
-        if path not in found.paths[key]:
-            found.paths[key].append(path)
-        if key not in found.kind or kind != "tensor":
-            found.kind.setdefault(key, kind)
+        paths = found.paths.setdefault(key, [])
+        if path not in paths:
+            paths.append(path)
+        found.kind.setdefault(key, _KINDS.get(category, "tensor"))
         if group is not None:
             found.groups.setdefault(key, group)
 
-    while stack:
-        path, obj, group, kind = stack.pop()
-        if isinstance(obj, torch.Tensor):
-            add(path, obj, group, kind)
-            grad = obj.grad if obj.is_leaf else None
-            if grad is not None:
-                add(f"{path}.grad", grad, group, "gradient")
-            continue
-        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, complex, bool, type(None),
-                                                type, types.ModuleType, range)):
-            continue
-        seen.add(id(obj))
-        if len(seen) > max_objects:
-            found.truncated = True
-            break
-        if isinstance(obj, torch.nn.Module):
-            gname = f"{path} (module)"
-            for name, p in obj.named_parameters(recurse=True):
-                stack.append((f"{path}.{name}", p, gname, "parameter"))
-            for name, b in obj.named_buffers(recurse=True):
-                stack.append((f"{path}.{name}", b, gname, "buffer"))
-            for m_path, m in obj.named_modules():  # plain attributes (model.cache)
-                for attr, value in vars(m).items():
-                    if attr.startswith("_") or isinstance(value, torch.nn.Module):
-                        continue
-                    stack.append((f"{path}.{m_path + '.' if m_path else ''}{attr}", value, None, "tensor"))
-            continue
-        if isinstance(obj, torch.optim.Optimizer):
-            gname = f"{path} (optimizer state)"
-            for i, st in enumerate(obj.state.values()):
-                if isinstance(st, dict):
-                    for k, v in st.items():
-                        stack.append((f"{path}.state[{i}][{k!r}]", v, gname, "optimizer state"))
-            continue
-        if isinstance(obj, dict):
-            items = list(obj.items())
-            if path == "Out":
-                for k, v in reversed(items):
-                    stack.append((f"Out[{k}]", v, None, "tensor"))
-                continue
-            for k, v in reversed(items):
-                stack.append((f"{path}[{_key(k)}]", v, None, "tensor"))
-            continue
-        if isinstance(obj, (list, tuple)):
-            tensors = sum(isinstance(v, torch.Tensor) for v in obj)
-            g = f"{path}[...]" if tensors >= 2 else None
-            if g is not None:
-                found.group_len[g] = tensors
-            for i in range(len(obj) - 1, -1, -1):
-                stack.append((f"{path}[{i}]", obj[i], g if isinstance(obj[i], torch.Tensor) else None, "tensor"))
-            continue
-        if isinstance(obj, (set, frozenset)):
-            for v in obj:
-                stack.append((f"{path}{{...}}", v, None, "tensor"))
-            continue
-        if isinstance(obj, types.FunctionType):
-            cells = obj.__closure__ or ()
-            for name, cell in zip(obj.__code__.co_freevars, cells):
-                try:
-                    value = cell.cell_contents
-                except ValueError:  # an empty cell
-                    continue
-                stack.append((f"{path}.<closure>.{name}", value, None, "tensor"))
-            continue
-        if isinstance(obj, types.MethodType):
-            stack.append((f"{path}.__self__", obj.__self__, None, "tensor"))
-            continue
-        mod = (type(obj).__module__ or "").split(".", 1)[0]
-        if mod in _SKIP_PACKAGES:
-            continue
-        d = getattr(obj, "__dict__", None)
-        if isinstance(d, dict):
-            for k, v in reversed(list(d.items())):
-                stack.append((f"{path}.{k}", v, None, "tensor"))
+    found.truncated = not walk(roots, add, names=True, internals=False)
     return found
 
 
@@ -230,8 +150,6 @@ def _graph(t: Any) -> tuple[list[Any], int, int]:
     fn = getattr(t, "grad_fn", None)
     if fn is None:
         return [], 0, 0
-    from .tracking import saved_tensors
-
     seen: set[int] = set()
     saved: list[Any] = list(saved_tensors(fn, seen))
     chain = 0

@@ -10,7 +10,7 @@ background. Sizes on the axes are in binary units (KiB, MiB, GiB) of bytes.
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .report import COLORS, MemoryReport, format_bytes
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["plot_breakdown", "breakdown_figure", "breakdown_chart", "plot_comparison",
            "plot_sweep", "plot_timeline", "timeline_figure", "timeline_chart", "figure_png",
-           "Chart"]
+           "Chart", "merged_spans"]
 
 # Text, ticks and reference lines: the grey with the most contrast on both a white and a
 # dark (#111) page: 4.5:1 on white, 4.2:1 on #111 (#8a8a8a was 3.5:1 on white).
@@ -188,36 +188,10 @@ def plot_comparison(reports: Sequence[MemoryReport], labels: Sequence[str],
     xs = list(range(len(reports)))
     handles: dict[str, Any] = {}
     for x, r in zip(xs, reports):
-        bottom = 0.0
-        for c in cats:
-            v = r.breakdown.get(c, 0)
-            if v > 0:
-                handles[c] = ax.bar(x, v / scale, width, bottom=bottom, color=COLORS[c])
-                bottom += v / scale
-        rest = r.peak - sum(r.breakdown.values())
-        if rest > 0:  # cuda: what the allocator held that no category explains
-            handles["unattributed"] = ax.bar(x, rest / scale, width, bottom=bottom, color="none",
-                                             edgecolor=UNATTRIBUTED, hatch="//")
-        ax.hlines(r.peak / scale, x - width / 2 - 0.06, x + width / 2 + 0.06, color=FG, lw=1.6)
-        text = f"peak {format_bytes(r.peak)}"
-        level = r.peak
-        if r.reserved_peak is not None and r.reserved_peak != r.peak:
-            ax.hlines(r.reserved_peak / scale, x - width / 2 - 0.06, x + width / 2 + 0.06,
-                      color=FG, lw=1.2, ls="--")
-            text += f"\nreserved {format_bytes(r.reserved_peak)}"
-            level = max(level, r.reserved_peak)
-        if r.fits is False:
-            text += f"\ndoes not fit {r.gpu_name or 'GPU'}"
-        ax.annotate(text, (x, level / scale), xytext=(0, 3), textcoords="offset points",
-                    ha="center", va="bottom", fontsize="small",
-                    color=ALERT if r.fits is False else FG)
+        _comparison_bar(ax, x, r, cats, scale, width, handles)
     ymax = top / scale * 1.32  # room for the values written above the bars
     for cap, name in on_scale.items():
-        ax.axhline(cap / scale, color=ALERT, lw=1.5)
-        ax.annotate(f"{name} {format_bytes(cap)}", (1.0, cap / scale),
-                    xycoords=("axes fraction", "data"), xytext=(0, 2), textcoords="offset points",
-                    ha="right", va="bottom", color=ALERT, fontsize="small")
-        ymax = max(ymax, cap / scale * 1.1)
+        ymax = max(ymax, _capacity_line(ax, cap, name, scale))
     ax.set_xticks(xs, labels, color=FG)
     ax.set_xlim(-0.6, len(reports) - 0.4)
     ax.set_ylim(0, ymax)
@@ -231,6 +205,44 @@ def plot_comparison(reports: Sequence[MemoryReport], labels: Sequence[str],
             ls.append(text)
     _legend(ax, hs, ls)
     return ax
+
+
+def _comparison_bar(ax: "Axes", x: int, r: MemoryReport, cats: list[str], scale: float,
+                    width: float, handles: dict[str, Any]) -> None:
+    """One report's stacked bar, its peak (and reserved peak) marked and written above it;
+    the legend's handles are collected in ``handles``."""
+    bottom = 0.0
+    for c in cats:
+        v = r.breakdown.get(c, 0)
+        if v > 0:
+            handles[c] = ax.bar(x, v / scale, width, bottom=bottom, color=COLORS[c])
+            bottom += v / scale
+    rest = r.peak - sum(r.breakdown.values())
+    if rest > 0:  # cuda: what the allocator held that no category explains
+        handles["unattributed"] = ax.bar(x, rest / scale, width, bottom=bottom, color="none",
+                                         edgecolor=UNATTRIBUTED, hatch="//")
+    ax.hlines(r.peak / scale, x - width / 2 - 0.06, x + width / 2 + 0.06, color=FG, lw=1.6)
+    text = f"peak {format_bytes(r.peak)}"
+    level = r.peak
+    if r.reserved_peak is not None and r.reserved_peak != r.peak:
+        ax.hlines(r.reserved_peak / scale, x - width / 2 - 0.06, x + width / 2 + 0.06,
+                  color=FG, lw=1.2, ls="--")
+        text += f"\nreserved {format_bytes(r.reserved_peak)}"
+        level = max(level, r.reserved_peak)
+    if r.fits is False:
+        text += f"\ndoes not fit {r.gpu_name or 'GPU'}"
+    ax.annotate(text, (x, level / scale), xytext=(0, 3), textcoords="offset points",
+                ha="center", va="bottom", fontsize="small",
+                color=ALERT if r.fits is False else FG)
+
+
+def _capacity_line(ax: "Axes", cap: int, name: str, scale: float) -> float:
+    """A GPU's capacity as a labelled line; returns the y limit that shows it."""
+    ax.axhline(cap / scale, color=ALERT, lw=1.5)
+    ax.annotate(f"{name} {format_bytes(cap)}", (1.0, cap / scale),
+                xycoords=("axes fraction", "data"), xytext=(0, 2), textcoords="offset points",
+                ha="right", va="bottom", color=ALERT, fontsize="small")
+    return cap / scale * 1.1
 
 
 def plot_sweep(curves: Mapping[str, Sequence[tuple[int, MemoryReport | None]]], *,
@@ -266,47 +278,14 @@ def plot_sweep(curves: Mapping[str, Sequence[tuple[int, MemoryReport | None]]], 
     ymax = max(top, capacity or 0) / scale * 1.15 if cap_on_scale else top / scale * 1.18
     failed_y = blended_transform_factory(ax.transData, ax.transAxes)
     vals_all = sorted({v for pts in curves.values() for v, _ in pts})
-    values: set[int] = set()
     for i, (name, pts) in enumerate(curves.items()):
         pts = sorted(pts, key=lambda p: p[0])
-        values.update(v for v, _ in pts)
-        ok = [(v, need(r) / scale) for v, r in pts if r is not None]
-        color = f"C{i % 10}"
-        line = ax.plot([v for v, _ in ok], [y for _, y in ok], marker="o", ms=4, lw=1.8,
-                       color=color, label=name)[0]
-        color = line.get_color()
-        bad = [v for v, r in pts if r is None]
-        if bad:
-            ax.plot(bad, [0.97] * len(bad), ls="none", marker="x", ms=8, mew=2, color=color,
-                    transform=failed_y)
+        color = _sweep_line(ax, name, pts, f"C{i % 10}", need, scale, failed_y)
         if capacity is not None:
-            fit = [v for v, r in pts if r is not None and r.failed_request is None
-                   and need(r) <= capacity]
-            if fit:
-                best = max(fit)
-                y = next(need(r) for v, r in pts if v == best and r is not None) / scale
-                ax.plot([best], [y], ls="none", marker="o", ms=13, mfc="none", mew=1.6,
-                        color=color)
-                ha = "right" if best == vals_all[-1] and len(vals_all) > 1 else (
-                    "left" if best == vals_all[0] and len(vals_all) > 1 else "center")
-                ax.annotate(f"{knob}={best} fits", (best, y), xytext=(0, 9),
-                            textcoords="offset points", ha=ha, va="bottom", fontsize="small",
-                            color=color)
-    if capacity is not None:
-        name = capacity_name or "GPU"
-        if cap_on_scale:
-            ax.axhline(capacity / scale, color=ALERT, lw=1.5)
-            ax.annotate(f"{name} {format_bytes(capacity)}", (0.0, capacity / scale),
-                        xycoords=("axes fraction", "data"), xytext=(3, 2),
-                        textcoords="offset points", ha="left", va="bottom", color=ALERT,
-                        fontsize="small")
-    vals = sorted(values)
-    if vals and vals[0] > 0 and vals[-1] / vals[0] > 8:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(vals, [str(v) for v in vals])
-        ax.minorticks_off()
-    elif vals:
-        ax.set_xticks(vals, [str(v) for v in vals])
+            _ring_largest_fit(ax, pts, color, need, scale, capacity, knob, vals_all)
+    if capacity is not None and cap_on_scale:
+        _capacity_line_left(ax, capacity, capacity_name or "GPU", scale)
+    _knob_axis(ax, vals_all)
     ax.set_ylim(0, ymax)
     ax.set_xlabel(knob)
     ax.set_ylabel(f"memory needed ({unit})")
@@ -324,8 +303,57 @@ def plot_sweep(curves: Mapping[str, Sequence[tuple[int, MemoryReport | None]]], 
     return ax
 
 
+def _sweep_line(ax: "Axes", name: str, pts: list[tuple[int, MemoryReport | None]], color: str,
+                need: Callable[[MemoryReport], int], scale: float, failed_y: Any) -> str:
+    """One strategy's line, its failed runs as an x at the top; returns its color."""
+    ok = [(v, need(r) / scale) for v, r in pts if r is not None]
+    line = ax.plot([v for v, _ in ok], [y for _, y in ok], marker="o", ms=4, lw=1.8,
+                   color=color, label=name)[0]
+    color = line.get_color()
+    bad = [v for v, r in pts if r is None]
+    if bad:
+        ax.plot(bad, [0.97] * len(bad), ls="none", marker="x", ms=8, mew=2, color=color,
+                transform=failed_y)
+    return color
+
+
+def _ring_largest_fit(ax: "Axes", pts: list[tuple[int, MemoryReport | None]], color: str,
+                      need: Callable[[MemoryReport], int], scale: float, capacity: int,
+                      knob: str, vals_all: list[int]) -> None:
+    """Ring (and name) the largest knob value whose run fits ``capacity``."""
+    fit = [v for v, r in pts if r is not None and r.failed_request is None
+           and need(r) <= capacity]
+    if not fit:
+        return
+    best = max(fit)
+    y = next(need(r) for v, r in pts if v == best and r is not None) / scale
+    ax.plot([best], [y], ls="none", marker="o", ms=13, mfc="none", mew=1.6, color=color)
+    ha = "right" if best == vals_all[-1] and len(vals_all) > 1 else (
+        "left" if best == vals_all[0] and len(vals_all) > 1 else "center")
+    ax.annotate(f"{knob}={best} fits", (best, y), xytext=(0, 9), textcoords="offset points",
+                ha=ha, va="bottom", fontsize="small", color=color)
+
+
+def _knob_axis(ax: "Axes", vals: list[int]) -> None:
+    """Ticks at the knob's values; a log2 axis when they span more than 8x."""
+    if vals and vals[0] > 0 and vals[-1] / vals[0] > 8:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(vals, [str(v) for v in vals])
+        ax.minorticks_off()
+    elif vals:
+        ax.set_xticks(vals, [str(v) for v in vals])
+
+
+def _capacity_line_left(ax: "Axes", cap: int, name: str, scale: float) -> None:
+    """A GPU's capacity as a line, labelled at the left edge."""
+    ax.axhline(cap / scale, color=ALERT, lw=1.5)
+    ax.annotate(f"{name} {format_bytes(cap)}", (0.0, cap / scale),
+                xycoords=("axes fraction", "data"), xytext=(3, 2), textcoords="offset points",
+                ha="left", va="bottom", color=ALERT, fontsize="small")
+
+
 # -- the timeline of a run ------------------------------------------------------------------
-def _merged_spans(spans: Sequence[tuple[str, int, int]], n_ops: int) -> list[tuple[str, int, int]]:
+def merged_spans(spans: Sequence[tuple[str, int, int]], n_ops: int) -> list[tuple[str, int, int]]:
     """The forward/backward/recompute/optimizer spans with short runs of "other" ops between
     two spans of one phase absorbed (a loss computed between forward and backward, a
     ``zero_grad``), so a training step reads as three spans, not a dozen."""
@@ -369,7 +397,42 @@ def plot_timeline(report: MemoryReport, ax: "Axes | None" = None, *,
     cap_on_scale = cap is not None and cap <= CAPACITY_FACTOR * top
     scale, unit = _unit(max(top, cap or 0) if cap_on_scale else top)
     cats = [c for c in COLORS if any(p[1].get(c, 0) > 0 for p in points)]
-    # a step drawing: the bytes after an op hold until the next op that changes them
+    xs, ys = _steps(points, cats, n_ops, scale)
+    if cats:
+        polys = ax.stackplot(xs, *[ys[c] for c in cats], colors=[COLORS[c] for c in cats],
+                             lw=0, zorder=2)
+    else:
+        polys = []
+    data_top = top / scale
+    ymax = max(data_top, cap / scale if cap_on_scale else 0) * 1.28
+    spans = merged_spans(trace.phase_spans(), n_ops)
+    _phase_bands(ax, spans, n_ops)
+    _mark_peak(ax, trace.peak_op_index, report.peak, n_ops, scale)
+    if cap is not None and cap_on_scale:
+        _capacity_line_left(ax, cap, report.gpu_name or "GPU", scale)
+    words = report.peak_words
+    title = f"live memory by category ({report.backend})"
+    if words:
+        title += f": peak {words}"
+    ax.set_title("\n".join(textwrap.wrap(title, 95)), loc="left", fontsize="medium", color=FG)
+    ax.set_xlim(0, n_ops)
+    ax.set_ylim(0, ymax)
+    ax.set_xlabel("op index (tracked tensor operations, in order)")
+    ax.set_ylabel(unit)
+    hs, ls = list(polys), list(cats)
+    _phase_legend(spans, hs, ls)
+    if cap is not None and not cap_on_scale:
+        h, text = _capacity_handle(cap, report.gpu_name)
+        hs.append(h)
+        ls.append(text)
+    _legend(ax, hs, ls)
+    return ax
+
+
+def _steps(points: Sequence[tuple[int, Mapping[str, int]]], cats: list[str], n_ops: int,
+           scale: float) -> tuple[list[float], dict[str, list[float]]]:
+    """A step drawing of the timeline: the bytes after an op hold until the next op that
+    changes them. (x values, y values per category)."""
     xs: list[float] = []
     ys: dict[str, list[float]] = {c: [] for c in cats}
     for k, (op, c) in enumerate(points):
@@ -383,15 +446,11 @@ def plot_timeline(report: MemoryReport, ax: "Axes | None" = None, *,
     xs.append(n_ops)
     for name in cats:
         ys[name].append(ys[name][-1] if ys[name] else 0.0)
-    if cats:
-        polys = ax.stackplot(xs, *[ys[c] for c in cats], colors=[COLORS[c] for c in cats],
-                             lw=0, zorder=2)
-    else:
-        polys = []
-    data_top = top / scale
-    ymax = max(data_top, cap / scale if cap_on_scale else 0) * 1.28
-    # phases: light bands, a label at the top of each span with room for one
-    spans = _merged_spans(trace.phase_spans(), n_ops)
+    return xs, ys
+
+
+def _phase_bands(ax: "Axes", spans: list[tuple[str, int, int]], n_ops: int) -> None:
+    """Phases as light bands, with a label at the top of each span that has room for one."""
     ax_width_in = ax.figure.get_figwidth() * 0.75
     band = ax.get_xaxis_transform()  # x in ops, y in axes fraction
     for phase, first, last in spans:
@@ -405,44 +464,25 @@ def plot_timeline(report: MemoryReport, ax: "Axes | None" = None, *,
                 ax.text((first - 1 + last) / 2, 0.955, text, transform=band, ha="center",
                         va="center", fontsize=7.5, color=FG, clip_on=True, zorder=3)
                 break
-    # the peak
-    peak_op = trace.peak_op_index
+
+
+def _mark_peak(ax: "Axes", peak_op: int, peak: int, n_ops: int, scale: float) -> None:
     ax.axvline(peak_op, color=FG, lw=1, ls=":")
-    ax.plot([peak_op], [report.peak / scale], marker="v", ms=7, color=ALERT, ls="none")
+    ax.plot([peak_op], [peak / scale], marker="v", ms=7, color=ALERT, ls="none")
     right = peak_op > 0.6 * n_ops
-    ax.annotate(f"peak {format_bytes(report.peak)}", (peak_op, report.peak / scale),
+    ax.annotate(f"peak {format_bytes(peak)}", (peak_op, peak / scale),
                 xytext=(-6 if right else 6, 4), textcoords="offset points",
                 ha="right" if right else "left", va="bottom", fontsize="small", color=ALERT)
-    if cap is not None:
-        name = report.gpu_name or "GPU"
-        if cap_on_scale:
-            ax.axhline(cap / scale, color=ALERT, lw=1.5)
-            ax.annotate(f"{name} {format_bytes(cap)}", (0.0, cap / scale),
-                        xycoords=("axes fraction", "data"), xytext=(3, 2),
-                        textcoords="offset points", ha="left", va="bottom", color=ALERT,
-                        fontsize="small")
-    words = report.peak_words
-    title = f"live memory by category ({report.backend})"
-    if words:
-        title += f": peak {words}"
-    ax.set_title("\n".join(textwrap.wrap(title, 95)), loc="left", fontsize="medium", color=FG)
-    ax.set_xlim(0, n_ops)
-    ax.set_ylim(0, ymax)
-    ax.set_xlabel("op index (tracked tensor operations, in order)")
-    ax.set_ylabel(unit)
+
+
+def _phase_legend(spans: list[tuple[str, int, int]], hs: list[Any], ls: list[str]) -> None:
+    """Add a legend entry for each phase that has a span."""
     from matplotlib.patches import Patch
 
-    hs, ls = list(polys), list(cats)
     for phase in PHASE_COLORS:
         if any(p == phase for p, _, _ in spans):
             hs.append(Patch(color=PHASE_COLORS[phase], alpha=0.35, lw=0))
             ls.append(f"{phase} (phase)")
-    if cap is not None and not cap_on_scale:
-        h, text = _capacity_handle(cap, report.gpu_name)
-        hs.append(h)
-        ls.append(text)
-    _legend(ax, hs, ls)
-    return ax
 
 
 def timeline_figure(report: MemoryReport, **kwargs: Any) -> "Figure":

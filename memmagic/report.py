@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
-from enum import Enum
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-if TYPE_CHECKING:
-    from .trace import ModuleRow, Trace
+# Category lives with the trace (what the tracker records); the report re-exports it
+from .trace import Category, ModuleRow, Trace, module_rows_at
 
 __all__ = ["Category", "MemoryReport", "Footer", "format_bytes", "parse_bytes", "needed", "Note", "notes_of"]
 
@@ -90,21 +89,6 @@ def needed(peak: int | None, reserved_peak: int | None) -> int | None:
     """What a run needs of a card, the one rule: the allocator's reserved peak where it is
     known (what the card must hold), else the peak of live tensors. Bytes."""
     return reserved_peak if reserved_peak is not None else peak
-
-
-class Category(str, Enum):
-    """What a tensor is for. The values are the keys of ``MemoryReport.breakdown``."""
-
-    PARAMETERS = "parameters"
-    BUFFERS = "buffers"
-    GRADIENTS = "gradients"
-    OPTIMIZER_STATE = "optimizer_state"
-    ACTIVATIONS = "activations"  # tensors autograd saved for backward
-    WORKSPACES = "workspaces"  # library workspaces (cuBLAS) held through the allocator
-    OTHER = "other"  # inputs, outputs, temporaries
-
-    def __str__(self) -> str:
-        return self.value
 
 
 # One colour per category, shared by the HTML table and the matplotlib chart.
@@ -276,8 +260,6 @@ class MemoryReport:
         """The per-module table summed to ``depth`` levels of the module tree (1: the root
         modules, 2: their children, None: every module on its own), largest activations
         first. The rows' activations sum to the activations category at the peak."""
-        from .trace import module_rows_at
-
         if depth is not None and depth < 1:
             raise ValueError(f"depth must be 1 or more (or None for every module), not {depth!r}")
         return module_rows_at(self.modules, depth, self.peak)

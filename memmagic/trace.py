@@ -12,12 +12,27 @@ simulated GPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Iterator, Sequence
 
-from .report import Category
-
-__all__ = ["Trace", "Storage", "ModuleRow", "PHASES", "CATEGORY_ORDER", "PRIORITY",
+__all__ = ["Category", "Trace", "Storage", "ModuleRow", "PHASES", "CATEGORY_ORDER", "PRIORITY",
            "NO_MODULE", "module_rows_at"]
+
+
+class Category(str, Enum):
+    """What a tensor is for. The values are the keys of ``MemoryReport.breakdown``."""
+
+    PARAMETERS = "parameters"
+    BUFFERS = "buffers"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    ACTIVATIONS = "activations"  # tensors autograd saved for backward
+    WORKSPACES = "workspaces"  # library workspaces (cuBLAS) held through the allocator
+    OTHER = "other"  # inputs, outputs, temporaries
+
+    def __str__(self) -> str:
+        return self.value
+
 
 # What an op was part of. "recompute": a checkpointed forward run again during backward.
 PHASES = ("forward", "backward", "recompute", "optimizer", "other")

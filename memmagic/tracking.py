@@ -17,11 +17,10 @@ import bisect
 import gc
 import sys
 import time
-import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.modules.module as _module_mod
@@ -32,11 +31,12 @@ from torch.optim.optimizer import (
 )
 
 from . import _torch_private as _priv
-from .report import Category
-from .trace import PRIORITY as _PRIORITY, Trace
+from . import objgraph
+from .failures import is_machinery
+from .trace import PRIORITY as _PRIORITY, Category, Trace
 
-__all__ = ["StorageTracker", "Tracking", "TrackResult", "scan_existing", "Pool", "Trace",
-           "saved_tensors"]
+__all__ = ["StorageTracker", "Tracking", "TrackResult", "scan_existing", "reachable_existing",
+           "Pool", "Trace"]
 
 # Which pool a tensor's storage counts in: "device" (the measured device), "host", or None.
 Pool = str
@@ -391,18 +391,18 @@ def _snake(name: str) -> str:
     return "".join(out).replace("_", " ").strip()
 
 
-_OWN_FILES = (__file__.rsplit("/", 1)[0] + "/",)
+_TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
 
 
 def _user_frames(limit: int = 8) -> tuple[tuple[str, int, str], ...]:
-    """(file, line, function) of the Python frames outside torch and memmagic, innermost
-    first: where the program asked for a storage."""
+    """(file, line, function) of the Python frames outside torch and memmagic's machinery
+    (:func:`memmagic.failures.is_machinery`: the model zoo's frames are the program's),
+    innermost first: where the program asked for a storage."""
     out = []
     f = sys._getframe(2)
-    torch_dir = torch.__file__.rsplit("/", 1)[0] + "/"
     while f is not None and len(out) < limit:
         name = f.f_code.co_filename
-        if not (name.startswith(torch_dir) or name.startswith(_OWN_FILES)):
+        if not (name.startswith(_TORCH_DIR) or is_machinery(name)):
             out.append((name, f.f_lineno, f.f_code.co_name))
         f = f.f_back
     return tuple(out)
@@ -413,9 +413,7 @@ _KIND_CACHE: dict[type, str | None] = {}
 
 
 def _kind(tp: type) -> str | None:
-    if issubclass(tp, torch.nn.Parameter):
-        kind = "parameter"
-    elif issubclass(tp, torch.Tensor):
+    if issubclass(tp, torch.Tensor):
         kind = "tensor"
     elif issubclass(tp, torch.nn.Module):
         kind = "module"
@@ -427,52 +425,12 @@ def _kind(tp: type) -> str | None:
     return kind
 
 
-def saved_tensors(fn: object, seen: set[int]) -> Iterator[torch.Tensor]:
-    """Tensors saved for backward by the autograd graph reachable from ``fn`` (a node);
-    ``seen`` collects the ids of the nodes walked (and skips those already in it)."""
-    stack = [fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        for value in _priv.node_saved_values(node):
-            values = value if isinstance(value, (tuple, list)) else (value,)
-            for v in values:
-                if isinstance(v, torch.Tensor):
-                    yield v
-        for nxt, _ in getattr(node, "next_functions", ()):
-            stack.append(nxt)
-
-
-def _collect(obj: object, kind: str, found: list, graph_roots: list) -> None:
-    """Add ``obj``'s tensors (a tensor, a module's buffers, an optimizer's state) to ``found``."""
-    if kind == "parameter":
-        found.append((obj, Category.PARAMETERS))
-        if obj.grad is not None:
-            found.append((obj.grad, Category.GRADIENTS))
-    elif kind == "tensor":
-        found.append((obj, Category.OTHER))
-        if obj.is_leaf and obj.grad is not None:
-            found.append((obj.grad, Category.GRADIENTS))
-        if obj.grad_fn is not None:
-            graph_roots.append(obj.grad_fn)
-    elif kind == "module":
-        for b in _priv.own_buffers(obj).values():
-            if b is not None:
-                found.append((b, Category.BUFFERS))
-    elif kind == "optimizer":
-        for state in obj.state.values():
-            for v in state.values() if isinstance(state, dict) else ():
-                if isinstance(v, torch.Tensor):
-                    found.append((v, Category.OPTIMIZER_STATE))
-
-
-def _with_saved(found: list, graph_roots: list) -> list[tuple[torch.Tensor, Category]]:
-    """``found`` plus the tensors the autograd graphs at ``graph_roots`` saved."""
+def _with_saved(found: list[tuple[torch.Tensor, Category]]) -> list[tuple[torch.Tensor, Category]]:
+    """``found`` plus the tensors saved by the autograd graphs behind its tensors."""
     seen: set[int] = set()
-    for root in graph_roots:
-        for t in saved_tensors(root, seen):
+    roots = [t.grad_fn for t, _ in found if t.grad_fn is not None]
+    for root in roots:
+        for t in objgraph.saved_tensors(root, seen):
             found.append((t, Category.ACTIVATIONS))
     return found
 
@@ -485,7 +443,10 @@ def scan_existing() -> list[tuple[torch.Tensor, Category]]:
     Tensors held only by C++ code other than autograd graphs are not found.
     """
     found: list[tuple[torch.Tensor, Category]] = []
-    graph_roots: list = []
+
+    def add(t: torch.Tensor, category: Category, path: None, group: None) -> None:
+        found.append((t, category))
+
     cache = _KIND_CACHE
     gc.collect()  # garbage that is only waiting for the collector is not the program's
     for obj in gc.get_objects():  # the hot loop of a scan: one dict lookup per object
@@ -496,8 +457,31 @@ def scan_existing() -> list[tuple[torch.Tensor, Category]]:
             kind = _kind(type(obj))
             if kind is None:
                 continue
-        _collect(obj, kind, found, graph_roots)
-    return _with_saved(found, graph_roots)
+        if kind == "tensor":  # the walk's rule for a tensor: it, and a leaf's .grad
+            objgraph.walk(((None, obj),), add, names=False)
+        elif kind == "module":
+            found.extend((b, Category.BUFFERS) for b in _priv.own_buffers(obj).values()
+                         if b is not None)
+        else:
+            found.extend((v, Category.OPTIMIZER_STATE) for _, _, v in objgraph.optimizer_state(obj)
+                         if isinstance(v, torch.Tensor))
+    return _with_saved(found)
+
+
+def reachable_existing(roots: Iterable[object], max_objects: int = objgraph.MAX_OBJECTS
+                       ) -> list[tuple[torch.Tensor, Category]] | None:
+    """Tensors reachable from ``roots`` (a notebook's namespace), with their categories,
+    and the tensors the autograd graphs behind them saved.
+
+    The one object-graph walk (:func:`memmagic.objgraph.walk`), following library
+    internals too (an optimizer's parameter groups, a DataLoader's dataset). Much faster
+    than :func:`scan_existing` in a big process. Returns None when the walk exceeds
+    ``max_objects`` (the caller then scans everything).
+    """
+    found: list[tuple[torch.Tensor, Category]] = []
+    done = objgraph.walk(((None, r) for r in roots), lambda t, c, p, g: found.append((t, c)),
+                         max_objects=max_objects, names=False, internals=True)
+    return _with_saved(found) if done else None
 
 
 class _Channel:
@@ -589,56 +573,6 @@ _ACTIVE_HOOKS: list["RoleHooks"] = []
 def innermost_tracker() -> "StorageTracker | None":
     """The tracker of the innermost tracking running now (None outside any)."""
     return _ACTIVE_HOOKS[-1].t if _ACTIVE_HOOKS else None
-
-
-_ATOMIC = (str, bytes, bytearray, int, float, complex, bool, type(None), range, slice,
-           type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
-           types.MethodType, types.CodeType, torch.dtype, torch.device)
-# Objects of these packages reach the whole interpreter (the shell, the kernel): never walk them.
-_SKIP_MODULES = ("IPython", "ipykernel", "traitlets", "zmq", "jupyter_client", "tornado",
-                 "asyncio", "matplotlib", "ipywidgets", "comm", "memmagic")
-MAX_WALK = 200_000
-
-
-def reachable_existing(roots: Iterable[object], max_objects: int = MAX_WALK
-                       ) -> list[tuple[torch.Tensor, Category]] | None:
-    """Tensors reachable from ``roots`` (a notebook's namespace), with their categories.
-
-    Walks containers, modules, optimizers and plain objects' ``__dict__``; skips modules,
-    functions, classes and the objects of IPython/Jupyter/matplotlib. Much faster than
-    :func:`scan_existing` in a big process. Returns None when the walk exceeds
-    ``max_objects`` (the caller then scans everything).
-    """
-    found: list[tuple[torch.Tensor, Category]] = []
-    graph_roots = []
-    cache = _KIND_CACHE
-    seen: set[int] = set()
-    stack = list(roots)
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, _ATOMIC):
-            continue
-        seen.add(id(obj))
-        if len(seen) > max_objects:
-            return None
-        tp = type(obj)
-        kind = cache.get(tp, "?")
-        if kind == "?":
-            kind = _kind(tp)
-        if kind is not None:
-            _collect(obj, kind, found, graph_roots)
-            if kind in ("parameter", "tensor"):
-                continue
-        if isinstance(obj, dict):
-            stack.extend(obj.values())
-            stack.extend(k for k in obj if not isinstance(k, _ATOMIC))
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend(obj)
-        elif (tp.__module__ or "").split(".", 1)[0] not in _SKIP_MODULES:
-            d = getattr(obj, "__dict__", None)
-            if isinstance(d, dict):
-                stack.append(d)
-    return _with_saved(found, graph_roots)
 
 
 # -- role hooks ---------------------------------------------------------------------------

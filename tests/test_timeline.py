@@ -9,7 +9,7 @@ import torch
 matplotlib.use("Agg")
 
 from memmagic.api import measure  # noqa: E402
-from memmagic.plots import (ALERT, _merged_spans, plot_timeline, timeline_chart,  # noqa: E402
+from memmagic.plots import (ALERT, merged_spans, plot_timeline, timeline_chart,  # noqa: E402
                             timeline_figure)
 from memmagic.report import MemoryReport  # noqa: E402
 
@@ -106,5 +106,5 @@ def test_short_other_runs_between_one_phase_merge():
     spans = [("forward", 1, 10), ("other", 11, 11), ("forward", 12, 20), ("other", 21, 21),
              ("backward", 22, 40), ("other", 41, 60), ("backward", 61, 70),
              ("optimizer", 71, 80)]
-    assert _merged_spans(spans, 80) == [("forward", 1, 20), ("backward", 22, 40),
+    assert merged_spans(spans, 80) == [("forward", 1, 20), ("backward", 22, 40),
                                         ("backward", 61, 70), ("optimizer", 71, 80)]
