@@ -8,6 +8,7 @@ doctor, the FSDP2 rows, the backends and the simulated device. Knows nothing of 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Any
@@ -32,6 +33,7 @@ def is_machinery(filename: str) -> bool:
     return filename.startswith(PACKAGE_DIR) and filename not in _SHARED_WITH_USERS
 
 
+@functools.lru_cache(maxsize=None)
 def _torch_dir() -> str:
     import torch
 

@@ -16,7 +16,7 @@ Knows nothing of IPython.
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 import weakref
 
@@ -77,7 +77,7 @@ def _wrapper_aware_tracking() -> Iterator[None]:
     the simulation takes an op's device from them; FSDP2's storage resizes of unsharded
     parameters (which bypass the dispatcher) are counted.
 
-    Stand-in until tracking.py / backends/sim/device.py do this themselves (requested):
+    Stand-in until tracking.py / backends/sim/tracker.py do this themselves (requested):
     a wrapper subclass has no memory of its own, and its ops dispatch their inner ops
     below the tracker's dispatch mode, so the tracker must look through it."""
     # One piece: the patched methods are closures over the originals they wrap and are

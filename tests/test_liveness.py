@@ -344,7 +344,7 @@ def test_item_loop_retains_one_graph_and_the_leak_retains_all_on_sim(ip):
 
 def test_failed_simulated_cell_keeps_only_the_users_frames(ip):
     from memmagic import _torch_private as priv
-    from memmagic.backends.sim.device import SimTracker
+    from memmagic.backends.sim.tracker import SimTracker
 
     gc.collect()
     others = {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor) and priv.is_fake(o)}

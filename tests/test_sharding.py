@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from memmagic import sharding, tracking
-from memmagic.backends.sim import device as sim_device
+from memmagic.backends.sim.tracker import SimTracker
 
 # four 512x512 weights without bias: 1 MiB each, so every shard is a multiple of the
 # simulated allocator's 512-byte rounding for 2 and 4 ranks (no padding, no rounding)
@@ -77,12 +77,12 @@ def test_world_size_one_is_refused():
 
 def test_everything_installed_is_restored_also_after_the_cell_fails(clean_state):
     methods = {n: tracking.StorageTracker.__dict__[n] for n in ("track", "note", "serial_of", "recheck_size")}
-    pool = sim_device.SimTracker.__dict__["_pool_from_inputs"]
+    pool = SimTracker.__dict__["pool_from_inputs"]
     init = torch.optim.Optimizer.__dict__["__init__"]
     r = sharding.simulate_fsdp(STEP + "raise ValueError('boom')\n", world_size=2)
     assert r.report is None and "boom" in r.reason
     assert {n: tracking.StorageTracker.__dict__[n] for n in methods} == methods
-    assert sim_device.SimTracker.__dict__["_pool_from_inputs"] is pool
+    assert SimTracker.__dict__["pool_from_inputs"] is pool
     assert torch.optim.Optimizer.__dict__["__init__"] is init
     assert not dist.is_initialized()
 

@@ -485,3 +485,41 @@ def test_a_fresh_namespace_can_be_simulated_twice():
         out, ns = run("import torch\nx = torch.randn(4, 4, device='cuda')\n", ns)
         assert out.error is None
         assert isinstance(ns["__builtins__"], dict) and isinstance(ns["x"], SimulatedValue)
+
+
+def test_sim_modules_import_inward_only():
+    """No two modules of the simulation import each other (also through a chain, also
+    inside functions), and none imports another's private name."""
+    import ast
+    import pathlib
+
+    import memmagic.backends.sim as sim_pkg
+
+    root = pathlib.Path(sim_pkg.__file__).parent
+    graph: dict[str, set[str]] = {}
+    private: list[str] = []
+    for path in root.glob("*.py"):
+        deps = graph.setdefault(path.stem, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module] if node.module else [a.name for a in node.names]
+                deps.update(n.split(".")[0] for n in names)
+                private += [f"{path.stem}: {a.name}" for a in node.names
+                            if a.name.startswith("_") and not a.name.startswith("__")]
+    assert private == []
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(mod: str) -> None:
+        assert mod not in visiting, f"import cycle: {' -> '.join(visiting + [mod])}"
+        if mod in done or mod not in graph:
+            return
+        visiting.append(mod)
+        for dep in graph[mod]:
+            visit(dep)
+        visiting.pop()
+        done.add(mod)
+
+    for mod in graph:
+        if mod != "__init__":
+            visit(mod)

@@ -11,7 +11,7 @@ import copy
 import torch
 
 from memmagic import _torch_private as priv
-from memmagic.backends.sim.device import CONSTANT_NUMEL
+from memmagic.backends.sim.constants import CONSTANT_NUMEL
 from test_sim import Recorder, run
 
 

@@ -1,12 +1,23 @@
 """The simulated CUDA device (``--backend sim``): GPU memory numbers without a GPU.
 
-A cell written for a GPU runs unchanged on fake tensors (metadata, no data): the CUDA
-device is rewritten onto fake CPU tensors (:mod:`.device`), CUDA's kernels and autocast
-policy are modeled where the CPU's use memory differently (:mod:`.kernels`,
-:mod:`.autocast`), ops whose outputs FakeTensorMode computed once for such inputs are
-answered from metadata (:mod:`.op_cache`), reserved memory comes from a model of the caching allocator
-(:mod:`.allocator`), ``torch.cuda`` queries answer from the simulation (:mod:`.cuda_api`),
-and the notebook's objects are swapped for fake copies during the run (:mod:`.sandbox`).
+A cell written for a GPU runs unchanged on fake tensors (metadata, no data). One module
+per concern:
+
+* :mod:`.state`: the simulated machine's devices (one GPU, ``cuda:0``) and what a run shares;
+* :mod:`.rewrite`: the CUDA device rewritten onto fake CPU tensors for Python code;
+* :mod:`.tracker`: the dispatch-level tracker: which storages are on the simulated GPU,
+  fed to the allocator model, op by op; :mod:`.mismatch`: ops that mix devices;
+* :mod:`.values` and :mod:`.constants`: placeholders for values a simulation does not
+  have, and the small real values it carries;
+* :mod:`.allocator` and :mod:`.workspaces`: the model of the caching allocator, and the
+  cuBLAS workspaces it holds;
+* :mod:`.kernels`, :mod:`.autocast` and :mod:`.op_cache`: CUDA's kernels and autocast
+  policy where the CPU's use memory differently, and ops answered from metadata;
+* :mod:`.cuda_api`: the ``torch.cuda`` a simulated cell sees; :mod:`.compat`: third-party
+  libraries and files;
+* :mod:`.sandbox` and :mod:`.session`: the notebook's objects swapped for fake copies
+  during a run, and the simulated GPU that lasts the whole notebook;
+* :mod:`.backend`: the run itself.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ from .errors import (
     SimulationUnsupported,
 )
 from .gpus import GPUS, GPUSpec, resolve_target
-from .sandbox import SimulatedValue
+from .values import SimulatedValue
 
 __all__ = [
     "SimBackend", "KERNELS", "SIM_NOTES", "clear_op_cache", "GPUS", "GPUSpec", "resolve_target",

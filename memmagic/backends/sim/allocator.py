@@ -43,7 +43,7 @@ from __future__ import annotations
 import bisect
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 __all__ = ["CachingAllocatorModel", "AllocatorLog", "round_request", "segment_size", "AllocatorFull",
            "STAT_NAMES", "AllocatorConfig", "parse_alloc_conf", "alloc_conf_from_env",
@@ -127,112 +127,99 @@ def _tokens(text: str) -> list[str]:
     return out
 
 
+class _ConfigTokens:
+    """The tokens of an allocator configuration, read as c10's ``ConfigTokenizer`` reads
+    them; every refusal is a one-line ValueError naming ``where`` (the variable)."""
+
+    def __init__(self, text: str, where: str) -> None:
+        self.tok = _tokens(text)
+        self.where = where
+        self.large = LARGE_BUFFER  # large_segment_size_mb (see megabytes)
+
+    def __len__(self) -> int:
+        return len(self.tok)
+
+    def fail(self, msg: str) -> ValueError:
+        return ValueError(f"{self.where}: {msg}")
+
+    def at(self, i: int) -> str:
+        if i >= len(self.tok):
+            raise self.fail("the settings end too early (Index out of bounds in ConfigTokenizer)")
+        return self.tok[i]
+
+    def colon(self, i: int) -> int:  # checkToken(++i, ":")
+        if self.at(i + 1) != ":":
+            raise self.fail(f"expected ':' after {self.tok[i]!r}")
+        return i + 1
+
+    def size_t(self, i: int) -> int:  # ConfigTokenizer::toSizeT: std::stoull
+        m = re.match(r"\+?\d+", self.at(i))
+        if m is None:
+            raise self.fail(f"expected a whole number, not {self.tok[i]!r}")
+        return int(m.group())
+
+    def double(self, i: int) -> float:  # ConfigTokenizer::toDouble: std::stod
+        m = re.match(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", self.at(i))
+        if m is None:
+            raise self.fail(f"expected a number, not {self.tok[i]!r}")
+        return float(m.group())
+
+    def boolean(self, i: int) -> bool:  # ConfigTokenizer::toBool
+        v = self.at(i)
+        if v not in ("True", "False"):
+            raise self.fail(f"Expected 'True' or 'False' at index {i} in ConfigTokenizer but got '{v}'")
+        return v == "True"
+
+    def skip(self, i: int) -> int:  # ConfigTokenizer::skipKey: to the value, or the closing ']'
+        tok = self.tok
+        i = self.colon(i) + 1
+        if self.at(i) == "[":
+            while i + 1 < len(tok) and tok[i + 1] != "]":
+                i += 1
+            i += 1
+            if i >= len(tok):
+                raise self.fail("Expected closing bracket ']' in ConfigTokenizer but reached end of config")
+        return i
+
+    def megabytes(self, i: int) -> tuple[int, int]:
+        """"key:N" in MB, at least the large segment size: (the value's index, bytes)."""
+        j = self.colon(i) + 1
+        v = self.size_t(j)
+        if v < self.large // _MB:
+            raise self.fail(f"CachingAllocator option {self.tok[i]} too small, must be >= {self.large // _MB}")
+        return j, min(v, SIZE_MAX // _MB) * _MB
+
+    def read_large_segment_size(self) -> None:
+        """large_segment_size_mb is read first: the smallest max_split_size_mb and the
+        default max_non_split_rounding_mb follow it (parseLargeSegmentSize)."""
+        tok, i = self.tok, 0
+        while i < len(tok):
+            if tok[i] == "large_segment_size_mb":
+                i = self.colon(i)
+                v = self.size_t(i + 1)
+                if not v > MIN_LARGE_ALLOC // _MB:
+                    raise self.fail(f"CachingAllocator option large_segment_size_mb must be > "
+                                    f"{MIN_LARGE_ALLOC // _MB} MB")
+                self.large = min(v, SIZE_MAX // _MB) * _MB
+                i += 1
+            i += 1
+
+
 def parse_alloc_conf(text: str, source: str = "PYTORCH_CUDA_ALLOC_CONF") -> AllocatorConfig:
     """The settings of an allocator configuration string ("max_split_size_mb:128,
     garbage_collection_threshold:0.6"), checked as c10's ``AcceleratorAllocatorConfig::
     parseArgs`` checks them. A value torch refuses raises a one-line ValueError with
     torch's words (``source`` names the variable in it). Keys torch does not know, and
     options the model does not follow, are kept in ``unmodelled``, not refused."""
-    tok = _tokens(text)
-    where = f"{source}={text!r}" if text else source
-
-    def fail(msg: str) -> ValueError:
-        return ValueError(f"{where}: {msg}")
-
-    def at(i: int) -> str:
-        if i >= len(tok):
-            raise fail("the settings end too early (Index out of bounds in ConfigTokenizer)")
-        return tok[i]
-
-    def colon(i: int) -> int:  # checkToken(++i, ":")
-        if at(i + 1) != ":":
-            raise fail(f"expected ':' after {tok[i]!r}")
-        return i + 1
-
-    def size_t(i: int) -> int:  # ConfigTokenizer::toSizeT: std::stoull
-        m = re.match(r"\+?\d+", at(i))
-        if m is None:
-            raise fail(f"expected a whole number, not {tok[i]!r}")
-        return int(m.group())
-
-    def double(i: int) -> float:  # ConfigTokenizer::toDouble: std::stod
-        m = re.match(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", at(i))
-        if m is None:
-            raise fail(f"expected a number, not {tok[i]!r}")
-        return float(m.group())
-
-    def boolean(i: int) -> bool:  # ConfigTokenizer::toBool
-        v = at(i)
-        if v not in ("True", "False"):
-            raise fail(f"Expected 'True' or 'False' at index {i} in ConfigTokenizer but got '{v}'")
-        return v == "True"
-
-    def skip(i: int) -> int:  # ConfigTokenizer::skipKey: to the value, or the closing ']'
-        i = colon(i) + 1
-        if at(i) == "[":
-            while i + 1 < len(tok) and tok[i + 1] != "]":
-                i += 1
-            i += 1
-            if i >= len(tok):
-                raise fail("Expected closing bracket ']' in ConfigTokenizer but reached end of config")
-        return i
-
-    # large_segment_size_mb is read first: the smallest max_split_size_mb and the default
-    # max_non_split_rounding_mb follow it (parseLargeSegmentSize)
-    def megabytes(i: int) -> tuple[int, int]:  # "key:N" in MB, at least the large segment size
-        j = colon(i) + 1
-        v = size_t(j)
-        if v < large // _MB:
-            raise fail(f"CachingAllocator option {tok[i]} too small, must be >= {large // _MB}")
-        return j, min(v, SIZE_MAX // _MB) * _MB
-
-    large = LARGE_BUFFER
-    i = 0
-    while i < len(tok):
-        if tok[i] == "large_segment_size_mb":
-            i = colon(i)
-            v = size_t(i + 1)
-            if not v > MIN_LARGE_ALLOC // _MB:
-                raise fail(f"CachingAllocator option large_segment_size_mb must be > "
-                           f"{MIN_LARGE_ALLOC // _MB} MB")
-            large = min(v, SIZE_MAX // _MB) * _MB
-            i += 1
-        i += 1
-    max_split, rounding, gc, expandable = SIZE_MAX, large, 0.0, False
+    t = _ConfigTokens(text, f"{source}={text!r}" if text else source)
+    t.read_large_segment_size()
+    values = {"max_split": SIZE_MAX, "rounding": t.large, "gc": 0.0, "expandable": False}
     unmodelled: list[str] = []
     modelled: list[str] = []
-    i = 0
+    tok, i = t.tok, 0
     while i < len(tok):
         key, start = tok[i], i
-        follows = True
-        if key == "max_split_size_mb":  # parseMaxSplitSize
-            i, max_split = megabytes(i)
-        elif key == "max_non_split_rounding_mb":  # parseMaxNonSplitRoundingSize
-            i, rounding = megabytes(i)
-        elif key == "garbage_collection_threshold":  # parseGarbageCollectionThreshold
-            i = colon(i) + 1
-            v = double(i)
-            if not 0 < v < 1.0:
-                raise fail("garbage_collect_threshold is invalid, set it in (0.0, 1.0)")
-            gc = v
-        elif key == "expandable_segments":  # parseExpandableSegments
-            i = colon(i) + 1
-            expandable = boolean(i)
-            follows = not expandable  # growing segments are not modelled
-        elif key == "backend":  # CUDAAllocatorConfig::parseAllocatorConfig
-            i = colon(i) + 1
-            if at(i) not in ("native", "cudaMallocAsync"):
-                raise fail("Unknown allocator backend, options are native and cudaMallocAsync")
-            follows = tok[i] == "native"  # cudaMallocAsync: CUDA's own pool, not modelled
-        elif key in ("release_lock_on_cudamalloc", "release_lock_on_hipmalloc"):
-            i = colon(i) + 1
-            boolean(i)  # only whether the lock is held around cudaMalloc: no memory effect
-        elif key in (",", ":", "[", "]"):
-            raise fail(f"unexpected {key!r} at index {i}")
-        else:  # roundup_power2_divisions, large_segment_size_mb, the pinned-memory options,
-            # per_process_memory_fraction, ... and keys torch does not know
-            i = skip(i)
-            follows = False
+        i, follows = _parse_option(t, i, values)
         text_kv = "".join(tok[start:i + 1])
         if follows:
             modelled.append(text_kv)
@@ -240,12 +227,50 @@ def parse_alloc_conf(text: str, source: str = "PYTORCH_CUDA_ALLOC_CONF") -> Allo
             unmodelled.append(text_kv if key in _TORCH_KEYS else f"{text_kv} (unknown to torch)")
         if i + 1 < len(tok):
             if tok[i + 1] != ",":
-                raise fail(f"expected ',' after {text_kv!r}")
+                raise t.fail(f"expected ',' after {text_kv!r}")
             i += 1
         i += 1
-    return AllocatorConfig(max_split, rounding, gc, expandable,
+    return AllocatorConfig(values["max_split"], values["rounding"], values["gc"],
+                           values["expandable"],
                            f"{source}={text}" if (unmodelled or modelled) else "",
                            tuple(unmodelled), tuple(modelled))
+
+
+def _parse_option(t: _ConfigTokens, i: int, values: dict[str, Any]) -> tuple[int, bool]:
+    """Read the option at token ``i`` into ``values``: (the index of its last token,
+    whether the model follows it)."""
+    key, tok = t.tok[i], t.tok
+    follows = True
+    if key == "max_split_size_mb":  # parseMaxSplitSize
+        i, values["max_split"] = t.megabytes(i)
+    elif key == "max_non_split_rounding_mb":  # parseMaxNonSplitRoundingSize
+        i, values["rounding"] = t.megabytes(i)
+    elif key == "garbage_collection_threshold":  # parseGarbageCollectionThreshold
+        i = t.colon(i) + 1
+        v = t.double(i)
+        if not 0 < v < 1.0:
+            raise t.fail("garbage_collect_threshold is invalid, set it in (0.0, 1.0)")
+        values["gc"] = v
+    elif key == "expandable_segments":  # parseExpandableSegments
+        i = t.colon(i) + 1
+        values["expandable"] = t.boolean(i)
+        follows = not values["expandable"]  # growing segments are not modelled
+    elif key == "backend":  # CUDAAllocatorConfig::parseAllocatorConfig
+        i = t.colon(i) + 1
+        if t.at(i) not in ("native", "cudaMallocAsync"):
+            raise t.fail("Unknown allocator backend, options are native and cudaMallocAsync")
+        follows = tok[i] == "native"  # cudaMallocAsync: CUDA's own pool, not modelled
+    elif key in ("release_lock_on_cudamalloc", "release_lock_on_hipmalloc"):
+        i = t.colon(i) + 1
+        t.boolean(i)  # only whether the lock is held around cudaMalloc: no memory effect
+    elif key in (",", ":", "[", "]"):
+        raise t.fail(f"unexpected {key!r} at index {i}")
+    else:  # roundup_power2_divisions, large_segment_size_mb, the pinned-memory options,
+        # per_process_memory_fraction, ... and keys torch does not know
+        i = t.skip(i)
+        follows = False
+    return i, follows
+
 
 
 def alloc_conf_from_env(environ=None) -> AllocatorConfig:
@@ -583,64 +608,78 @@ class CachingAllocatorModel:
         if requested is None:
             requested = nbytes
         small = size <= SMALL_SIZE
-        lst = self._free[small]
-        if self._gc_on:  # get_free_block: ++pool.get_free_blocks_call_count
-            self._gc_calls[small] += 1
-        ms = self._max_split  # SIZE_MAX unless max_split_size_mb is set
-        i = bisect.bisect_left(lst, (size, -1))
-        block = None
-        if i < len(lst):
-            b = lst[i][2]
-            # get_free_block: a request below max_split_size takes no oversize block; an
-            # oversize one takes a block less than max_non_split_rounding_size larger
-            if (b.size < ms) if size < ms else (b.size < size + self._round_limit):
-                block = b
-                del lst[i]
-                if b.prev is not None or b.next is not None:
-                    self._split_free(b, -1)
+        block = self._free_block(size, small)
         if block is None:
-            seg_size = segment_size(size)
-            if self._gc_on:  # malloc: before alloc_block, with set_fraction
-                self._garbage_collect()
-            cap = self._capacity
-            if cap is not None and self.reserved + seg_size > cap and not (
-                    # alloc_block failed: release_available_cached_blocks && alloc_block
-                    ms != SIZE_MAX and self._release_available(size, small)
-                    and self.reserved + seg_size <= cap):
-                # release_cached_blocks && alloc_block(isRetry=true)
-                self.empty_cache()
-                self.num_alloc_retries += 1
-                self._counts["num_alloc_retries"] += 1
-                if self.reserved + seg_size > cap:
-                    self._counts["num_ooms"] += 1
-                    if self._log is not None:
-                        self._record("oom", None, nbytes,
-                                     device_free=max(cap - self.reserved, 0))
-                    raise AllocatorFull(size, self.allocated, self.reserved, cap)
-            block = self._new_segment(seg_size, small)
+            block = self._alloc_block(size, small, nbytes)
         block.free = False
         rest = block.size - size
         # should_split: small pool at 512 B left; large pool at more than 1 MiB left, and
         # only for a request below max_split_size
-        if (small and rest >= MIN_BLOCK) or (not small and rest > SMALL_SIZE and size < ms):
-            tail = _Block(block.addr + size, rest, block.segment, True, block, block.next)
-            if block.next is not None:
-                block.next.prev = tail
-            block.next = tail
-            block.size = size
-            self._insert_free(tail)
-            self._split_free(tail, 1)
+        if (small and rest >= MIN_BLOCK) or (not small and rest > SMALL_SIZE and size < self._max_split):
+            self._split(block, size, rest)
         block.segment.blocks_in_use += 1
         block.requested, block.key = requested, key
         self._live[key] = block
         if self._log is not None:
             self._record("alloc", block.addr, requested, key)
         self._count_block(small, block.size, requested)
-        if block.size >= ms:  # alloc_found_block
+        if block.size >= self._max_split:  # alloc_found_block
             self._bump_oversize(0, 1)
         self.allocated += block.size
         self.allocated_peak = max(self.allocated_peak, self.allocated)
         return block.size
+
+    def _free_block(self, size: int, small: bool) -> _Block | None:
+        """get_free_block: the best-fitting cached block for ``size``, taken off its free
+        list, or None."""
+        lst = self._free[small]
+        if self._gc_on:  # get_free_block: ++pool.get_free_blocks_call_count
+            self._gc_calls[small] += 1
+        ms = self._max_split  # SIZE_MAX unless max_split_size_mb is set
+        i = bisect.bisect_left(lst, (size, -1))
+        if i >= len(lst):
+            return None
+        b = lst[i][2]
+        # a request below max_split_size takes no oversize block; an oversize one takes a
+        # block less than max_non_split_rounding_size larger
+        if not ((b.size < ms) if size < ms else (b.size < size + self._round_limit)):
+            return None
+        del lst[i]
+        if b.prev is not None or b.next is not None:
+            self._split_free(b, -1)
+        return b
+
+    def _alloc_block(self, size: int, small: bool, nbytes: int) -> _Block:
+        """alloc_block: a new segment for ``size``, after freeing cached blocks when the
+        card's capacity requires it; raises :class:`AllocatorFull` when it cannot fit."""
+        seg_size = segment_size(size)
+        if self._gc_on:  # malloc: before alloc_block, with set_fraction
+            self._garbage_collect()
+        cap = self._capacity
+        if cap is not None and self.reserved + seg_size > cap and not (
+                # alloc_block failed: release_available_cached_blocks && alloc_block
+                self._max_split != SIZE_MAX and self._release_available(size, small)
+                and self.reserved + seg_size <= cap):
+            # release_cached_blocks && alloc_block(isRetry=true)
+            self.empty_cache()
+            self.num_alloc_retries += 1
+            self._counts["num_alloc_retries"] += 1
+            if self.reserved + seg_size > cap:
+                self._counts["num_ooms"] += 1
+                if self._log is not None:
+                    self._record("oom", None, nbytes, device_free=max(cap - self.reserved, 0))
+                raise AllocatorFull(size, self.allocated, self.reserved, cap)
+        return self._new_segment(seg_size, small)
+
+    def _split(self, block: _Block, size: int, rest: int) -> None:
+        """Cut ``block`` to ``size``; its ``rest`` bytes become a free block after it."""
+        tail = _Block(block.addr + size, rest, block.segment, True, block, block.next)
+        if block.next is not None:
+            block.next.prev = tail
+        block.next = tail
+        block.size = size
+        self._insert_free(tail)
+        self._split_free(tail, 1)
 
     def free(self, key: object) -> None:
         """Return ``key``'s block to the cache (no-op for unknown keys)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+import functools
 import random
 import sys
 import traceback
@@ -14,13 +15,16 @@ import torch
 from ... import _torch_private as _priv
 from ...report import Category, MemoryReport, Note, format_bytes
 from ...tracking import Tracking, RoleHooks
-from ...failures import release_own_frames
+from ...failures import is_user_file, release_own_frames
 from .. import Backend, Outcome
 from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
-from .cuda_api import install_cuda_api
-from .device import (CONSTANT_NUMEL, CPU, CUDA0, DeviceRewriteMode, SimState, SimTracker,
-                     is_cuda_device, is_user_file)
+from .compat import install_compat
+from .cuda_api import SimulatedCuda
+from .constants import CONSTANT_NUMEL
+from .rewrite import DeviceRewriteMode
+from .state import CPU, CUDA0, SimState, is_cuda_device
+from .tracker import SimTracker
 from .errors import (
     RERUN_HINT,
     SimulatedOutOfMemoryError,
@@ -71,6 +75,28 @@ class _SimTracking(Tracking):
         super().__init__(tracker.include, tracker.round_bytes, seed=False, roots=namespace)
         self.tracker = tracker
         self._hooks = RoleHooks(tracker, [namespace] if isinstance(namespace, dict) else None)
+
+
+class _Installs:
+    """What one run installs beyond attribute patches, each undone by ``patches`` (the
+    run's one undo log): the CUDA kernels, and the CUDA autocast policy, installed when
+    autocast is first entered (cells without autocast do not pay for it), never after
+    the run (nothing would take it away)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.patches = Patches()
+        self.running = True
+        self.policy = None
+        self.sdpa = None  # the SDPA kernel's counter of the backends it picked
+
+    def install_kernels(self, capability: tuple[int, int]) -> None:
+        self.sdpa = install_cuda_kernels(self.patches, capability)["sdpa"]
+
+    def install_policy(self) -> None:
+        if self.cuda and self.policy is None and self.running:
+            self.policy = install_cuda_autocast_policy()
+            self.patches.call_on_restore(functools.partial(_priv.destroy_library, self.policy))
 
 
 class SimBackend(Backend):
@@ -206,59 +232,20 @@ class SimBackend(Backend):
     def _run_on(self, card: Card, run: Callable[[dict], Any], namespace: dict,
                 notes: list[str], shadow: dict | None) -> Outcome:
         cuda = self.kernels == "cuda"
-        state, tracker, fake_mode = card.state, card.tracker, card.fake_mode
+        state, tracker = card.state, card.tracker
         state.begin_run()
         tracker.rearm(self.max_ops, self.max_seconds)
         fast = card.op_cache(self.op_cache)
         tracker.fast = fast
-        hits0, misses0, passes0 = (fast.hits, fast.misses, fast.passes) if fast else (0, 0, 0)
+        counts0 = _cache_counts(fast)
         tracking = _SimTracking(tracker, namespace)
-        patches = Patches()
-        libs: list = []
-        policy: list = []  # the CUDA autocast policy, installed when autocast is first entered
-        running = [True]   # never install it after the run (nothing would take it away)
-
-        def install_policy() -> None:
-            if cuda and not policy and running[0]:
-                policy.append(install_cuda_autocast_policy())
-                libs.append(policy[0])
-
-        autocast = make_autocast_classes(cuda, install_policy)
-        sandbox = Sandbox(namespace, fake_mode, self._replacements(autocast), shadow)
-        saved_globals = _save_globals()
+        installs = _Installs(cuda)
+        autocast = make_autocast_classes(cuda, installs.install_policy)
+        sandbox = Sandbox(namespace, card.fake_mode, self._replacements(autocast), shadow)
         value = error = shown = None
-        sdpa = None
-        _ACTIVE.append(self)
         try:
-            try:
-                self._install(patches, libs, state, tracker, autocast, notes)
-                if cuda:
-                    k = install_cuda_kernels(patches, card.capability)
-                    libs.append(k["library"])
-                    sdpa = k["sdpa"]
-                    if torch.is_autocast_enabled("cpu"):  # autocast already on: now
-                        install_policy()
-                sandbox.enter()
-                _seed(tracker, state, sandbox, namespace)
-                sandbox.release()
-                with fake_mode, tracking, DeviceRewriteMode(state):
-                    tracker.start_clock()
-                    value = run(namespace)
-                    shown = _shown(value)  # its repr, while fake tensors print as on a GPU
-            finally:
-                running[0] = False
-                try:
-                    sandbox.exit()
-                finally:
-                    try:
-                        for lib in reversed(libs):
-                            _priv.destroy_library(lib)
-                    finally:
-                        try:
-                            patches.restore()
-                        finally:
-                            _ACTIVE.remove(self)
-                            _restore_globals(saved_globals)
+            value, shown = self._simulate(card, run, namespace, tracking, sandbox, installs,
+                                          autocast, notes)
         except BaseException as exc:  # re-raised by the caller after rendering
             error = _explain(exc)
             # the simulation's own finished frames (dispatch, tracker) hold the op's fake
@@ -269,10 +256,8 @@ class SimBackend(Backend):
             assert error is not None
             raise error
         value = sanitize_value(value, shown=shown, live=shadow is not None)
-        self.last_run_stats = {"ops": tracker.ops,
-                               "cache_hits": fast.hits - hits0 if fast else 0,
-                               "cache_misses": fast.misses - misses0 if fast else 0,
-                               "cache_passes": fast.passes - passes0 if fast else 0}
+        self.last_run_stats = {"ops": tracker.ops, **{
+            k: n - counts0[k] for k, n in _cache_counts(fast).items()}}
         if self.session is not None and card.shadow:
             notes.append("the simulated GPU lasts the whole notebook: "
                          + ", ".join(sorted(card.shadow)) + " hold simulated objects for later "
@@ -281,92 +266,41 @@ class SimBackend(Backend):
             notes.append("no tensor reached the simulated GPU in this cell: everything ran on "
                          "the host (a device chosen in a real cell, where no GPU was found, is "
                          "'cpu': choose it in a simulated cell, or write device='cuda')")
-        return Outcome(self._report(tracking, tracker, state, sandbox, notes, error, sdpa),
+        return Outcome(self._report(tracking, tracker, state, sandbox, notes, error, installs.sdpa),
                        None if error else value, error)
+
+    def _simulate(self, card: Card, run: Callable[[dict], Any], namespace: dict,
+                  tracking: _SimTracking, sandbox: Sandbox, installs: _Installs,
+                  autocast: dict[str, Any], notes: list[str]) -> tuple[Any, str | None]:
+        """Install the simulation, run the cell on fakes, undo every install (one undo log,
+        also after an exception); the cell's value and its repr as a GPU run shows it."""
+        state, tracker, patches = card.state, card.tracker, installs.patches
+        patches.call_on_restore(functools.partial(_restore_globals, _save_globals()))
+        _ACTIVE.append(self)
+        patches.call_on_restore(lambda: _ACTIVE.remove(self))
+        try:
+            _install(patches, state, tracker, self.target, autocast, notes)
+            if installs.cuda:
+                installs.install_kernels(card.capability)
+                if torch.is_autocast_enabled("cpu"):  # autocast already on: now
+                    installs.install_policy()
+            patches.call_on_restore(sandbox.exit)
+            sandbox.enter()
+            _seed(tracker, state, sandbox, namespace)
+            sandbox.release()
+            with card.fake_mode, tracking, DeviceRewriteMode(state):
+                tracker.start_clock()
+                value = run(namespace)
+                return value, _shown(value)  # its repr, while fake tensors print as on a GPU
+        finally:
+            installs.running = False
+            patches.restore()
 
     def _replacements(self, autocast: dict[str, Any]) -> dict[int, Any]:
         import torch.cuda.amp
 
         return {id(torch.autocast): autocast["autocast"],
                 id(torch.cuda.amp.autocast): autocast["cuda_amp_autocast"]}
-
-    def _install(self, patches: Patches, libs: list, state: SimState, tracker: SimTracker,
-                 autocast: dict[str, Any], notes: list[str]) -> None:
-        import torch.amp.autocast_mode as amp_mode
-
-        for mod in (torch, torch.amp, amp_mode):
-            patches.set(mod, "autocast", autocast["autocast"])
-        patches.set(torch, "is_autocast_enabled", autocast["is_autocast_enabled"])
-        patches.set(torch, "get_autocast_dtype", autocast["get_autocast_dtype"])
-        patches.set(torch, "get_autocast_gpu_dtype", autocast["get_autocast_gpu_dtype"])
-
-        def set_default_device(device) -> None:
-            if device is None:
-                state.default_cuda = False
-                return
-            cuda = is_cuda_device(device)
-            if cuda is None or (not cuda and torch.device(device).type != "cpu"):
-                raise SimulationUnsupported(
-                    f"torch.set_default_device({device!r}) cannot be simulated; {RERUN_HINT}")
-            state.default_cuda = bool(cuda)
-
-        def get_default_device() -> torch.device:
-            return CUDA0 if state.default_cuda and state.cuda else CPU
-
-        fake_cls = _priv.FakeTensor
-        real_device = _priv.fake_tensor_device_getter()
-
-        def device(t):
-            real = real_device(t)
-            if state.in_dispatch:  # torch's own dispatch code: the real (CPU) device
-                return real
-            return state.fake_device(t, real)
-
-        patches.set(fake_cls, "device", property(device))
-        # deepcopy of a fake tensor (nn.TransformerEncoder's layer clones) keeps its fake
-        # mode: a copied mode frees torch's storage weakrefs twice and crashes the process
-        patches.set(_priv.FakeTensorMode, "__deepcopy__", _priv.fake_mode_deepcopy)
-        patches.set(torch, "set_default_device", set_default_device)
-        patches.set(torch, "get_default_device", get_default_device)
-        install_cuda_api(patches, tracker, self.target, autocast, notes)
-        from .compat import install_compat; install_compat(patches, notes, self.target)  # noqa: E702
-
-        swap = torch.utils.swap_tensors
-
-        def swap_tensors(t1, t2):  # nn.Module._apply swaps fake parameters; weakrefs block it
-            try:
-                return swap(t1, t2)
-            except RuntimeError:
-                if not (_priv.is_fake(t1) or _priv.is_fake(t2)):
-                    raise
-                with torch.no_grad():
-                    t1.data = t2.detach()
-
-        patches.set(torch.utils, "swap_tensors", swap_tensors)
-        # values that follow from constants and shapes (arange, linspace, full, masks made
-        # from them) stay real up to this many elements: control flow on them is right
-        patches.set(*_priv.constant_numel_limit_holder(), CONSTANT_NUMEL)
-        import torch.backends.cudnn as cudnn
-
-        # nn.RNNBase asks whether cuDNN can take its weights (it warns on a CPU build)
-        patches.set(cudnn, "is_acceptable", lambda tensor: False)
-
-        loader_cls, get_iter_attr = _priv.dataloader_iterator_slot()
-        get_iter = getattr(loader_cls, get_iter_attr)
-
-        def _get_iterator(loader):
-            n = loader.num_workers
-            if n <= 0:
-                return get_iter(loader)
-            if _WORKERS_NOTE not in notes:
-                notes.append(_WORKERS_NOTE)
-            object.__setattr__(loader, "num_workers", 0)
-            try:
-                return _priv.single_process_loader_iter(loader)
-            finally:
-                object.__setattr__(loader, "num_workers", n)
-
-        patches.set(loader_cls, get_iter_attr, _get_iterator)
 
     # -- the report -------------------------------------------------------------------------
     def _report(self, tracking: _SimTracking, tracker: SimTracker, state: SimState,
@@ -414,6 +348,106 @@ class SimBackend(Backend):
             extra.update(failed_request=error.size, live_at_failure=tracker.oom_live)
         return report_from_tracking(tracking, "sim", self.device_name, tuple(all_notes),
                                     error, **extra)
+
+
+# -- what a run installs (every one through the run's Patches) ---------------------------------
+def _install(patches: Patches, state: SimState, tracker: SimTracker, target: GPUSpec | None,
+             autocast: dict[str, Any], notes: list[str]) -> None:
+    """Everything a simulated run changes in torch and in libraries."""
+    _install_autocast(patches, autocast)
+    _install_devices(patches, state)
+    SimulatedCuda(tracker, target, notes).install(patches, autocast)
+    install_compat(patches, notes, target)
+    _install_torch_adjustments(patches, notes)
+
+
+def _install_autocast(patches: Patches, autocast: dict[str, Any]) -> None:
+    import torch.amp.autocast_mode as amp_mode
+
+    for mod in (torch, torch.amp, amp_mode):
+        patches.set(mod, "autocast", autocast["autocast"])
+    patches.set(torch, "is_autocast_enabled", autocast["is_autocast_enabled"])
+    patches.set(torch, "get_autocast_dtype", autocast["get_autocast_dtype"])
+    patches.set(torch, "get_autocast_gpu_dtype", autocast["get_autocast_gpu_dtype"])
+
+
+def _install_devices(patches: Patches, state: SimState) -> None:
+    """``FakeTensor.device`` as the simulated device, and the default device."""
+    def set_default_device(device) -> None:
+        if device is None:
+            state.default_cuda = False
+            return
+        cuda = is_cuda_device(device)
+        if cuda is None or (not cuda and torch.device(device).type != "cpu"):
+            raise SimulationUnsupported(
+                f"torch.set_default_device({device!r}) cannot be simulated; {RERUN_HINT}")
+        state.default_cuda = bool(cuda)
+
+    def get_default_device() -> torch.device:
+        return CUDA0 if state.default_cuda and state.cuda else CPU
+
+    real_device = _priv.fake_tensor_device_getter()
+
+    def device(t):
+        real = real_device(t)
+        if state.in_dispatch:  # torch's own dispatch code: the real (CPU) device
+            return real
+        return state.fake_device(t, real)
+
+    patches.set(_priv.FakeTensor, "device", property(device))
+    # deepcopy of a fake tensor (nn.TransformerEncoder's layer clones) keeps its fake
+    # mode: a copied mode frees torch's storage weakrefs twice and crashes the process
+    patches.set(_priv.FakeTensorMode, "__deepcopy__", _priv.fake_mode_deepcopy)
+    patches.set(torch, "set_default_device", set_default_device)
+    patches.set(torch, "get_default_device", get_default_device)
+
+
+def _install_torch_adjustments(patches: Patches, notes: list[str]) -> None:
+    """torch's own code paths a simulation needs changed (swaps, constants, cuDNN's
+    probe, DataLoader workers)."""
+    swap = torch.utils.swap_tensors
+
+    def swap_tensors(t1, t2):  # nn.Module._apply swaps fake parameters; weakrefs block it
+        try:
+            return swap(t1, t2)
+        except RuntimeError:
+            if not (_priv.is_fake(t1) or _priv.is_fake(t2)):
+                raise
+            with torch.no_grad():
+                t1.data = t2.detach()
+
+    patches.set(torch.utils, "swap_tensors", swap_tensors)
+    # values that follow from constants and shapes (arange, linspace, full, masks made
+    # from them) stay real up to this many elements: control flow on them is right
+    patches.set(*_priv.constant_numel_limit_holder(), CONSTANT_NUMEL)
+    import torch.backends.cudnn as cudnn
+
+    # nn.RNNBase asks whether cuDNN can take its weights (it warns on a CPU build)
+    patches.set(cudnn, "is_acceptable", lambda tensor: False)
+    loader_cls, get_iter_attr = _priv.dataloader_iterator_slot()
+    get_iter = getattr(loader_cls, get_iter_attr)
+
+    def _get_iterator(loader):
+        n = loader.num_workers
+        if n <= 0:
+            return get_iter(loader)
+        if "workers" not in " ".join(notes):
+            notes.append("DataLoader workers ran in-process (num_workers=0) in the simulation")
+        # the loader's own attribute, for this call only (per call, not the run's undo log)
+        object.__setattr__(loader, "num_workers", 0)
+        try:
+            return _priv.single_process_loader_iter(loader)
+        finally:
+            object.__setattr__(loader, "num_workers", n)
+
+    patches.set(loader_cls, get_iter_attr, _get_iterator)
+
+
+def _cache_counts(fast) -> dict[str, int]:
+    """The op cache's counters (zeros without one)."""
+    if fast is None:
+        return {"cache_hits": 0, "cache_misses": 0, "cache_passes": 0}
+    return {"cache_hits": fast.hits, "cache_misses": fast.misses, "cache_passes": fast.passes}
 
 
 # -- helpers ----------------------------------------------------------------------------------

@@ -293,11 +293,11 @@ class _Skips:
 
 
 class _Run:
-    """State of one simulated run's adjustments. ``patches.set(run, "active", True)``:
-    when Patches sets it back to False, the run's remaining bindings are undone."""
+    """State of one simulated run's adjustments. ``patches.call_on_restore(run.finish)``:
+    when Patches reaches it, the run ends and its remaining bindings are undone."""
 
     def __init__(self, patches: Patches, notes: list[str]) -> None:
-        object.__setattr__(self, "active", False)
+        self.active = False
         self.patches = patches
         self.notes = notes
         self.skips = _Skips(notes)
@@ -306,12 +306,6 @@ class _Run:
         self.replaced: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, replacement)
         self.originals: dict[int, Any] = {}  # id(replacement) -> original
         self.watch: _ImportWatch | None = None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        was = self.__dict__.get("active")
-        object.__setattr__(self, name, value)
-        if name == "active" and was and not value:
-            self._finish()
 
     # replacing functions
     def replace(self, module: Any, attr: str, make: Callable[[_Run, Any], Any]) -> None:
@@ -341,7 +335,12 @@ class _Run:
             if module.__name__ == mod_name:
                 self.replace(module, attr, make)
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
+        """The run is over: stop watching imports, and put back what modules imported
+        during the run bound by name."""
+        if not self.active:
+            return
+        self.active = False
         watch = self.watch
         if watch is not None and watch in sys.meta_path:
             sys.meta_path.remove(watch)
@@ -575,7 +574,8 @@ def install_compat(patches: Patches, notes: list[str], target: GPUSpec | None = 
     clear_probe_caches()
     patches.call_on_restore(clear_probe_caches)  # runs after everything installed below
     run = _Run(patches, notes)
-    patches.set(run, "active", True)  # restored last: undoes what the run bound by name
+    run.active = True
+    patches.call_on_restore(run.finish)  # undone last: what the run bound by name
     switch = _CudnnSDPSwitch()
     patches.set(switch, "enabled", switch.enabled)
     if target is None:

@@ -5,7 +5,8 @@ the simulated tracker and allocator model, ``reset_peak_memory_stats()`` resets 
 simulation's own counters (never a real device's), ``empty_cache()`` releases the model's
 free segments, ``synchronize()`` does nothing. ``mem_get_info()`` and
 ``get_device_properties()`` answer for the target card, or for :data:`DEFAULT_CARD` when
-none is named (:func:`install_default_card_note` says so in the report).
+none is named (:func:`install_default_card_note` says so in the report). :class:`SimulatedCuda` is
+that ``torch.cuda``: one instance per run, its methods the simulated functions.
 
 ``memory_stats()`` is the allocator model's own statistics under torch's names, so
 ``memory_summary()`` is torch's own table (with a line saying it is simulated);
@@ -27,18 +28,19 @@ import contextlib
 import pickle
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ...report import format_bytes
 from ...snapshot import PICKLE_PROTOCOL
-from .device import SimulatedFloat
+from .values import SimulatedFloat
 from .errors import RERUN_HINT, SimulationUnsupported
 from .gpus import DEFAULT_CAPABILITY, GPUS, GPUSpec
 from ...patching import Patches
 
-__all__ = ["SimDeviceProperties", "install_cuda_api", "install_default_card_note", "DEFAULT_CARD"]
+__all__ = ["SimDeviceProperties", "SimulatedCuda", "check_device", "install_default_card_note",
+           "DEFAULT_CARD"]
 
 # The card the size queries (``mem_get_info``, ``get_device_properties``) answer for when
 # none is named: the sm_80 card whose kernels the simulation picks by default.
@@ -114,85 +116,97 @@ _STREAMS_NOTE = ("CUDA streams and events ran as one stream: work on a side stre
                  "reserved memory can be higher there), and events time nothing")
 
 
+def _event_class(note_read: Callable[[str], None]) -> type:
+    """The ``torch.cuda.Event`` of one run: records and waits; times nothing (its
+    ``elapsed_time`` is a marked placeholder, counted by ``note_read``)."""
+
+    class Event:
+        """A CUDA event in a simulation: records and waits; times nothing."""
+
+        def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                     interprocess: bool = False, external: bool = False) -> None:
+            self.enable_timing = enable_timing
+            self.recorded = False
+
+        def __repr__(self) -> str:
+            return "<torch.cuda.Event [simulated]>"
+
+        def record(self, stream=None) -> None:
+            self.recorded = True
+
+        def wait(self, stream=None) -> None:
+            return None
+
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            return None
+
+        def elapsed_time(self, end_event) -> float:
+            if not (self.enable_timing and end_event.enable_timing):
+                raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+            if not (self.recorded and end_event.recorded):
+                raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+            note_read("torch.cuda.Event.elapsed_time (a simulation times nothing)")
+            return SimulatedFloat(1.0)
+
+    return Event
+
+
+def _stream_class(event_cls: type) -> type:
+    """The ``torch.cuda.Stream`` of one run (its events are ``event_cls``)."""
+
+    class Stream(torch.Stream):
+        """A CUDA stream in a simulation: everything runs in order on one stream. A
+        ``torch.Stream`` (of the CPU underneath) so that ops taking a stream
+        (``tensor.record_stream(s)``) accept it."""
+
+        def __new__(cls, device=None, priority: int = 0, **kwargs: Any):
+            return super().__new__(cls, device="cpu")
+
+        def __init__(self, device=None, priority: int = 0, **kwargs: Any) -> None:
+            self._priority = priority
+
+        device = property(lambda self: torch.device("cuda", 0))
+        priority = property(lambda self: self._priority)
+        cuda_stream = property(lambda self: 0)
+
+        def __repr__(self) -> str:
+            return "<torch.cuda.Stream device=cuda:0 cuda_stream=0x0 [simulated]>"
+
+        @staticmethod
+        def priority_range() -> tuple[int, int]:
+            return (0, -5)  # (least, greatest) on current NVIDIA GPUs
+
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            return None
+
+        def wait_stream(self, stream) -> None:
+            return None
+
+        def wait_event(self, event) -> None:
+            return None
+
+        def record_event(self, event=None):
+            event = event if event is not None else event_cls()
+            event.record(self)
+            return event
+
+    return Stream
+
+
 class _SimStreamEvents:
     """Events and streams of one simulated run (see the module docstring)."""
 
     def __init__(self, state, notes: list[str]) -> None:
         self.state, self.notes = state, notes
-        sim = self
-
-        class Stream(torch.Stream):
-            """A CUDA stream in a simulation: everything runs in order on one stream. A
-            ``torch.Stream`` (of the CPU underneath) so that ops taking a stream
-            (``tensor.record_stream(s)``) accept it."""
-
-            def __new__(cls, device=None, priority: int = 0, **kwargs: Any):
-                return super().__new__(cls, device="cpu")
-
-            def __init__(self, device=None, priority: int = 0, **kwargs: Any) -> None:
-                self._priority = priority
-
-            device = property(lambda self: torch.device("cuda", 0))
-            priority = property(lambda self: self._priority)
-            cuda_stream = property(lambda self: 0)
-
-            def __repr__(self) -> str:
-                return "<torch.cuda.Stream device=cuda:0 cuda_stream=0x0 [simulated]>"
-
-            @staticmethod
-            def priority_range() -> tuple[int, int]:
-                return (0, -5)  # (least, greatest) on current NVIDIA GPUs
-
-            def query(self) -> bool:
-                return True
-
-            def synchronize(self) -> None:
-                return None
-
-            def wait_stream(self, stream) -> None:
-                return None
-
-            def wait_event(self, event) -> None:
-                return None
-
-            def record_event(self, event=None):
-                event = event if event is not None else Event()
-                event.record(self)
-                return event
-
-        class Event:
-            """A CUDA event in a simulation: records and waits; times nothing."""
-
-            def __init__(self, enable_timing: bool = False, blocking: bool = False,
-                         interprocess: bool = False, external: bool = False) -> None:
-                self.enable_timing = enable_timing
-                self.recorded = False
-
-            def __repr__(self) -> str:
-                return "<torch.cuda.Event [simulated]>"
-
-            def record(self, stream=None) -> None:
-                self.recorded = True
-
-            def wait(self, stream=None) -> None:
-                return None
-
-            def query(self) -> bool:
-                return True
-
-            def synchronize(self) -> None:
-                return None
-
-            def elapsed_time(self, end_event) -> float:
-                if not (self.enable_timing and end_event.enable_timing):
-                    raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
-                if not (self.recorded and end_event.recorded):
-                    raise RuntimeError("Both events must be recorded before calculating elapsed time.")
-                sim.state.note_read("torch.cuda.Event.elapsed_time (a simulation times nothing)")
-                return SimulatedFloat(1.0)
-
-        self.Stream, self.Event = Stream, Event
-        self.default = Stream()
+        self.Event = _event_class(state.note_read)
+        self.Stream = _stream_class(self.Event)
+        self.default = self.Stream()
         self.current = self.default
 
     def side_stream_used(self) -> None:
@@ -225,249 +239,335 @@ class _SimStreamEvents:
             self.current = prev
 
 
-def install_cuda_api(patches: Patches, tracker, target: GPUSpec | None,
-                     autocast: dict[str, Any], notes: list[str] | None = None) -> None:
-    """Patch ``torch.cuda`` (and its ``memory``/``amp`` submodules) for the run; ``notes``
-    receives what the report should say about events and streams."""
-    import torch.cuda.amp
-    import torch.cuda.memory as cmem
+def check_device(device=None) -> None:
+    """Refuse a device other than the one simulated GPU (``torch.cuda.set_device``)."""
+    if device is None:
+        return
+    idx = device if isinstance(device, int) else torch.device(device).index
+    if idx not in (None, 0):
+        raise SimulationUnsupported(f"the simulation has one GPU (cuda:0), not cuda:{idx}; {RERUN_HINT}")
 
-    cuda = torch.cuda
-    card = target or DEFAULT_CARD  # kernels follow DEFAULT_CAPABILITY without a target
-    name = card.name
-    capability = target.capability if target else DEFAULT_CAPABILITY
-    props = SimDeviceProperties(
-        name=name, total_memory=card.total_memory, major=capability[0], minor=capability[1],
-        multi_processor_count=card.multi_processor_count)
 
-    def _check_device(device=None) -> None:
-        if device is None:
+class _DeviceContext:
+    """``with torch.cuda.device(0):`` (and ``torch.accelerator.device_index``): the one GPU."""
+
+    def __init__(self, device) -> None:
+        check_device(device if device is not None and device != -1 else None)
+        self.idx = 0
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
+
+
+_DeviceContext.__name__ = _DeviceContext.__qualname__ = "device"  # torch's name
+
+# What SimulatedCuda installs on torch.cuda (and torch.cuda.memory, where torch has the
+# name): torch's name -> the SimulatedCuda attribute that answers it, where they differ
+_RENAMED = {
+    "set_device": "check_device", "memory_cached": "memory_reserved",
+    "max_memory_cached": "max_memory_reserved",
+    "reset_max_memory_allocated": "reset_peak_memory_stats",
+    "reset_max_memory_cached": "reset_peak_memory_stats",
+    "_record_memory_history": "record_memory_history", "_snapshot": "snapshot",
+    "_dump_snapshot": "dump_snapshot",
+}
+_CUDA_NAMES = (
+    "is_available", "device_count", "current_device", "is_initialized", "init", "set_device",
+    "get_device_name", "get_device_properties", "get_device_capability", "is_bf16_supported",
+    "synchronize", "ipc_collect", "memory_allocated", "max_memory_allocated", "memory_reserved",
+    "max_memory_reserved", "memory_cached", "max_memory_cached", "reset_peak_memory_stats",
+    "reset_max_memory_allocated", "reset_max_memory_cached", "reset_accumulated_memory_stats",
+    "empty_cache", "memory_stats", "memory_summary", "mem_get_info",
+    "set_per_process_memory_fraction", "get_per_process_memory_fraction",
+    "_record_memory_history", "_snapshot", "_dump_snapshot", "memory_snapshot", "manual_seed",
+    "manual_seed_all", "seed", "seed_all", "get_rng_state", "set_rng_state",
+    "get_rng_state_all", "set_rng_state_all", "is_current_stream_capturing", "device",
+    "device_of",
+)
+_STREAM_NAMES = ("Event", "Stream", "stream", "set_stream", "current_stream", "default_stream")
+_UNSUPPORTED_CLASSES = ("ExternalStream", "CUDAGraph", "graph", "MemPool")
+_UNSUPPORTED_FUNCTIONS = ("make_graphed_callables", "graph_pool_handle", "use_mem_pool")
+_ACCELERATOR_SAME = ("memory_allocated", "max_memory_allocated", "memory_reserved",
+                     "max_memory_reserved", "memory_stats", "reset_peak_memory_stats",
+                     "reset_accumulated_memory_stats", "empty_cache")
+
+
+class SimulatedCuda:
+    """The ``torch.cuda`` of one simulated run: its methods are the simulated functions
+    (see the module docstring), answering from ``tracker`` (a
+    :class:`~.tracker.SimTracker`) and its allocator model, for ``target`` (or
+    :data:`DEFAULT_CARD`). :meth:`install` puts them on ``torch.cuda``, its ``memory``
+    and ``amp`` modules and ``torch.accelerator`` through an undo log; ``notes`` receives
+    what the report should say about events and streams."""
+
+    device = _DeviceContext
+    check_device = staticmethod(check_device)
+
+    def __init__(self, tracker, target: GPUSpec | None, notes: list[str] | None = None) -> None:
+        self.tracker = tracker
+        card = target or DEFAULT_CARD  # kernels follow DEFAULT_CAPABILITY without a target
+        self.name = card.name
+        capability = target.capability if target else DEFAULT_CAPABILITY
+        self.props = SimDeviceProperties(
+            name=card.name, total_memory=card.total_memory, major=capability[0],
+            minor=capability[1], multi_processor_count=card.multi_processor_count)
+        self.streams = _SimStreamEvents(tracker.s, notes if notes is not None else [])
+
+    # -- installing ------------------------------------------------------------------------
+    def api(self) -> dict[str, Any]:
+        """torch.cuda's name -> what answers it in the simulation."""
+        out = {name: getattr(self, _RENAMED.get(name, name)) for name in _CUDA_NAMES}
+        out.update((name, getattr(self.streams, name)) for name in _STREAM_NAMES)
+        out.update((name, _unsupported_class(f"torch.cuda.{name}")) for name in _UNSUPPORTED_CLASSES)
+        out.update((name, _unsupported(f"torch.cuda.{name}")) for name in _UNSUPPORTED_FUNCTIONS)
+        return out
+
+    def install(self, patches: Patches, autocast: dict[str, Any]) -> None:
+        """Patch ``torch.cuda`` (and its ``memory``/``amp`` submodules), ``torch.accelerator``
+        and the device-generic ``torch.Stream``/``torch.Event`` for the run."""
+        import torch.cuda.amp
+        import torch.cuda.memory as cmem
+
+        for attr, value in self.api().items():
+            if hasattr(torch.cuda, attr):
+                patches.set(torch.cuda, attr, value)
+            if hasattr(cmem, attr):
+                patches.set(cmem, attr, value)
+        patches.set(torch.cuda.amp, "autocast", autocast["cuda_amp_autocast"])
+        self.install_accelerator(patches)
+        # the device-generic classes (torch.Stream(0), torch.Event()): the simulated GPU's
+        patches.set(torch, "Stream", self.streams.Stream)
+        patches.set(torch, "Event", self.streams.Event)
+
+    def install_accelerator(self, patches: Patches) -> None:
+        """``torch.accelerator`` (and its ``memory`` module) answer as on a machine whose
+        accelerator is the simulated GPU: PyTorch's own tutorials pick the device with
+        ``torch.accelerator.current_accelerator().type if torch.accelerator.is_available()
+        else "cpu"``, which must take the GPU path here."""
+        acc = getattr(torch, "accelerator", None)
+        if acc is None:
             return
-        idx = device if isinstance(device, int) else torch.device(device).index
-        if idx not in (None, 0):
-            raise SimulationUnsupported(f"the simulation has one GPU (cuda:0), not cuda:{idx}; {RERUN_HINT}")
+        mem = getattr(acc, "memory", None)
+        values: dict[str, Any] = {
+            "is_available": lambda: True, "device_count": lambda: 1,
+            "current_accelerator": lambda check_available=False: torch.device("cuda"),
+            "current_device_index": lambda: 0, "current_device_idx": lambda: 0,
+            "set_device_index": check_device, "set_device_idx": check_device,
+            "device_index": self.device,  # ``with torch.accelerator.device_index(0):``
+            "synchronize": lambda device=None, /: check_device(device),
+            "current_stream": lambda device=None, /: self.streams.current_stream(device),
+            "set_stream": self.streams.set_stream, "empty_host_cache": lambda: None,
+            "get_memory_info": lambda device_index=None, /: self.mem_get_info(device_index),
+            "Graph": _unsupported_class("torch.accelerator.Graph"),
+            "_snapshot": self.snapshot,
+        }
+        values.update((name, getattr(self, name)) for name in _ACCELERATOR_SAME)
+        for attr, value in values.items():
+            for mod in (acc, mem):
+                if mod is not None and hasattr(mod, attr):
+                    patches.set(mod, attr, value)
 
-    def memory_allocated(device=None) -> int:
-        _check_device(device)
-        return tracker.current["device"]
+    # -- the device --------------------------------------------------------------------------
+    def is_available(self) -> bool:
+        return True
 
-    def max_memory_allocated(device=None) -> int:
-        _check_device(device)
-        return tracker.cuda_peak
+    def device_count(self) -> int:
+        return 1
 
-    def memory_reserved(device=None) -> int:
-        _check_device(device)
-        a = tracker.allocator
-        return a.reserved if a is not None else tracker.current["device"]
+    def current_device(self) -> int:
+        return 0
 
-    def max_memory_reserved(device=None) -> int:
-        _check_device(device)
+    def is_initialized(self) -> bool:
+        return True
+
+    def init(self) -> None:
+        return None
+
+    def get_device_name(self, device=None) -> str:
+        check_device(device)
+        return self.name
+
+    def get_device_properties(self, device=None) -> SimDeviceProperties:
+        check_device(device)
+        return self.props
+
+    def get_device_capability(self, device=None) -> tuple[int, int]:
+        return (self.props.major, self.props.minor)
+
+    def is_bf16_supported(self, including_emulation: bool = True) -> bool:
+        # torch: True from sm_80, and before that (T4, V100) when a bfloat16 tensor can be
+        # made on the card, which CUDA builds can: emulated
+        return self.props.major >= 8 or bool(including_emulation)
+
+    def synchronize(self, device=None) -> None:
+        return None
+
+    def ipc_collect(self) -> None:
+        return None
+
+    def device_of(self, obj) -> _DeviceContext:
+        return _DeviceContext(None)
+
+    def is_current_stream_capturing(self) -> bool:
+        return False
+
+    # -- seeds and RNG state: a simulation has no values -------------------------------------
+    def manual_seed(self, seed) -> None:
+        return None
+
+    def manual_seed_all(self, seed) -> None:
+        return None
+
+    def seed(self) -> None:
+        return None
+
+    def seed_all(self) -> None:
+        return None
+
+    # checkpoint saves and restores the CUDA RNG state
+    def get_rng_state(self, device="cuda") -> torch.Tensor:
+        return torch.zeros(16, dtype=torch.uint8, device="meta")
+
+    def set_rng_state(self, new_state, device="cuda") -> None:
+        return None
+
+    def get_rng_state_all(self) -> list[torch.Tensor]:
+        return [torch.zeros(16, dtype=torch.uint8, device="meta")]
+
+    def set_rng_state_all(self, new_states) -> None:
+        return None
+
+    # -- memory ------------------------------------------------------------------------------
+    def memory_allocated(self, device=None) -> int:
+        check_device(device)
+        return self.tracker.current["device"]
+
+    def max_memory_allocated(self, device=None) -> int:
+        check_device(device)
+        return self.tracker.cuda_peak
+
+    def memory_reserved(self, device=None) -> int:
+        check_device(device)
+        a = self.tracker.allocator
+        return a.reserved if a is not None else self.tracker.current["device"]
+
+    def max_memory_reserved(self, device=None) -> int:
+        check_device(device)
+        tracker = self.tracker
         return tracker.cuda_reserved_peak if tracker.allocator is not None else tracker.cuda_peak
 
-    def reset_peak_memory_stats(device=None) -> None:
-        _check_device(device)
+    def reset_peak_memory_stats(self, device=None) -> None:
+        check_device(device)
+        tracker = self.tracker
         tracker.cuda_peak = tracker.current["device"]
         a = tracker.allocator
         tracker.cuda_reserved_peak = a.reserved if a is not None else 0
         if a is not None:
             a.reset_peak_stats()
 
-    def reset_accumulated_memory_stats(device=None) -> None:
-        _check_device(device)
-        if tracker.allocator is not None:
-            tracker.allocator.reset_accumulated_stats()
+    def reset_accumulated_memory_stats(self, device=None) -> None:
+        check_device(device)
+        if self.tracker.allocator is not None:
+            self.tracker.allocator.reset_accumulated_stats()
 
-    def empty_cache() -> None:
-        if tracker.allocator is not None:
-            tracker.allocator.empty_cache()
+    def empty_cache(self) -> None:
+        if self.tracker.allocator is not None:
+            self.tracker.allocator.empty_cache()
 
-    def memory_stats(device=None) -> dict[str, int]:
+    def memory_stats(self, device=None) -> dict[str, int]:
         """The allocator model's statistics under torch's names; without the model (CPU
         kernels), the tracker's allocated and peak bytes alone."""
-        _check_device(device)
-        a = tracker.allocator
+        check_device(device)
+        a = self.tracker.allocator
         if a is not None:
             out = a.memory_stats()
             # the counter max_memory_allocated() reads (a cell may reset it)
-            out["allocated_bytes.all.peak"] = max_memory_allocated()
-            out["reserved_bytes.all.peak"] = max_memory_reserved()
+            out["allocated_bytes.all.peak"] = self.max_memory_allocated()
+            out["reserved_bytes.all.peak"] = self.max_memory_reserved()
             return out
+        allocated, peak = self.memory_allocated(), self.max_memory_allocated()
         return {
-            "allocated_bytes.all.current": memory_allocated(), "allocated_bytes.all.peak": max_memory_allocated(),
-            "reserved_bytes.all.current": memory_reserved(), "reserved_bytes.all.peak": max_memory_reserved(),
-            "active_bytes.all.current": memory_allocated(), "active_bytes.all.peak": max_memory_allocated(),
+            "allocated_bytes.all.current": allocated, "allocated_bytes.all.peak": peak,
+            "reserved_bytes.all.current": self.memory_reserved(),
+            "reserved_bytes.all.peak": self.max_memory_reserved(),
+            "active_bytes.all.current": allocated, "active_bytes.all.peak": peak,
         }
 
-    def memory_summary(device=None, abbreviated: bool = False) -> str:
-        """torch's own table of :func:`memory_stats` (it reads the patched one), marked
+    def memory_summary(self, device=None, abbreviated: bool = False) -> str:
+        """torch's own table of :meth:`memory_stats` (it reads the patched one), marked
         as the simulation's."""
-        _check_device(device)
-        head = (f"simulated {name} (memmagic's model of the CUDA caching allocator; "
+        check_device(device)
+        head = (f"simulated {self.name} (memmagic's model of the CUDA caching allocator; "
                 "the CUDA context and other processes are not counted)")
-        if tracker.allocator is None:
-            return (f"{head}: allocated {format_bytes(memory_allocated())} "
-                    f"(peak {format_bytes(max_memory_allocated())}), reserved "
-                    f"{format_bytes(memory_reserved())} (peak {format_bytes(max_memory_reserved())})")
+        if self.tracker.allocator is None:
+            return (f"{head}: allocated {format_bytes(self.memory_allocated())} "
+                    f"(peak {format_bytes(self.max_memory_allocated())}), reserved "
+                    f"{format_bytes(self.memory_reserved())} "
+                    f"(peak {format_bytes(self.max_memory_reserved())})")
         return head + "\n" + _TORCH_MEMORY_SUMMARY(device=0, abbreviated=abbreviated)
 
-    def _record_memory_history(enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
-        """torch's signature: ``enabled`` None (off), "state" or "all"; ``max_entries``
-        (or the old ``trace_alloc_max_entries``) bounds the history."""
-        _check_device(kwargs.get("device"))
+    def mem_get_info(self, device=None) -> tuple[int, int]:
+        """(free, total) bytes of the card: total less what the allocator model reserved
+        (the CUDA context, which also takes room on a real card, is not counted)."""
+        check_device(device)
+        total = self.props.total_memory
+        return (max(total - self.memory_reserved(), 0), total)
+
+    def set_per_process_memory_fraction(self, fraction: float, device=None) -> None:
+        """As torch: the allocator refuses to reserve more than ``fraction`` of the card
+        (an out-of-memory error then, as on a smaller card); it lasts for the simulated
+        GPU, as for a process."""
+        check_device(device)
+        if not isinstance(fraction, float):
+            raise TypeError("Invalid type for fraction argument, must be `float`")
+        if fraction < 0 or fraction > 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        tracker = self.tracker
+        if tracker.allocator is not None:
+            tracker.allocator.capacity = int(fraction * self.props.total_memory)
+        tracker.memory_fraction = None if fraction == 1.0 else fraction
+        tracker.card_memory = self.props.total_memory
+
+    def get_per_process_memory_fraction(self, device=None) -> float:
+        check_device(device)
+        fraction = self.tracker.memory_fraction
+        return 1.0 if fraction is None else fraction
+
+    # -- the allocator's history (memory_viz snapshots) ------------------------------------
+    def record_memory_history(self, enabled: Any = "all", *args: Any, **kwargs: Any) -> None:
+        """``torch.cuda.memory._record_memory_history``: ``enabled`` None (off), "state" or
+        "all"; ``max_entries`` (or the old ``trace_alloc_max_entries``) bounds the history."""
+        check_device(kwargs.get("device"))
         on = enabled not in (None, False)
         max_entries = kwargs.get("max_entries", kwargs.get("trace_alloc_max_entries"))
         if max_entries in (None, sys.maxsize):
             max_entries = None
         if kwargs.get("clear_history"):
-            tracker.record_history(False)
-        tracker.record_history(on, max_entries)
+            self.tracker.record_history(False)
+        self.tracker.record_history(on, max_entries)
 
-    def _snapshot(device=None, *args: Any, **kwargs: Any) -> dict:
-        _check_device(device)
-        return tracker.memory_snapshot()
+    def snapshot(self, device=None, *args: Any, **kwargs: Any) -> dict:
+        """``torch.cuda.memory._snapshot``."""
+        check_device(device)
+        return self.tracker.memory_snapshot()
 
-    def _dump_snapshot(filename: str = "dump_snapshot.pickle", *args: Any, **kwargs: Any) -> None:
-        data = tracker.memory_snapshot()
+    def dump_snapshot(self, filename: str = "dump_snapshot.pickle", *args: Any, **kwargs: Any) -> None:
+        """``torch.cuda.memory._dump_snapshot``: what the memory_viz page reads."""
+        data = self.tracker.memory_snapshot()
         with open(filename, "wb") as f:
-            pickle.dump(data, f, protocol=PICKLE_PROTOCOL)  # what the memory_viz page reads
+            pickle.dump(data, f, protocol=PICKLE_PROTOCOL)
 
-    def memory_snapshot(*args: Any, **kwargs: Any) -> list[dict]:
-        return tracker.memory_snapshot()["segments"]
-
-    def set_per_process_memory_fraction(fraction: float, device=None) -> None:
-        """As torch: the allocator refuses to reserve more than ``fraction`` of the card
-        (an out-of-memory error then, as on a smaller card); it lasts for the simulated
-        GPU, as for a process."""
-        _check_device(device)
-        if not isinstance(fraction, float):
-            raise TypeError("Invalid type for fraction argument, must be `float`")
-        if fraction < 0 or fraction > 1:
-            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
-        a = tracker.allocator
-        if a is not None:
-            a.capacity = int(fraction * props.total_memory)
-        tracker.memory_fraction = None if fraction == 1.0 else fraction
-        tracker.card_memory = props.total_memory
-
-    def get_per_process_memory_fraction(device=None) -> float:
-        _check_device(device)
-        return 1.0 if tracker.memory_fraction is None else tracker.memory_fraction
-
-    def mem_get_info(device=None) -> tuple[int, int]:
-        """(free, total) bytes of the card: total less what the allocator model reserved
-        (the CUDA context, which also takes room on a real card, is not counted)."""
-        _check_device(device)
-        total = props.total_memory
-        return (max(total - memory_reserved(), 0), total)
-
-    streams = _SimStreamEvents(tracker.s, notes if notes is not None else [])
-
-    class device:  # noqa: N801 (torch's name): ``with torch.cuda.device(0):``
-        def __init__(self, device) -> None:
-            _check_device(device if device is not None and device != -1 else None)
-            self.idx = 0
-
-        def __enter__(self) -> None:
-            return None
-
-        def __exit__(self, *exc: Any) -> bool:
-            return False
-
-    def device_of(obj) -> device:
-        return device(None)
-
-    values: dict[str, Any] = {
-        "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
-        "is_initialized": lambda: True, "init": lambda: None, "set_device": _check_device,
-        "get_device_name": lambda device=None: (_check_device(device), name)[1],
-        "get_device_properties": lambda device=None: (_check_device(device), props)[1],
-        "get_device_capability": lambda device=None: (props.major, props.minor),
-        # torch: True from sm_80, and before that (T4, V100) when a bfloat16 tensor can be
-        # made on the card, which CUDA builds can: emulated
-        "is_bf16_supported": lambda including_emulation=True: props.major >= 8 or bool(including_emulation),
-        "synchronize": lambda device=None: None, "ipc_collect": lambda: None,
-        "memory_allocated": memory_allocated, "max_memory_allocated": max_memory_allocated,
-        "memory_reserved": memory_reserved, "max_memory_reserved": max_memory_reserved,
-        "memory_cached": memory_reserved, "max_memory_cached": max_memory_reserved,
-        "reset_peak_memory_stats": reset_peak_memory_stats,
-        "reset_max_memory_allocated": reset_peak_memory_stats,
-        "reset_max_memory_cached": reset_peak_memory_stats,
-        "reset_accumulated_memory_stats": reset_accumulated_memory_stats,
-        "empty_cache": empty_cache, "memory_stats": memory_stats, "memory_summary": memory_summary,
-        "mem_get_info": mem_get_info,
-        "set_per_process_memory_fraction": set_per_process_memory_fraction,
-        "get_per_process_memory_fraction": get_per_process_memory_fraction,
-        "_record_memory_history": _record_memory_history, "_snapshot": _snapshot,
-        "_dump_snapshot": _dump_snapshot, "memory_snapshot": memory_snapshot,
-        "manual_seed": lambda seed: None, "manual_seed_all": lambda seed: None,
-        "seed": lambda: None, "seed_all": lambda: None,
-        # checkpoint saves and restores the CUDA RNG state: a simulation has no values
-        "get_rng_state": lambda device="cuda": torch.zeros(16, dtype=torch.uint8, device="meta"),
-        "set_rng_state": lambda new_state, device="cuda": None,
-        "get_rng_state_all": lambda: [torch.zeros(16, dtype=torch.uint8, device="meta")],
-        "set_rng_state_all": lambda new_states: None,
-        "is_current_stream_capturing": lambda: False,
-        "device": device, "device_of": device_of,
-        "Event": streams.Event, "Stream": streams.Stream,
-        "stream": streams.stream, "set_stream": streams.set_stream,
-        "current_stream": streams.current_stream, "default_stream": streams.default_stream,
-        "ExternalStream": _unsupported_class("torch.cuda.ExternalStream"),
-        "CUDAGraph": _unsupported_class("torch.cuda.CUDAGraph"), "graph": _unsupported_class("torch.cuda.graph"),
-        "MemPool": _unsupported_class("torch.cuda.MemPool"),
-        "make_graphed_callables": _unsupported("torch.cuda.make_graphed_callables"),
-        "graph_pool_handle": _unsupported("torch.cuda.graph_pool_handle"),
-        "use_mem_pool": _unsupported("torch.cuda.use_mem_pool"),
-    }
-    for attr, value in values.items():
-        if hasattr(cuda, attr):
-            patches.set(cuda, attr, value)
-        if hasattr(cmem, attr):
-            patches.set(cmem, attr, value)
-    patches.set(torch.cuda.amp, "autocast", autocast["cuda_amp_autocast"])
-    _install_accelerator_api(patches, values, _check_device)
-    # the device-generic classes (torch.Stream(0), torch.Event()): the simulated GPU's
-    patches.set(torch, "Stream", streams.Stream)
-    patches.set(torch, "Event", streams.Event)
-
-
-def _install_accelerator_api(patches: Patches, cuda: dict[str, Any], check_device) -> None:
-    """``torch.accelerator`` (and its ``memory`` module) answer as on a machine whose
-    accelerator is the simulated GPU: PyTorch's own tutorials pick the device with
-    ``torch.accelerator.current_accelerator().type if torch.accelerator.is_available()
-    else "cpu"``, which must take the GPU path here."""
-    acc = getattr(torch, "accelerator", None)
-    if acc is None:
-        return
-    mem = getattr(acc, "memory", None)
-
-    values: dict[str, Any] = {
-        "is_available": lambda: True, "device_count": lambda: 1,
-        "current_accelerator": lambda check_available=False: torch.device("cuda"),
-        "current_device_index": lambda: 0, "current_device_idx": lambda: 0,
-        "set_device_index": check_device, "set_device_idx": check_device,
-        "device_index": cuda["device"],  # ``with torch.accelerator.device_index(0):``
-        "synchronize": lambda device=None, /: check_device(device),
-        "current_stream": lambda device=None, /: cuda["current_stream"](device),
-        "set_stream": cuda["set_stream"],
-        "empty_cache": cuda["empty_cache"], "empty_host_cache": lambda: None,
-        "get_memory_info": lambda device_index=None, /: cuda["mem_get_info"](device_index),
-        "Graph": _unsupported_class("torch.accelerator.Graph"),
-        "_snapshot": cuda["_snapshot"],
-    }
-    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
-                 "max_memory_reserved", "memory_stats", "reset_peak_memory_stats",
-                 "reset_accumulated_memory_stats"):
-        values[name] = cuda[name]
-    for attr, value in values.items():
-        for mod in (acc, mem):
-            if mod is not None and hasattr(mod, attr):
-                patches.set(mod, attr, value)
+    def memory_snapshot(self, *args: Any, **kwargs: Any) -> list[dict]:
+        return self.tracker.memory_snapshot()["segments"]
 
 
 def install_default_card_note(patches: Patches, notes: list[str]) -> None:
     """With no target card named, make the size queries (``mem_get_info``,
     ``get_device_properties``, ``get_device_name``) add one note to ``notes`` saying that
-    :data:`DEFAULT_CARD` answered. Call after :func:`install_cuda_api`."""
+    :data:`DEFAULT_CARD` answered. Call after :meth:`SimulatedCuda.install`."""
     import torch.cuda.memory as cmem
 
     note = (f"no GPU was named: torch.cuda's card queries (mem_get_info, get_device_properties) "

@@ -20,10 +20,16 @@ Installed for ``kernels="cuda"`` only, and removed in ``finally``:
 
 Kernels registered here run the original CPU behaviour for real (non-fake) tensors, so a
 thread doing real work during a simulation is not affected.
+
+In every simulated run (CUDA or CPU kernels), :func:`fix_outputs` corrects the outputs of
+the ops whose fake (meta) kernel allocates differently from the real kernel: oneDNN's
+LSTM workspace, the two bias gradients of its backward, batch norm's fp32 saved
+statistics for half inputs.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
@@ -34,7 +40,8 @@ import torch
 from ... import _torch_private as _priv
 from ...patching import Patches
 
-__all__ = ["install_cuda_kernels", "choose_sdpa_backend"]
+__all__ = ["install_cuda_kernels", "choose_sdpa_backend", "mkldnn_rnn_workspace", "fix_outputs",
+           "FIXED_OUTPUT_OPS", "RNN_LAYER"]
 
 _aten = torch.ops.aten
 _DROPOUT = _aten.dropout.default
@@ -255,19 +262,17 @@ def _cuda_default_to_fused_or_foreach(params, differentiable, use_fused=False):
 
 def install_cuda_kernels(patches: Patches, capability: tuple[int, int]) -> dict[str, Any]:
     """Register the CUDA-behaviour kernels; returns {"library": lib, "sdpa": counter}.
-    The caller destroys the library (``_torch_private.destroy_library``) and restores ``patches``."""
+    ``patches.restore()`` destroys the library and undoes the rest (also when this
+    function fails part way)."""
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+    patches.call_on_restore(functools.partial(_priv.destroy_library, lib))
     sdpa = _SDPAKernel(capability)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            lib.impl("dropout", _dropout, "AutogradCPU")
-            lib.impl("scaled_dot_product_attention", sdpa, "AutogradCPU")
-        for mod, attr in _priv.default_foreach_slots():
-            patches.set(mod, attr, _cuda_default_to_fused_or_foreach)
-    except BaseException:
-        _priv.destroy_library(lib)
-        raise
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lib.impl("dropout", _dropout, "AutogradCPU")
+        lib.impl("scaled_dot_product_attention", sdpa, "AutogradCPU")
+    for mod, attr in _priv.default_foreach_slots():
+        patches.set(mod, attr, _cuda_default_to_fused_or_foreach)
     return {"library": lib, "sdpa": sdpa}
 
 
@@ -319,3 +324,45 @@ def mkldnn_rnn_workspace(args: tuple, kwargs: dict) -> int:
     if x.dtype in (torch.bfloat16, torch.float16):
         return _lstm_workspace_half(T, B, I, hidden)
     return _lstm_workspace_fp32(T, B, I, hidden)
+
+
+# -- meta kernels whose memory differs from the real kernels' (every run) -----------------------
+RNN_LAYER = _aten.mkldnn_rnn_layer.default
+_RNN_LAYER_BACKWARD = _aten.mkldnn_rnn_layer_backward.default
+_BATCH_NORMS = {_aten.native_batch_norm.default, _aten._native_batch_norm_legit.default,
+                _aten._native_batch_norm_legit_functional.default,
+                _aten._native_batch_norm_legit.no_stats}
+_BN_UPDATES = {_aten.native_batch_norm.default, _aten._native_batch_norm_legit.default}
+_HALF = (torch.float16, torch.bfloat16)
+# the ops whose outputs fix_outputs corrects
+FIXED_OUTPUT_OPS = frozenset({RNN_LAYER, _RNN_LAYER_BACKWARD, *_BATCH_NORMS})
+
+
+def fix_outputs(func, args, kwargs, out):
+    """Outputs where the fake (meta) kernel differs from the real kernel's memory."""
+    if func is RNN_LAYER:
+        if out[3].numel() == 0:
+            ws = mkldnn_rnn_workspace(args, kwargs)
+            if ws:
+                out = (*out[:3], args[0].new_empty((ws,), dtype=torch.uint8))
+    elif func is _RNN_LAYER_BACKWARD:
+        if out[3] is out[4]:
+            # the meta kernel returns one bias gradient twice; the real kernel returns two
+            out = (*out[:4], torch.empty_like(out[3]), *out[5:])
+    else:  # batch norms
+        if func in _BN_UPDATES and len(args) > 5 and args[5] is True:
+            # training updates the running stats (the schema does not say it writes them,
+            # so nothing else forgets their values)
+            for t in args[3:5]:
+                if isinstance(t, torch.Tensor):
+                    _priv.drop_constant(t)
+        if out[1].dtype in _HALF:
+            # the CPU and CUDA kernels keep the saved mean/invstd in fp32 for half inputs
+            out = (out[0], *(o.new_empty(o.shape, dtype=torch.float32) for o in out[1:3]),
+                   *out[3:])
+    # made below the simulation's dispatch: FakeTensorMode keeps new_empty of a tensor that
+    # carries a constant as a constant of uninitialized memory
+    for o in out:
+        if isinstance(o, torch.Tensor):
+            _priv.drop_constant(o)
+    return out

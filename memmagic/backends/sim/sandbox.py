@@ -24,17 +24,18 @@ real inputs into fakes), but Python-level assignments to them would stick.
 from __future__ import annotations
 
 import copy
-
 import types
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 
 from ... import _torch_private as _priv
-from .device import CONSTANT_NUMEL
-from .errors import SimulatedValueError
+from ...patching import Patches
+from .constants import CONSTANT_NUMEL
+from .values import SimulatedValue
 
-__all__ = ["Sandbox", "SimulatedValue", "sanitize_value", "contains_fake"]
+__all__ = ["Sandbox", "Shadow", "sanitize_value", "contains_fake"]
 
 _SKIP_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_ih", "_oh", "_dh", "_", "__", "___",
                "__builtins__", "__builtin__", "__name__", "__doc__", "__spec__", "__loader__",
@@ -42,74 +43,16 @@ _SKIP_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_ih", "_oh", "_dh", 
 _ATOMIC = (type(None), bool, int, float, complex, str, bytes, range, type, types.ModuleType,
            types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.dtype,
            torch.device, torch.Size)
-_RERUN = "rerun the cell that made it without --backend sim"
-_LIVE = ("use it in simulated cells (%%gpumem --backend sim, or every cell after %gpusim on); "
-         "a real cell cannot")
-_GONE = "the simulated GPU was reset since: rerun the cell that made it"
 
 
-class SimulatedValue:
-    """Stands for a value a simulated cell made: it has no data. Its repr says so; any
-    other use raises :class:`SimulatedValueError` with a one-line message. ``live``: the
-    value lives on a persistent simulated GPU (later simulated cells get it)."""
+@dataclass
+class Shadow:
+    """What the persistent simulated GPU keeps for one notebook name (see .session):
+    ``shown``, the object the notebook's namespace holds under the name; ``value``, the
+    simulated object a simulated cell gets instead."""
 
-    __slots__ = ("_name", "_what", "_state", "_shown")
-
-    def __init__(self, name: str, what: str, live: bool = False, shown: str | None = None) -> None:
-        object.__setattr__(self, "_name", name)
-        object.__setattr__(self, "_what", what)
-        object.__setattr__(self, "_state", "live" if live else "rerun")
-        object.__setattr__(self, "_shown", shown)
-
-    def _forget(self) -> None:
-        """The simulated GPU it lived on was reset."""
-        object.__setattr__(self, "_state", "gone")
-
-    def _advice(self) -> str:
-        state = object.__getattribute__(self, "_state")
-        if state == "live":
-            return f"lives on the simulated GPU and has no data here; {_LIVE}"
-        if state == "gone":
-            return f"was on the simulated GPU; {_GONE}"
-        return f"was made by a --backend sim cell and has no data; {_RERUN}"
-
-    def _fail(self, *args: Any, **kwargs: Any):
-        raise SimulatedValueError(
-            f"{object.__getattribute__(self, '_name')} ({object.__getattribute__(self, '_what')}) "
-            f"{object.__getattribute__(self, '_advice')()}")
-
-    def __repr__(self) -> str:
-        shown = object.__getattribute__(self, "_shown")
-        if shown is not None:  # what the GPU run would show
-            return f"{shown}\n[an object of the simulated GPU: a real cell cannot use it]"
-        return (f"<simulated {object.__getattribute__(self, '_what')} "
-                f"'{object.__getattribute__(self, '_name')}': "
-                f"{object.__getattribute__(self, '_advice')()}>")
-
-    def __getattr__(self, name: str):
-        if name.startswith("_repr_") or name in ("_ipython_display_", "_ipython_canary_method_should_not_exist_"):
-            raise AttributeError(name)  # let IPython fall back to __repr__
-        self._fail()
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        self._fail()
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        for a in list(args) + list((kwargs or {}).values()):
-            if isinstance(a, SimulatedValue):
-                a._fail()
-        raise SimulatedValueError(f"a value made by a --backend sim cell has no data; {_RERUN}")
-
-    __call__ = __iter__ = __len__ = __bool__ = __float__ = __int__ = __index__ = _fail
-    __getitem__ = __setitem__ = __delitem__ = __contains__ = _fail
-    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = _fail
-    __rtruediv__ = __floordiv__ = __mod__ = __pow__ = __matmul__ = __neg__ = __abs__ = _fail
-    __lt__ = __le__ = __gt__ = __ge__ = __format__ = __enter__ = __exit__ = _fail
-    __hash__ = None  # type: ignore[assignment]
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
+    shown: Any
+    value: Any
 
 
 def _describe(value: Any) -> str:
@@ -205,20 +148,16 @@ class Sandbox:
     def _copy(self, value: Any, memo: dict) -> Any:
         if isinstance(value, torch.Tensor):
             return self._fake_tensor(value, memo)
-        sandbox = self
-
         def tensor_deepcopy(t, m):
-            return sandbox._fake_tensor(t, m)
+            return self._fake_tensor(t, m)
 
-        old_t = torch.Tensor.__deepcopy__
-        old_p = torch.nn.Parameter.__deepcopy__
-        torch.Tensor.__deepcopy__ = tensor_deepcopy  # type: ignore[method-assign]
-        torch.nn.Parameter.__deepcopy__ = tensor_deepcopy  # type: ignore[method-assign]
+        patches = Patches()
         try:
+            patches.set(torch.Tensor, "__deepcopy__", tensor_deepcopy)
+            patches.set(torch.nn.Parameter, "__deepcopy__", tensor_deepcopy)
             return copy.deepcopy(value, memo)
         finally:
-            torch.Tensor.__deepcopy__ = old_t  # type: ignore[method-assign]
-            torch.nn.Parameter.__deepcopy__ = old_p  # type: ignore[method-assign]
+            patches.restore()
 
     # -- enter / exit -------------------------------------------------------------------
     def enter(self) -> None:
@@ -317,11 +256,11 @@ class Sandbox:
             back = self.restored.get(key)
             if back is not None and id(v) == back[1]:      # the same simulated object
                 ns[key] = back[0]
-                new[key] = _shadow(back[0], v)
+                new[key] = Shadow(back[0], v)
                 continue
             if self.copies.get(key) == id(v):              # a real object's simulated copy
                 ns[key] = saved[key]
-                new[key] = _shadow(saved[key], v)
+                new[key] = Shadow(saved[key], v)
                 continue
             if key in saved and v is saved[key]:
                 # not copied (plain data, a placeholder, a module): real, unless the cell
@@ -345,13 +284,7 @@ class Sandbox:
     def _placeholder(self, key: str, value: Any):
         ph = SimulatedValue(key, _describe(value), live=True)
         self.ns[key] = ph
-        return _shadow(ph, value)
-
-
-def _shadow(shown: Any, value: Any):
-    from .session import Shadow
-
-    return Shadow(shown, value)
+        return Shadow(ph, value)
 
 
 def _skipped(key: str) -> bool:

@@ -11,7 +11,7 @@ its block then. ``reset()`` empties the card.
 What the notebook (and a real cell) sees after a simulated cell:
 
 * a name the cell made or rebound to something that holds simulated tensors: a
-  :class:`~memmagic.backends.sim.sandbox.SimulatedValue` that says, in one line, that the
+  :class:`~memmagic.backends.sim.values.SimulatedValue` that says, in one line, that the
   object lives on the simulated GPU; later simulated cells get the object itself;
 * a name bound to a value without simulated tensors (a config, a list of ints, a string,
   a shape): that value, for real;
@@ -22,28 +22,25 @@ What the notebook (and a real cell) sees after a simulated cell:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy as _copy
 from typing import Any
 
+import torch
+
 from ... import _torch_private as _priv
+from ...report import Category, format_bytes
 from .allocator import AllocatorConfig, AllocatorFull, CachingAllocatorModel, alloc_conf_from_env
-from .device import SimState, SimTracker
 from .errors import AllocatorConfigError, SimulationUnsupported
 from .gpus import GPUSpec
 from .op_cache import FakeOutputCache
 from ...patching import Patches
+from .sandbox import Shadow
+from .state import SimState
+from .tracker import SimTracker
+from .values import SimulatedValue, forget
 from .workspaces import Workspaces
 
-__all__ = ["SimSession", "Card", "Shadow", "shell_session"]
-
-
-@dataclass
-class Shadow:
-    """``shown``: the object the notebook's namespace holds under the name; ``value``: the
-    simulated object a simulated cell gets instead."""
-
-    shown: Any
-    value: Any
+__all__ = ["SimSession", "Card", "shell_session"]
 
 
 class Card:
@@ -104,8 +101,8 @@ class Card:
         elif tr.allocator.fraction_set and target is not None:  # a fraction of 1.0
             new.capacity = target.total_memory
         try:
-            for serial in sorted(tr._alloc_bytes):
-                new.malloc(serial, tr._alloc_bytes[serial])
+            for serial in sorted(tr.alloc_bytes):
+                new.malloc(serial, tr.alloc_bytes[serial])
         except AllocatorFull:
             self.target = old
             raise SimulationUnsupported(
@@ -131,12 +128,6 @@ class Card:
         Notes say what was not copied. Used for what-if re-runs of a notebook's cell.
         ``leave_out``: names whose objects are not copied (what a failed cell bound before it
         failed, when its fixes are ranked from the state before it ran)."""
-        import copy as _copy
-
-        import torch
-
-        from ...tracking import Category
-
         old = self.tracker
         new = Card(self.kernels, self.target, self.capability, old.max_ops, old.max_seconds,
                    self._entries, self.alloc_config)
@@ -146,59 +137,8 @@ class Card:
         tr = new.tracker
         tr.persistent = True
         allocator, tr.allocator = tr.allocator, None  # the copy below replaces it
-        rekey: dict[int, int] = {}
-        bases: dict[int, Any] = {}   # storage key -> a tensor on the copy's storage
-        state = new.state
-
-        def copy_tensor(t: torch.Tensor, memo: dict) -> torch.Tensor:
-            if id(t) in memo:
-                return memo[id(t)]
-            if not _priv.is_fake(t):  # a real tensor a simulated object holds: as torch does
-                with torch.no_grad():
-                    out = t.clone()
-                memo[id(t)] = out
-                return out
-            skey = _priv.storage_key(t.untyped_storage())
-            entry = old._live.get(skey)
-            with self.fake_mode, torch.no_grad():
-                base = bases.get(skey)
-                if _priv.fake_constant(t) is not None:
-                    out = t.clone()  # keeps its constant (values real code reads)
-                    base = out
-                elif base is None or base.dtype != t.dtype:
-                    n = t.untyped_storage().nbytes() // t.element_size()
-                    base = torch.empty(n, dtype=t.dtype)
-                    out = base.as_strided(t.shape, t.stride(), t.storage_offset())
-                else:
-                    out = base.as_strided(t.shape, t.stride(), t.storage_offset())
-            if skey not in bases:
-                bases[skey] = base
-                if entry is not None:
-                    state.pending = entry.pool
-                    serial = tr.track(base, old.roles.get(entry.serial, Category.OTHER))
-                    if serial is not None:
-                        rekey[entry.serial] = serial
-            leaf = t.is_leaf
-            if t.requires_grad:  # a tensor with a graph becomes a leaf (see the notes)
-                out = out.detach().requires_grad_(True)
-            if isinstance(t, torch.nn.Parameter):
-                out = torch.nn.Parameter(out, t.requires_grad)
-            memo[id(t)] = out
-            if leaf and t.grad is not None:
-                out.grad = copy_tensor(t.grad, memo)
-            return out
-
         names = {k: sh.value for k, sh in self.shadow.items() if k not in leave_out}
-        patches = Patches()
-        try:
-            patches.set(torch.Tensor, "__deepcopy__", copy_tensor)
-            patches.set(torch.nn.Parameter, "__deepcopy__", copy_tensor)
-            patches.set(_priv.FakeTensorMode, "__deepcopy__", _priv.fake_mode_deepcopy)
-            copies = _copy.deepcopy(names, {})
-        finally:
-            patches.restore()
-            state.pending = "host"
-            bases.clear()  # copy_tensor is in a reference cycle: it must not hold tensors
+        copies, rekey = _copy_objects(self, new, names)
         for key, sh in self.shadow.items():
             if key in copies:
                 new.shadow[key] = Shadow(sh.shown, copies[key])
@@ -206,40 +146,25 @@ class Card:
         if old.workspaces is not None:
             tr.workspaces = _copy.copy(old.workspaces)
             tr.workspaces.held = dict(old.workspaces.held)
-            for k, e in list(old._live.items()):
-                if k < 0 and e.pool == "device":
-                    rekey[e.serial] = tr.hold_workspace(e.nbytes)[0]
+            for e in old.held_workspaces():
+                rekey[e.serial] = tr.hold_workspace(e.nbytes)[0]
         if allocator is not None and old.allocator is not None:
-            alloc_bytes = {rekey[s]: n for s, n in old._alloc_bytes.items() if s in rekey}
-            if leave_out:
-                # the state before a failed cell: its blocks packed afresh, not the cache
-                # (and fragmentation) its failed run left
-                for serial in sorted(alloc_bytes):
-                    allocator.malloc(serial, alloc_bytes[serial])
-                tr.allocator = allocator
-            else:
-                tr.allocator = old.allocator.copy(rekey)
-            tr._alloc_bytes = alloc_bytes
-            tr.cuda_reserved_peak = tr.allocator.reserved
-            # a memory fraction the cells set
-            tr.allocator.set_capacity(old.allocator.capacity, fraction=old.allocator.fraction_set)
-            tr.memory_fraction, tr.card_memory = old.memory_fraction, old.card_memory
-        notes = []
-        missing = old.current["device"] - tr.current["device"]
+            _copy_allocator(old, tr, allocator, rekey, packed=bool(leave_out))
+        return new, self._copy_notes(new, leave_out)
+
+    def _copy_notes(self, new: "Card", leave_out: frozenset[str]) -> list[str]:
+        """What :meth:`copy` left out, as report notes."""
+        missing = self.tracker.current["device"] - new.tracker.current["device"]
         if missing > 0 and leave_out & set(self.shadow):
-            from ...report import format_bytes
-
-            notes.append(f"the re-runs start from a copy of the notebook's simulated GPU without "
-                         f"what {', '.join(sorted(leave_out & set(self.shadow)))} held "
-                         f"({format_bytes(missing)} with anything no name reaches): the state "
-                         "before the failed cell bound them")
-        elif missing > 0:
-            from ...report import format_bytes
-
-            notes.append(f"the what-if runs start from a copy of the notebook's simulated GPU; "
-                         f"{format_bytes(missing)} on it that no name reaches (autograd graphs "
-                         f"of earlier cells, objects held elsewhere) was not copied")
-        return new, notes
+            return [f"the re-runs start from a copy of the notebook's simulated GPU without "
+                    f"what {', '.join(sorted(leave_out & set(self.shadow)))} held "
+                    f"({format_bytes(missing)} with anything no name reaches): the state "
+                    "before the failed cell bound them"]
+        if missing > 0:
+            return [f"the what-if runs start from a copy of the notebook's simulated GPU; "
+                    f"{format_bytes(missing)} on it that no name reaches (autograd graphs "
+                    f"of earlier cells, objects held elsewhere) was not copied"]
+        return []
 
     def discard(self) -> None:
         """Drop a copy made by :meth:`copy` (its objects, and its tracker's listening)."""
@@ -253,6 +178,86 @@ class Card:
     def reserved_bytes(self) -> int:
         a = self.tracker.allocator
         return a.reserved if a is not None else self.tracker.current["device"]
+
+
+def _copy_objects(src: Card, dst: Card, names: dict[str, Any]) -> tuple[dict[str, Any], dict[int, int]]:
+    """Deep copies of ``names``' objects for ``dst``: each fake tensor of ``src`` becomes a
+    fake on a storage of its own tracked on ``dst`` in the same pool and role (views share
+    it), a real tensor a clone. (the copies, ``src``'s serial -> ``dst``'s serial)."""
+    old, tr, state, fake_mode = src.tracker, dst.tracker, dst.state, src.fake_mode
+    rekey: dict[int, int] = {}
+    bases: dict[int, Any] = {}   # storage key -> a tensor on the copy's storage
+
+    def copy_tensor(t: torch.Tensor, memo: dict) -> torch.Tensor:
+        if id(t) in memo:
+            return memo[id(t)]
+        if not _priv.is_fake(t):  # a real tensor a simulated object holds: as torch does
+            with torch.no_grad():
+                out = t.clone()
+            memo[id(t)] = out
+            return out
+        skey = _priv.storage_key(t.untyped_storage())
+        entry = old.entry_of(t)
+        with fake_mode, torch.no_grad():
+            base = bases.get(skey)
+            if _priv.fake_constant(t) is not None:
+                out = t.clone()  # keeps its constant (values real code reads)
+                base = out
+            elif base is None or base.dtype != t.dtype:
+                n = t.untyped_storage().nbytes() // t.element_size()
+                base = torch.empty(n, dtype=t.dtype)
+                out = base.as_strided(t.shape, t.stride(), t.storage_offset())
+            else:
+                out = base.as_strided(t.shape, t.stride(), t.storage_offset())
+        if skey not in bases:
+            bases[skey] = base
+            if entry is not None:
+                state.pending = entry.pool
+                serial = tr.track(base, old.roles.get(entry.serial, Category.OTHER))
+                if serial is not None:
+                    rekey[entry.serial] = serial
+        leaf = t.is_leaf
+        if t.requires_grad:  # a tensor with a graph becomes a leaf (see the notes)
+            out = out.detach().requires_grad_(True)
+        if isinstance(t, torch.nn.Parameter):
+            out = torch.nn.Parameter(out, t.requires_grad)
+        memo[id(t)] = out
+        if leaf and t.grad is not None:
+            out.grad = copy_tensor(t.grad, memo)
+        return out
+
+    patches = Patches()
+    try:
+        patches.set(torch.Tensor, "__deepcopy__", copy_tensor)
+        patches.set(torch.nn.Parameter, "__deepcopy__", copy_tensor)
+        patches.set(_priv.FakeTensorMode, "__deepcopy__", _priv.fake_mode_deepcopy)
+        copies = _copy.deepcopy(names, {})
+    finally:
+        patches.restore()
+        state.pending = "host"
+        bases.clear()  # copy_tensor is in a reference cycle: it must not hold tensors
+    return copies, rekey
+
+
+def _copy_allocator(old: SimTracker, tr: SimTracker, allocator: CachingAllocatorModel,
+                    rekey: dict[int, int], packed: bool) -> None:
+    """Give ``tr`` (a copy's tracker) the blocks of ``old``'s allocator model under the
+    copy's serials: a copy of the model (its cache and fragmentation too), or with
+    ``packed`` the blocks packed afresh into ``allocator``; and the memory fraction."""
+    alloc_bytes = {rekey[s]: n for s, n in old.alloc_bytes.items() if s in rekey}
+    if packed:
+        # the state before a failed cell: its blocks packed afresh, not the cache
+        # (and fragmentation) its failed run left
+        for serial in sorted(alloc_bytes):
+            allocator.malloc(serial, alloc_bytes[serial])
+        tr.allocator = allocator
+    else:
+        tr.allocator = old.allocator.copy(rekey)
+    tr.alloc_bytes = alloc_bytes
+    tr.cuda_reserved_peak = tr.allocator.reserved
+    # a memory fraction the cells set
+    tr.allocator.set_capacity(old.allocator.capacity, fraction=old.allocator.fraction_set)
+    tr.memory_fraction, tr.card_memory = old.memory_fraction, old.card_memory
 
 
 class SimSession:
@@ -288,11 +293,9 @@ class SimSession:
         if card is None:
             return 0
         held = card.live_bytes()
-        from .sandbox import SimulatedValue
-
         for sh in card.shadow.values():
             if isinstance(sh.shown, SimulatedValue):
-                sh.shown._forget()
+                forget(sh.shown)
         card.shadow.clear()
         card.tracker.persistent = False
         card.tracker.close()
@@ -312,8 +315,6 @@ class SimSession:
         card = self.card
         if card is None:
             return "simulated GPU: empty (no simulated cell has run since the last reset)"
-        from ...report import format_bytes
-
         name = card.target.name if card.target else "no target card"
         names = ", ".join(sorted(card.shadow)) or "none"
         return (f"simulated GPU ({name}): {format_bytes(card.live_bytes())} allocated, "

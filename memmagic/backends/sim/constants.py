@@ -1,0 +1,173 @@
+"""Real values a simulation carries: small tensors whose values follow from their
+arguments alone.
+
+A factory whose values follow from its arguments (``arange``, ``zeros``, ``full``,
+``ones_like``...) computes a small output for real and carries it as the fake tensor's
+constant, so FakeTensorMode propagates real values through ops on such constants (up to
+:data:`CONSTANT_NUMEL` elements) and reads give real numbers: control flow on masks,
+step counts and shapes made from them takes the GPU's path. Outputs keep values only
+where every input had them (:func:`propagate`, run by the tracker after every op).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import _torch_private as _priv
+from .state import CPU
+
+__all__ = ["CONSTANT_NUMEL", "propagate", "drop_unfounded_in_place"]
+
+_aten = torch.ops.aten
+
+# Factories whose values follow from their arguments alone: a small output is computed
+# for real and carried as the fake tensor's constant, so FakeTensorMode propagates real
+# values through ops on such constants (up to CONSTANT_NUMEL) and reads give real numbers.
+CONSTANT_NUMEL = 4096
+_VALUE_FACTORIES = {
+    _aten.arange.default, _aten.arange.start, _aten.arange.start_step, _aten.linspace.default,
+    _aten.logspace.default, _aten.zeros.default, _aten.ones.default, _aten.full.default,
+    _aten.eye.default, _aten.eye.m, _aten.scalar_tensor.default, _aten.tril_indices.default,
+    _aten.triu_indices.default,
+}
+
+
+# Factories from another tensor whose values are one fill value: (op, the fill from args)
+_FILL_FACTORIES = {
+    _aten.ones_like.default: lambda a, k: 1, _aten.zeros_like.default: lambda a, k: 0,
+    _aten.full_like.default: lambda a, k: a[1], _aten.new_ones.default: lambda a, k: 1,
+    _aten.new_zeros.default: lambda a, k: 0, _aten.new_full.default: lambda a, k: a[2],
+}
+_VALUE_FACTORIES = _VALUE_FACTORIES | set(_FILL_FACTORIES)
+# ops whose result a known operand decides alone: x | True, x & False, x * 0 (a GPU's
+# stopping criteria: ``unfinished & ~(max_len_done | eos_hit)``)
+_OR_OPS = {_aten.bitwise_or.Tensor, _aten.logical_or.default}
+# ops whose outputs hold no values (uninitialized memory): never constants
+_UNINITIALIZED = {_aten.empty.memory_format, _aten.empty_like.default, _aten.new_empty.default,
+                  _aten.new_empty_strided.default, _aten.empty_strided.default,
+                  _aten.empty_permuted.default}
+_AND_OPS = {_aten.bitwise_and.Tensor, _aten.logical_and.default, _aten.mul.Tensor}
+
+
+def propagate(func, args: tuple, kwargs: dict, out):
+    """``out`` of ``func`` with the values it may carry: real values for a small value
+    factory's output or where one known operand decides them, none for uninitialized
+    memory or where an input had none."""
+    if func in _VALUE_FACTORIES:
+        return _with_values(func, args, kwargs, out)
+    if func in _OR_OPS or func in _AND_OPS:
+        return _absorbed(func, args, out)
+    if func in _UNINITIALIZED and isinstance(out, torch.Tensor):
+        _priv.drop_constant(out)
+        return out
+    _drop_unfounded(args, kwargs, out)
+    return out
+
+
+def _with_values(func, args, kwargs, out):
+    """``out`` (a fake factory output) with its real values as its constant, when small."""
+    if (not isinstance(out, torch.Tensor) or out.numel() > CONSTANT_NUMEL
+            or out.dtype.is_complex or _priv.fake_constant(out) is not None):
+        return out
+    mode = getattr(out, "fake_mode", None)
+    if mode is None:
+        return out
+    fill = _FILL_FACTORIES.get(func)
+    with _priv.no_python_modes():
+        if fill is not None:
+            real = torch.full(tuple(out.shape), fill(args, kwargs), dtype=out.dtype)
+        else:
+            real = func(*args, **{**kwargs, "device": CPU})
+    return _priv.constant_fake(mode, real, out)
+
+
+def _drop_unfounded(args, kwargs, out) -> None:
+    """Outputs may carry values only when every tensor input did: the meta kernels of ops
+    on unknown data (``_embedding_bag``) make their outputs with ``new_empty`` on a known
+    input, which FakeTensorMode turns into constants of uninitialized memory."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if not any(getattr(o, "constant", None) is not None for o in outs if isinstance(o, torch.Tensor)):
+        return
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (tuple, list)) else (a,)):
+            if _priv.is_fake(t) and t.constant is None:  # real tensors are known
+                for o in outs:
+                    if isinstance(o, torch.Tensor):
+                        _priv.drop_constant(o)
+                return
+
+
+_WRITTEN: dict = {}
+
+
+def _written_args(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments ``func`` writes to, from its schema (cached)."""
+    w = _WRITTEN.get(func)
+    if w is None:
+        schema = _priv.op_schema(func)
+        w = tuple((i, p.name) for i, p in enumerate(schema.arguments if schema else ())
+                  if p.alias_info is not None and p.alias_info.is_write)
+        _WRITTEN[func] = w
+    return w
+
+
+def drop_unfounded_in_place(func, args, kwargs) -> None:
+    """After an in-place op (``add_``, ``native_batch_norm``'s running stats,
+    ``_foreach_lerp_``): a written tensor keeps its values only when every tensor it was
+    computed from had values. FakeTensorMode forgets the constant of a tensor an op writes
+    to, but not of tensors inside a list argument (Adam's small moment buffers would stay
+    zeros forever), not on a hit of its own dispatch cache, and not when the op cache
+    answered instead of it."""
+    for i, name in _written_args(func):
+        target = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(target, torch.Tensor):
+            target = (target,)
+        elif not isinstance(target, (list, tuple)):
+            continue
+        if not any(getattr(t, "constant", None) is not None for t in target):
+            continue
+        lists, singles = _other_inputs(args, kwargs, target)
+        unknown = any(_priv.is_fake(t) and t.constant is None for t in singles)
+        for j, t in enumerate(target):
+            if getattr(t, "constant", None) is None:
+                continue
+            if unknown or any(isinstance(lst[j], torch.Tensor) and _priv.is_fake(lst[j])
+                              and lst[j].constant is None for lst in lists):
+                _priv.drop_constant(t)
+
+
+def _other_inputs(args, kwargs, target) -> tuple[list, list]:
+    """The inputs an in-place op computed ``target`` from: (tensor lists as long as it,
+    whose j-th element made its j-th; single tensors, which made every element)."""
+    lists, singles = [], []
+    for a in (*args, *kwargs.values()):
+        if a is target:
+            continue
+        if isinstance(a, (list, tuple)) and len(a) == len(target) and len(target) > 1:
+            lists.append(a)
+        elif isinstance(a, torch.Tensor):
+            singles.append(a)
+        elif isinstance(a, (list, tuple)):
+            singles.extend(t for t in a if isinstance(t, torch.Tensor))
+    return lists, singles
+
+
+def _absorbed(func, args, out):
+    """``out`` with its values where one known operand decides them (all-True for or,
+    all-False or zero for and/mul); ``out`` unchanged otherwise."""
+    if (not isinstance(out, torch.Tensor) or out.numel() > CONSTANT_NUMEL
+            or _priv.fake_constant(out) is not None or len(args) < 2):
+        return out
+    mode = getattr(out, "fake_mode", None)
+    if mode is None:
+        return out
+    for a in args[:2]:
+        const = _priv.fake_constant(a) if isinstance(a, torch.Tensor) else None
+        if const is None:
+            continue
+        with _priv.no_python_modes():
+            if func in _OR_OPS and out.dtype == torch.bool and bool(const.all()):
+                return _priv.constant_fake(mode, torch.ones(tuple(out.shape), dtype=torch.bool), out)
+            if func in _AND_OPS and not bool(const.any()) and not out.dtype.is_floating_point:
+                return _priv.constant_fake(mode, torch.zeros(tuple(out.shape), dtype=out.dtype), out)
+    return out

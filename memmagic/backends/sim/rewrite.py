@@ -1,0 +1,236 @@
+"""Rewriting the CUDA device onto fake CPU tensors, at the function level.
+
+A FakeTensor on the CUDA device cannot be used on a CPU-only build (autograd on one
+aborts the process), so every tensor of the simulation is a fake *CPU* tensor.
+:class:`DeviceRewriteMode` (a TorchFunctionMode) keeps the fiction for Python code: it
+rewrites ``device="cuda"`` arguments, ``.cuda()``, ``.cpu()``, ``.to(...)`` (which copy
+between "devices", as on a GPU) and the default device, answers ``Tensor.device``/``is_cuda``
+with ``cuda:0`` for tensors on the simulated GPU, and answers ``.tolist()``/``.numpy()``/
+``repr`` from :mod:`.values`. Function modes are off inside ``backward()`` and checkpoint
+recompute, so the tracker (:mod:`.tracker`) rewrites ``device=`` again at the dispatch level.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ... import _torch_private as _priv
+from .errors import RERUN_HINT, SimulationUnsupported
+from .state import CPU, CUDA0, SimState, is_cuda_device
+from .values import marked, tensor_numpy, tensor_repr, tensor_tolist
+
+__all__ = ["DeviceRewriteMode"]
+
+
+def _int_device(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``t.to(0)`` / ``device=0``: an int is a CUDA index, which ``_parse_to`` would resolve
+    through the (absent) accelerator: name the device instead."""
+    if args and isinstance(args[0], int) and not isinstance(args[0], bool):
+        is_cuda_device(args[0])  # raises for another index
+        args = (CUDA0, *args[1:])
+    dev = kwargs.get("device")
+    if isinstance(dev, int) and not isinstance(dev, bool):
+        is_cuda_device(dev)
+        kwargs = {**kwargs, "device": CUDA0}
+    return args, kwargs
+
+
+class DeviceRewriteMode(TorchFunctionMode):
+    """See the module docstring. Cheap for ordinary calls: one dict lookup and a kwargs check."""
+
+    def __init__(self, state: SimState) -> None:
+        super().__init__()
+        self.s = state
+        T = torch.Tensor
+        h: dict[Callable, Callable] = {
+            T.cuda: self._cuda, T.cpu: self._cpu, T.to: self._to,
+            T.pin_memory: self._pin_memory, T.is_pinned: lambda f, a, k: False,
+            T.type_as: lambda f, a, k: self._to(T.to, (a[0], a[1]), {}),
+            T.new_tensor: self._new, T.new: self._new,
+            T.tolist: self._tolist, T.numpy: self._numpy, T.__array__: self._array,
+            T.__repr__: self._repr, T.__str__: self._repr,
+            _priv.PARSE_TO_FUNCTION: self._parse_to, T.__deepcopy__: self._deepcopy,
+            T.item: self._marked_read,  # (int(t) and float(t) return plain numbers: Python
+                                        # makes exact ints and floats of what __int__ gives)
+            T.data.__set__: self._set_data,
+            T.record_stream: lambda f, a, k: None,  # one stream: nothing to wait for
+        }
+        if state.cuda:
+            h.update({
+                torch.device: self._device,
+                T.is_cuda.__get__: self._is_cuda,
+                T.is_cpu.__get__: lambda f, a, k: self.s.pool_of(a[0]) != "device",
+                T.get_device: lambda f, a, k: 0 if self.s.pool_of(a[0]) == "device" else -1,
+            })
+        self._handlers = h
+        self._factories = _priv.device_constructors()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        handler = self._handlers.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs or {})
+        if kwargs:
+            dev = kwargs.get("device")
+            if dev is not None:
+                cuda = is_cuda_device(dev)
+                if cuda is not None:
+                    kwargs = dict(kwargs)
+                    kwargs["device"] = CPU
+                    return self._call(func, args, kwargs, "device" if (cuda or not self.s.cuda) else "host")
+        if func in self._factories:
+            # a factory with no device: on the CPU, or on the GPU after
+            # set_default_device("cuda") (which also moves ``torch.tensor(t)``); a tensor
+            # argument (``torch.tensor(t)``, ``as_tensor(t)``) keeps its own device
+            if self.s.default_cuda:
+                return self._call(func, args, kwargs or {}, "device")
+            if self.s.cuda and not (args and isinstance(args[0], torch.Tensor)):
+                return self._call(func, args, kwargs or {}, "host")
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+    def _call(self, func, args, kwargs, pool: str):
+        """``func`` with the storages it makes in ``pool`` (the run's state, per call)."""
+        s = self.s
+        prev, s.target = s.target, pool
+        try:
+            return func(*args, **kwargs)
+        finally:
+            s.target = prev
+
+    # -- properties --------------------------------------------------------------------
+    def _is_cuda(self, func, args, kwargs):
+        return self.s.pool_of(args[0]) == "device"
+
+    # -- moves ------------------------------------------------------------------------
+    def _move(self, t: torch.Tensor, dst: str, dtype=None, non_blocking=False, copy=False,
+              memory_format=torch.preserve_format) -> torch.Tensor:
+        s = self.s
+        if s.cuda and s.pool_of(t) != dst:
+            copy = True
+        if not s.cuda:
+            dst = "device"
+        return self._call(torch.Tensor.to, (t,), dict(
+            device=CPU, dtype=dtype, non_blocking=non_blocking, copy=copy,
+            memory_format=memory_format), dst)
+
+    def _cuda(self, func, args, kwargs):
+        t = args[0]
+        dev = args[1] if len(args) > 1 else kwargs.get("device")
+        if dev is not None and is_cuda_device(dev) is False:
+            raise SimulationUnsupported(f".cuda({dev!r}) is not a CUDA device; {RERUN_HINT}")
+        return self._move(t, "device", non_blocking=kwargs.get("non_blocking", False),
+                          memory_format=kwargs.get("memory_format", torch.preserve_format))
+
+    def _cpu(self, func, args, kwargs):
+        t = args[0]
+        if self.s.cuda and self.s.pool_of(t) == "device":
+            return self._move(t, "host", memory_format=kwargs.get("memory_format", torch.preserve_format))
+        return t
+
+    def _parse_to(self, func, args, kwargs):
+        """``nn.Module.to``'s parser: the simulated device of a tensor argument, an int
+        index as cuda:N (the real parser would ask the absent accelerator)."""
+        if args and isinstance(args[0], torch.Tensor):
+            other = args[0]
+            non_blocking = kwargs.get("non_blocking", args[1] if len(args) > 1 else False)
+            return self.s.device_of(other), other.dtype, non_blocking, kwargs.get("memory_format")
+        args, kwargs = _int_device(args, kwargs)
+        return func(*args, **kwargs)
+
+    def _to(self, func, args, kwargs):
+        t, rest = args[0], args[1:]
+        copy = kwargs.get("copy", False)
+        if rest and isinstance(rest[0], torch.Tensor):  # t.to(other, non_blocking, copy)
+            other = rest[0]
+            device = self.s.device_of(other)
+            dtype, non_blocking = other.dtype, kwargs.get("non_blocking", rest[1] if len(rest) > 1 else False)
+            memory_format = kwargs.get("memory_format", torch.preserve_format)
+        else:
+            pk = {k: v for k, v in kwargs.items() if k != "copy"}
+            rest, pk = _int_device(rest, pk)
+            device, dtype, non_blocking, memory_format = _priv.parse_to(*rest, **pk)
+            if memory_format is None:
+                memory_format = torch.preserve_format
+        if device is not None:
+            is_cuda_device(device)  # a device the simulation does not have: say so
+        if device is None:
+            dst = self.s.pool_of(t)
+        elif device.type == "cuda":
+            dst = "device"
+        elif device.type == "cpu":
+            dst = "host"
+        else:  # meta and friends: nothing to rewrite
+            return func(*args, **kwargs)
+        return self._move(t, dst, dtype, non_blocking, copy, memory_format)
+
+    def _new(self, func, args, kwargs):  # t.new_tensor(data): on t's device
+        if "device" in kwargs and kwargs["device"] is not None:
+            cuda = is_cuda_device(kwargs["device"])
+            kwargs = {**kwargs, "device": CPU}
+            return self._call(func, args, kwargs, "device" if (cuda or not self.s.cuda) else "host")
+        return self._call(func, args, kwargs, self.s.pool_of(args[0]) if self.s.cuda else "device")
+
+    def _device(self, func, args, kwargs):
+        """``torch.device(0)``: an index alone names the accelerator's device, cuda:0 here
+        (the real call asks the absent accelerator and fails)."""
+        if len(args) == 1 and not kwargs and type(args[0]) is int:
+            return func("cuda", args[0])
+        return func(*args, **kwargs)
+
+    def _set_data(self, func, args, kwargs):  # t.data = new (nn.Module.to, _apply)
+        out = func(*args, **kwargs)
+        _priv.adopt_constant(args[0], args[1])
+        return out
+
+    def _pin_memory(self, func, args, kwargs):
+        return self._call(torch.Tensor.clone, (args[0],), {}, "host" if self.s.cuda else "device")
+
+    def _deepcopy(self, func, args, kwargs):
+        """``copy.deepcopy`` of a fake tensor carrying a constant: a clone, as torch does
+        for tensors without host data (torch copies the storage of a tensor whose
+        ``data_ptr`` is not 0, and a constant's is not, onto a meta tensor: an error)."""
+        t, memo = args[0], args[1] if len(args) > 1 else kwargs.get("memo", {})
+        if type(t) is not _priv.FakeTensor or _priv.fake_constant(t) is None or not t.is_leaf:
+            with warnings.catch_warnings():  # torch asks a fake tensor for its data pointer
+                warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+                return func(*args, **kwargs)
+        if id(t) in memo:
+            return memo[id(t)]
+        with torch.no_grad():
+            new = t.clone()
+        new.requires_grad_(t.requires_grad)
+        # the clone has its own fake mode, device and constant; the rest (user attributes)
+        for key, value in t.__dict__.items():
+            if key not in new.__dict__:
+                setattr(new, key, copy.deepcopy(value, memo))
+        memo[id(t)] = new
+        return new
+
+    # -- values a simulation does not have (see .values) ---------------------------------------
+    def _marked_read(self, func, args, kwargs):
+        """``t.item()``: a placeholder comes back marked (C++ turns what the dispatch level
+        returns into a plain number)."""
+        reads = self.s.data_reads
+        value = func(*args, **kwargs)
+        if self.s.data_reads == reads:
+            return value  # a real value (a constant) or a known zero
+        return marked(value)
+
+    def _tolist(self, func, args, kwargs):
+        return tensor_tolist(args[0], self.s.note_read)
+
+    def _numpy(self, func, args, kwargs):
+        return tensor_numpy(args[0], self.s.note_read)
+
+    def _array(self, func, args, kwargs):
+        arr = self._numpy(func, args[:1], {})
+        dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
+        return arr.astype(dtype) if dtype is not None else arr
+
+    def _repr(self, func, args, kwargs):
+        t = args[0]
+        return tensor_repr(t, "cuda:0" if self.s.cuda and self.s.pool_of(t) == "device" else "cpu")

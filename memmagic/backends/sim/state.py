@@ -1,0 +1,132 @@
+"""The simulated machine's devices, and the state one simulated run shares.
+
+The simulated machine has one GPU, ``cuda:0``, and the host; every tensor of the
+simulation is a fake *CPU* tensor, and which of the two a storage lives on is its
+*pool* ("device" or "host"), kept by the tracker (:mod:`.tracker`). :func:`is_cuda_device`
+is the one rule that names the devices; :class:`SimState` is what the function-level
+rewriting (:mod:`.rewrite`) and the dispatch-level tracker share during a run.
+"""
+
+from __future__ import annotations
+
+import linecache
+import sys
+import torch
+
+from ...failures import is_user_file
+from ...tracking import StorageTracker
+from .errors import SimulationUnsupported
+
+__all__ = ["SimState", "is_cuda_device", "user_line", "CUDA0", "CPU", "META"]
+
+CUDA0 = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+META = torch.device("meta")
+
+_DEVICE_KINDS: dict[object, bool] = {}
+_OTHER_OK = ("cpu", "meta")
+
+
+def is_cuda_device(dev: object) -> bool | None:
+    """True for the simulated GPU (``'cuda'``, ``'cuda:0'``, ``torch.device('cuda')``,
+    the index ``0``), False for the CPU or meta, None for "not a device". Raises
+    :class:`SimulationUnsupported` for a device the simulation does not have (a second
+    GPU, ``'mps'``, ``'xpu'``...), as a real machine with one CUDA GPU would fail there."""
+    if isinstance(dev, bool) or not isinstance(dev, (torch.device, str, int)):
+        return None
+    try:
+        return _DEVICE_KINDS[dev]
+    except (KeyError, TypeError):
+        pass
+    if isinstance(dev, int):
+        d = torch.device("cuda", dev) if dev >= 0 else None
+    else:
+        try:
+            d = torch.device(dev)
+        except (RuntimeError, ValueError):
+            return None  # not a device string: torch raises its own error
+    name = str(dev) if isinstance(dev, torch.device) else dev
+    if d is None or (d.type == "cuda" and d.index not in (None, 0)):
+        raise SimulationUnsupported(
+            f"device {name!r} is not simulated: the simulated machine has one GPU, cuda:0; "
+            "use device='cuda' (or 'cuda:0')")
+    if d.type != "cuda" and d.type not in _OTHER_OK:
+        raise SimulationUnsupported(
+            f"device {name!r} is not simulated: the simulation models one CUDA GPU; use "
+            "device='cuda' for the GPU or 'cpu' for the host")
+    kind = d.type == "cuda"
+    try:
+        _DEVICE_KINDS[dev] = kind
+    except TypeError:
+        pass
+    return kind
+
+
+def user_line(frame) -> str | None:
+    """'line N (`source`)' of the innermost frame of the user's code, from ``frame`` out."""
+    while frame is not None:
+        code = frame.f_code
+        if is_user_file(code.co_filename):
+            src = linecache.getline(code.co_filename, frame.f_lineno).strip()
+            return f"line {frame.f_lineno}" + (f" (`{src}`)" if src else "")
+        frame = frame.f_back
+    return None
+
+
+class SimState:
+    """What the function mode and the dispatch mode share during one simulated run."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda                  # False: kernels="cpu", the simulated GPU is the CPU
+        self.target: str | None = None    # pool forced for storages created right now
+        self.pending = "host"             # pool of the storages the current op creates
+        self.default_cuda = False         # torch.set_default_device("cuda") was called
+        self.cuda_seen = False
+        self.zero_read_serials: set[int] = set()  # storages whose reads are 0 (found_inf)
+        self.data_reads = 0
+        # (user line or None, what) -> reads: the report names lines, not internal reads
+        self.read_ops: dict[tuple[str | None, str], int] = {}
+        self.tracker: StorageTracker | None = None  # the run's SimTracker (its pools)
+        self.in_dispatch = 0              # >0 while torch's own dispatch code runs
+        self.rnn_ran = False              # an RNN layer ran in this cell
+
+    def begin_run(self) -> None:
+        """Per-cell counters back to zero (the state of a persistent simulated GPU lasts
+        across cells: its default device and its tensors' pools stay)."""
+        self.target = None
+        self.pending = "host"
+        self.cuda_seen = False
+        self.data_reads = 0
+        self.read_ops = {}
+        self.in_dispatch = 0
+        self.rnn_ran = False
+
+    def fake_device(self, t: torch.Tensor, real: torch.device) -> torch.device:
+        """``FakeTensor.device`` during a run: cuda:0 for tensors on the simulated GPU, as
+        seen by user and torch Python code; the real (CPU) device inside dispatch."""
+        if self.in_dispatch or not self.cuda or real.type != "cpu":
+            return real
+        return CUDA0 if self.pool_of(t) == "device" else real
+
+    def device_of(self, t: torch.Tensor) -> torch.device:
+        """The device user code sees for ``t``: cuda:0 on the simulated GPU, else the CPU."""
+        return CUDA0 if self.cuda and self.pool_of(t) == "device" else CPU
+
+    def note_read(self, what: str) -> None:
+        """A read of values the simulation does not have, counted by the user's line."""
+        self.data_reads += 1
+        where = user_line(sys._getframe(1))
+        key = (where, what)
+        self.read_ops[key] = self.read_ops.get(key, 0) + 1
+
+    def pool_of(self, t: torch.Tensor) -> str:
+        if not self.cuda:
+            return "device"
+        tr = self.tracker
+        if tr is None:
+            return "host"
+        try:
+            entry = tr.entry_of(t)
+        except (RuntimeError, NotImplementedError, TypeError):
+            return "host"
+        return "host" if entry is None else entry.pool

@@ -1,0 +1,466 @@
+"""The tracker of a simulated run: which storages are on the simulated GPU, fed to the
+allocator model.
+
+:class:`SimTracker` is the StorageTracker's dispatch mode, extended: it rewrites
+``device=`` again at the dispatch level (function modes are off inside ``backward()`` and
+checkpoint recompute), decides for each new storage whether it lives on the simulated GPU
+("device") or on the host, rounds device storages like the CUDA allocator, feeds them to
+the allocator model (which may raise a simulated out-of-memory), answers ``.item()`` with
+a placeholder when the value is unknown (:mod:`.values`), keeps small known values
+(:mod:`.constants`), and enforces the op/time budget.
+
+The same dispatch step raises :class:`SimulatedDeviceMismatchError` where CUDA would raise
+"Expected all tensors to be on the same device" (:mod:`.mismatch`). Only devices the
+simulation knows count: a factory called from C++ (a composite op, a backward formula)
+takes the device of some tensor's options, which the simulation cannot see, so such
+storages and what is computed from them are "unsure" and never reported.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ... import _torch_private as _priv
+from ...report import Category, format_bytes
+from ...snapshot import allocator_history, allocator_segments
+from ...tracking import Entry, StorageTracker
+from .allocator import AllocatorFull, CachingAllocatorModel, round_request
+from .constants import drop_unfounded_in_place, propagate
+from .errors import (
+    RERUN_HINT,
+    SimulatedOutOfMemoryError,
+    SimulationBudgetExceeded,
+    SimulationUnsupported,
+)
+from .kernels import FIXED_OUTPUT_OPS, RNN_LAYER, fix_outputs
+from .mismatch import check_same_device, device_rule
+from .state import CPU, META, SimState, is_cuda_device
+from .values import read_scalar
+from .workspaces import BLAS_OPS, Workspaces
+
+if TYPE_CHECKING:
+    from ...trace import Trace
+
+__all__ = ["SimTracker"]
+
+_aten = torch.ops.aten
+_LOCAL_SCALAR = _aten._local_scalar_dense.default
+_PRIM_DEVICE = torch.ops.prim.device.default
+_FOUND_INF_OPS = {_aten._amp_foreach_non_finite_check_and_unscale_.default}
+_PHASE_WORDS = {"forward": " during forward", "backward": " during backward (loss.backward())",
+                "recompute": " while backward recomputed a checkpointed forward",
+                "optimizer": " during optimizer.step()"}
+
+
+def _op_info(func) -> tuple[bool, str, bool]:
+    """(mutates its inputs, name, outputs need a fix-up) of an op, computed once."""
+    schema = _priv.op_schema(func)
+    mutating = bool(schema is not None and schema.is_mutable) or func in _FOUND_INF_OPS
+    return mutating, func.__name__, func in FIXED_OUTPUT_OPS
+
+
+class SimTracker(StorageTracker):
+    """The StorageTracker of a simulated run (see the module docstring)."""
+
+    def __init__(self, state: SimState, *, allocator: CachingAllocatorModel | None,
+                 max_ops: int, max_seconds: float, gpu_name: str | None = None) -> None:
+        super().__init__(self._include_pending, self._round_pending)
+        self.s = state
+        state.tracker = self
+        self.allocator = allocator
+        self.max_ops = max_ops
+        self.max_seconds = max_seconds
+        self.deadline = float("inf")
+        self.gpu_name = gpu_name
+        # serial -> bytes of its block in the allocator model (what a copy of the card or
+        # a model of another card re-allocates)
+        self.alloc_bytes: dict[int, int] = {}
+        self._requested = 0  # bytes of the storage being tracked, before rounding
+        # torch.cuda.max_memory_* counters (resettable by the cell)
+        self.cuda_peak = 0
+        self.cuda_reserved_peak = 0
+        self.oom_live = 0        # device bytes live when the request failed
+        self.oom_event = -1      # the last event before it
+        # torch.cuda.memory._record_memory_history on the simulated allocator: memory_viz
+        # entries of earlier cells, and where the recording starts in this cell's log
+        self.history: list[dict] | None = None
+        self.history_from = 0
+        self.history_max: int | None = None
+        # torch.cuda.set_per_process_memory_fraction: the share of the card the process may
+        # reserve (None: all of it)
+        self.memory_fraction: float | None = None
+        self.card_memory = 0  # the card's bytes, when a fraction is set
+        # serials of storages whose device the simulation guessed (factories called from
+        # C++ code, and what is computed from them): never used to report a device mismatch
+        self._unsure: set[int] = set()
+        self._out_unsure = False
+        self._device_rules: dict[object, str] = {}
+        self._op_info: dict[object, tuple[bool, str, bool]] = {}
+        # FakeOutputCache of the run (set by the backend): outputs from metadata
+        self.fast: Callable[[Any, tuple, dict], Any] | None = None
+        # cuBLAS workspaces of the simulated GPU (set by the backend for CUDA kernels)
+        self.workspaces: Workspaces | None = None
+
+    def start_clock(self) -> None:
+        self.deadline = time.perf_counter() + self.max_seconds
+
+    # -- a simulated GPU that lasts across cells ----------------------------------------------
+    persistent = False  # True: the tracker of a SimSession's card (see rearm and close)
+
+    def rearm(self, max_ops: int, max_seconds: float) -> None:
+        """Ready for the next cell: what is live stays live (it is the next ``before``);
+        the per-cell counters, events and the allocator's peak start again."""
+        self.max_ops, self.max_seconds = max_ops, max_seconds
+        self.deadline = float("inf")
+        self.ops = 0
+        self.events = []  # new lists: the last report's trace keeps its own
+        self.saved_events = []
+        self.op_log = []
+        self.frames = {}
+        self._seq_starts, self._seq_paths = [], []
+        self.step_label = None
+        self.module_stack.clear()
+        self.phase_override = None
+        self._last_op = None
+        self.oom_live, self.oom_event = 0, -1
+        self.history_from = 0
+        self._closed = False
+        self.quiet = 0
+        a = self.allocator
+        if a is not None:
+            a.reserved_peak = a.reserved
+            a.allocated_peak = a.allocated
+            # the cell's allocator history (for memory_viz snapshots), stamped with op indices
+            a.start_log(clock=lambda: self.ops)
+
+    def trace(self) -> Trace:
+        """The run's trace, with the allocator model's history of the cell attached as
+        ``allocator_log`` (:class:`~.allocator.AllocatorLog`; None without a CUDA model).
+        While the cell's code records the allocator's history, what it recorded so far
+        moves to :attr:`history`, framed by this trace (a later cell's snapshot has it)."""
+        trace = super().trace()
+        a = self.allocator
+        if a is not None and a.logging:
+            trace.allocator_log = log = a.take_log(keep_logging=True)
+            if self.history is not None:
+                self.history = self._history_of(trace, log.entries)
+                self.history_from = len(log.entries)
+        return trace
+
+    # -- torch.cuda.memory._record_memory_history / _snapshot ---------------------------------
+    def record_history(self, on: bool, max_entries: int | None = None) -> None:
+        """Start (or, ``on`` False, stop and drop) the allocator history that
+        :meth:`memory_snapshot` returns, keeping at most ``max_entries`` entries."""
+        a = self.allocator
+        if not on:
+            self.history, self.history_max = None, None
+            return
+        if a is None or not a.logging:
+            raise SimulationUnsupported(
+                "the allocator history needs the simulated CUDA allocator (a run with CUDA "
+                f"kernels); {RERUN_HINT}")
+        if self.history is None:
+            self.history = []
+            self.history_from = len(a.take_log(keep_logging=True).entries)
+        self.history_max = max_entries
+
+    def _history_of(self, trace: Trace, log_entries: list[dict]) -> list[dict]:
+        out = self.history + allocator_history(trace, log_entries[self.history_from:])
+        if self.history_max is not None and len(out) > self.history_max:
+            out = out[len(out) - self.history_max:]  # a ring buffer, as torch keeps
+        return out
+
+    def memory_snapshot(self) -> dict:
+        """What ``torch.cuda.memory._snapshot()`` returns, from the allocator model: its
+        segments and blocks now, and the history recorded since
+        ``_record_memory_history`` (empty when it is off)."""
+        a = self.allocator
+        if a is None:
+            raise SimulationUnsupported(
+                "a memory snapshot needs the simulated CUDA allocator (a run with CUDA "
+                f"kernels); {RERUN_HINT}")
+        trace = super().trace()
+        log = a.take_log(keep_logging=True)
+        entries = [] if self.history is None else self._history_of(trace, log.entries)
+        return {"segments": allocator_segments(trace, log.segments), "device_traces": [entries]}
+
+    def close(self) -> None:
+        """A persistent card keeps listening for frees between cells (a tensor deleted in
+        a later cell, or dropped with its name, frees its block, as on a GPU)."""
+        if not self.persistent:
+            super().close()
+
+    def live_device_bytes(self) -> int:
+        return self.current["device"]
+
+    def _include_pending(self, t: torch.Tensor) -> str:
+        return self.s.pending
+
+    def _round_pending(self, n: int) -> int:
+        self._requested = n  # what the storage asks for: the allocator's "requested" bytes
+        return round_request(n) if (self.s.cuda and self.s.pending == "device") else n
+
+    # -- allocator ------------------------------------------------------------------------
+    def _add(self, entry: Entry, delta: int) -> None:
+        if entry.pool == "device" and self.allocator is not None:
+            self._allocate(entry, delta)  # a request the card cannot take never counts
+        super()._add(entry, delta)
+        if entry.pool == "device":
+            cur = self.current["device"]
+            if cur > self.cuda_peak:
+                self.cuda_peak = cur
+
+    def _allocate(self, entry: Entry, delta: int) -> None:
+        a = self.allocator
+        serial = entry.serial
+        old = self.alloc_bytes.pop(serial, 0)
+        new = old + delta
+        if old > 0:
+            a.free(serial)
+        if new > 0:
+            req = self._requested
+            try:
+                a.malloc(serial, new, req if 0 < req <= new and round_request(req) == new else None)
+            except AllocatorFull as full:
+                if old > 0:  # a resize that failed keeps its old block
+                    a.malloc(serial, old)
+                    self.alloc_bytes[serial] = old
+                entry.nbytes = old  # what this storage holds: its release frees only that
+                # every failed request raises, as on a GPU (code may catch it and go on);
+                # the report describes the last one
+                self.oom_live = self.current["device"]
+                self.oom_event = len(self.events) - 1
+                # not kept here: code that catches the error must free what the failed
+                # frames held as soon as its handler ends, as on a GPU (the error's
+                # traceback holds those frames)
+                # from None: the user sees CUDA's error alone, not our AllocatorFull
+                raise self._oom_error(full) from None
+            self.alloc_bytes[serial] = new
+        if a.reserved > self.cuda_reserved_peak:
+            self.cuda_reserved_peak = a.reserved
+
+    def _oom_error(self, full: AllocatorFull) -> SimulatedOutOfMemoryError:
+        phase, where, label = self.context()
+        live = self.current["device"]  # what the report counts live at the failure
+        cached = max(full.reserved - live, 0)
+        # torch's words (CUDACachingAllocator.cpp's OutOfMemoryError), then where it ran out
+        total, allowed = full.capacity, ""
+        if self.memory_fraction is not None and self.card_memory:
+            total = self.card_memory
+            allowed = f"{format_bytes(full.capacity)} allowed; "
+        free = max(total - full.reserved, 0)
+        msg = (f"CUDA out of memory (simulated). Tried to allocate {format_bytes(full.size)}. "
+               f"GPU 0 has a total capacity of {format_bytes(total)} of which "
+               f"{format_bytes(free)} is free. {allowed}Of the allocated memory "
+               f"{format_bytes(live)} is allocated by PyTorch, and "
+               f"{format_bytes(cached)} is reserved by PyTorch but unallocated. If reserved "
+               "but unallocated memory is large try setting "
+               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation. "
+               f"Ran out at {self._oom_location(phase, where, label)}.")
+        return SimulatedOutOfMemoryError(msg, op=self._last_op, module=where, size=full.size)
+
+    def _oom_location(self, phase: str, where: str | None, label: str | None) -> str:
+        """Where the op that ran out runs: 'aten.mm (label) in module m during forward'."""
+        op = self._last_op
+        loc = f"aten.{op}" if op else "an allocation"
+        if label:
+            loc += f" ({label})"
+        if where:
+            loc += f" in module {where}"
+        return loc + _PHASE_WORDS.get(phase, "")
+
+    # -- dispatch -------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # the per-op path of every simulated op: what every op needs stays inline (its
+        # cost adds to every op FakeTensorMode runs); rarer steps are methods
+        if func is _PRIM_DEVICE:
+            # C++ asking a fake tensor its device (FakeTensor.__torch_dispatch__'s answer,
+            # without FakeTensorMode's dispatch): not an op, not counted
+            t = args[0]
+            mode = getattr(t, "fake_mode", None)
+            if mode is not None:
+                return META if mode.in_kernel_invocation else t.fake_device
+        s = self.s
+        s.in_dispatch += 1
+        try:
+            if self.quiet:  # memmagic's own op (the saved-tensor hook's detach)
+                return func(*args, **(kwargs or {}))
+            forced = s.target
+            if kwargs:
+                dev = kwargs.get("device")
+                if dev is not None and is_cuda_device(dev):
+                    kwargs = {**kwargs, "device": CPU}
+                    forced = "device"
+            else:
+                kwargs = {}
+            n = self.ops + 1
+            if n > self.max_ops or (not n & 1023 and time.perf_counter() > self.deadline):
+                raise self._over_budget(n)
+            if func is _LOCAL_SCALAR:
+                return self._read_scalar(func, args[0])
+            if forced is not None:
+                pool = forced if s.cuda else "device"
+                self._out_unsure = False
+            else:
+                pool = self.pool_from_inputs(func, args, kwargs)
+            if pool == "device":
+                s.cuda_seen = True
+                if func in BLAS_OPS and self.workspaces is not None:
+                    self._take_workspaces(func, args, kwargs)
+            s.pending = pool
+            fast = self.fast
+            out = func(*args, **kwargs) if fast is None else fast(func, args, kwargs)
+            out = propagate(func, args, kwargs, out)
+            info = self._op_info.get(func)
+            if info is None:
+                info = self._op_info[func] = _op_info(func)
+            mutating, name, fixup = info
+            if fixup:
+                out = fix_outputs(func, args, kwargs, out)
+                if func is RNN_LAYER:
+                    s.rnn_ran = True
+            return self._record_outputs(func, name, mutating, args, kwargs, out)
+        finally:
+            s.in_dispatch -= 1
+
+    def _over_budget(self, n: int) -> SimulationBudgetExceeded:
+        if n > self.max_ops:
+            return SimulationBudgetExceeded(
+                f"the simulation stopped after {self.max_ops} tensor operations (max_ops): "
+                "a loop that depends on tensor values, or more steps than a simulation "
+                "needs; simulate fewer iterations or raise max_ops")
+        return SimulationBudgetExceeded(
+            f"the simulation stopped after {self.max_seconds:g} s (max_seconds): "
+            "simulate fewer iterations or raise max_seconds")
+
+    def _record_outputs(self, func, name: str, mutating: bool, args: tuple, kwargs: dict, out):
+        """Count the op and track what it made or changed; ``out``."""
+        seq = isinstance(out, (tuple, list))
+        first = (out[0] if out else None) if seq else out
+        dev = _priv.fake_device(first) if isinstance(first, torch.Tensor) else None
+        if dev is not None and dev.type == "cuda":
+            raise SimulationUnsupported(
+                f"a CUDA tensor slipped through the simulation at aten.{name}; {RERUN_HINT}")
+        self.log_op(name, args, kwargs)
+        serial0 = self._serial
+        if mutating:
+            self._record_mutation(func, args, kwargs, out)
+        elif isinstance(out, torch.Tensor):
+            self.track(out)  # in the pool (and rounding) of s.pending, set above
+        elif seq:
+            self._visit(out, False)
+        if self._out_unsure and self._serial > serial0:
+            self._unsure.update(range(serial0 + 1, self._serial + 1))
+        return out
+
+    def _record_mutation(self, func, args: tuple, kwargs: dict, out) -> None:
+        drop_unfounded_in_place(func, args, kwargs)
+        self._visit(out, True)
+        for a in args:
+            self._visit(a, True)
+        for a in kwargs.values():
+            self._visit(a, True)
+        if func in _FOUND_INF_OPS:  # GradScaler's found_inf reads 0 (no inf here)
+            serial = self.serial_of(args[1])
+            if serial is not None:
+                self.s.zero_read_serials.add(serial)
+
+    def _take_workspaces(self, func, args, kwargs) -> None:
+        """Allocate the cuBLAS/cuBLASLt workspaces this matmul makes torch allocate (once per
+        thread, kept for the life of the simulated GPU; see .workspaces)."""
+        ws = self.workspaces
+        thread = "backward" if _priv.in_backward() else "main"
+        self._last_op = func.__name__  # an OOM here is this op's
+        for key, size in ws.needed(func, args, kwargs, thread):
+            ws.held[key] = self.hold_workspace(round_request(size))[1]
+
+    def hold_workspace(self, nbytes: int) -> tuple[int, int]:
+        """Allocate a workspace of ``nbytes`` on the device for the life of the GPU (no
+        storage: a key of its own, never freed); (its serial, its bytes). Raises the OOM
+        a GPU would raise here."""
+        self._serial += 1
+        entry = Entry(self._serial, nbytes, "device")
+        self.pool_of[entry.serial] = "device"
+        self.roles[entry.serial] = Category.WORKSPACES
+        self._requested = nbytes
+        self._add(entry, entry.nbytes)
+        self._live[-entry.serial] = entry
+        return entry.serial, entry.nbytes
+
+    def held_workspaces(self) -> list[Entry]:
+        """The entries of the workspaces :meth:`hold_workspace` holds on the device."""
+        return [e for k, e in list(self._live.items()) if k < 0 and e.pool == "device"]
+
+    def pool_from_inputs(self, func, args, kwargs) -> str:
+        """The pool of the op's outputs: "device" when any input tensor is on the simulated
+        GPU. Also decides whether the outputs' device is *known* (``self._out_unsure``) and
+        checks that the inputs' devices could meet in one op on a GPU."""
+        if not self.s.cuda:
+            return "device"
+        live, key = self._live, _priv.storage_key
+        unsure = self._unsure
+        dev_sure = dev_unsure = host_sure = host_unsure = seen = False
+        for a in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(a, torch.Tensor):
+                ts = (a,)
+            elif isinstance(a, (list, tuple)):
+                ts = a
+            else:
+                continue
+            for t in ts:
+                if not isinstance(t, torch.Tensor):
+                    continue
+                seen = True
+                e = live.get(key(t.untyped_storage()))
+                if e is None:
+                    host_unsure = True  # made where the simulation did not see: device unknown
+                elif e.pool == "device":
+                    if unsure and e.serial in unsure:
+                        dev_unsure = True
+                    else:
+                        dev_sure = True
+                elif unsure and e.serial in unsure:
+                    host_unsure = True
+                else:
+                    host_sure = True
+        if dev_sure or dev_unsure:
+            if dev_sure and host_sure:
+                self._check_same_device(func, args, kwargs)
+            self._out_unsure = not dev_sure
+            return "device"
+        if not seen:
+            # a factory called from C++ (a composite op, a backward formula) takes the
+            # device of some tensor's options, which the simulation cannot see
+            self._out_unsure = True
+            if self.s.cuda_seen and _priv.in_backward():
+                return "device"  # factories inside backward/recompute run on the GPU
+            return "host"
+        self._out_unsure = host_unsure
+        return "host"
+
+    def _check_same_device(self, func, args, kwargs) -> None:
+        """Raise what CUDA raises when an op mixes a CPU and a CUDA tensor (:mod:`.mismatch`)."""
+        rule = self._device_rules.get(func)
+        if rule is None:
+            rule = self._device_rules[func] = device_rule(func)
+        check_same_device(func, args, kwargs, rule, self._known_device)
+
+    def _known_device(self, t: torch.Tensor) -> str | None:
+        """The pool of ``t`` when the simulation knows it, None for a guessed device and
+        for a CPU scalar (and an empty placeholder)."""
+        e = self._live.get(_priv.storage_key(t.untyped_storage()))
+        if e is None or e.serial in self._unsure:
+            return None
+        if e.pool == "host" and (t.dim() == 0 or t.numel() == 0):
+            return None  # a CPU scalar (and an empty placeholder)
+        return e.pool
+
+    def _read_scalar(self, func, t: torch.Tensor):
+        def zero() -> bool:
+            serial = self.serial_of(t)
+            return serial is not None and serial in self.s.zero_read_serials
+
+        return read_scalar(func, t, zero, self.s.note_read)
