@@ -22,7 +22,7 @@ from memmagic.backends import get_backend
 from memmagic.tracking import StorageTracker
 
 from .cases import Config, cell_source, cpu_cannot_run, runner, sim_backend, warm_step
-from .common import Figure, median, paired, status_of
+from .common import Figure, paired, status_of
 
 __all__ = ["trace_cost", "CPU_TARGET", "SIM_TARGET"]
 

@@ -28,11 +28,11 @@ import re
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 from .backends import Outcome, get_backend
 from .failures import release_own_frames
-from .knobs import KNOBS, Applier, KnobError, Setting, knob_value
+from .knobs import KNOBS, Applier, KnobError, Setting, knob_value, setting_of
 from .report import MemoryReport, Note
 
 __all__ = ["Cell", "RunInfo", "KnobError", "Setting", "EXTRA_VARIABLES", "source_names", "compile_cell"]
@@ -219,6 +219,7 @@ class Cell:
             b = self._default_batch()
             if b is not None:
                 base = base.replace(batch_size=b)
+        base = self._own_settings(base)
         if "gpu" not in base.changed() and "gpu" in self.backend_options and \
                 isinstance(self.backend_options["gpu"], str) and "gpu_memory" not in self.backend_options:
             try:
@@ -227,15 +228,49 @@ class Cell:
                 pass
         self.baseline: Setting = base
         self.last_info: RunInfo | None = None
+        self.fallback_note: Note | None = None
+
+    def _own_settings(self, base: Setting) -> Setting:
+        """``base`` with the knobs the cell handles itself at what its own variables say
+        (``amp = True`` in the namespace: the cell as written runs with AMP), where the
+        baseline does not set them."""
+        if self.function is not None:
+            return base
+        given = base.changed()
+        own = {}
+        for knob in KNOBS.values():
+            if knob.var in self.reads and knob.name not in given and knob.var in self.namespace:
+                value = setting_of(knob.name, self.namespace[knob.var])
+                if value is not None:
+                    own[knob.name] = value
+        return base.replace(**own) if own else base
 
     # -- public ---------------------------------------------------------------------------
+    def applying_knobs(self, why: str) -> "Cell":
+        """A copy of this cell in which memmagic applies the knobs whose variables the cell
+        reads (its batch size and accumulation steps excepted): for a cell that fails with
+        its own variables set to a setting's values. ``why`` goes into its runs' notes."""
+        import copy
+
+        other = copy.copy(self)
+        keep = {"batch_size", "micro_batch_size", "accum_steps"}
+        other.reads = frozenset(self.reads & keep)
+        dropped = sorted(k.name for k in KNOBS.values() if k.var in self.reads - keep)
+        other.baseline = Setting(**{k: v for k, v in self.baseline.changed().items()
+                                    if k not in dropped})
+        other.fallback_note = Note(f"memmagic applies {', '.join(dropped)} itself: {why}", "knob")
+        other.last_info = None
+        return other
+
     def setting(self, setting: Setting | Mapping[str, Any] | None = None, **knobs: Any) -> Setting:
-        """The full setting of a run: the baseline, then ``setting``, then ``knobs``."""
-        values = self.baseline.changed()
+        """The full setting of a run: ``setting`` when it is a :class:`Setting` (complete:
+        a knob it leaves at its default is at its default, whatever the baseline says),
+        else the baseline updated with ``setting`` (a mapping); then ``knobs``."""
         if isinstance(setting, Setting):
-            values.update(setting.changed())
-        elif setting is not None:
-            values.update(setting)
+            values = setting.changed()
+        else:
+            values = self.baseline.changed()
+            values.update(setting or {})
         values.update(knobs)
         return Setting(**values)
 
@@ -282,6 +317,8 @@ class Cell:
             notes.insert(0, Note(f"what-if setting: {full.label()}", "setting"))
         if handled:
             notes.append(Note("handled by the cell itself: " + ", ".join(handled), "handled"))
+        if self.fallback_note is not None:
+            notes.append(self.fallback_note)
         if notes:
             outcome.report = replace(outcome.report, notes=outcome.report.notes + tuple(notes))
         return outcome
@@ -431,7 +468,7 @@ class Cell:
                     if batch is None:
                         continue  # as written: the namespace's own batch_size
                     v = batch
-                values[knob.var] = knob_value(knob.name, v)
+                values[knob.var] = knob_value(knob.name, v, self.namespace.get(knob.var))
         if "micro_batch_size" in self.reads and setting.batch_size is not None:
             values["micro_batch_size"] = setting.micro_batch
         return values

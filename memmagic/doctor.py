@@ -32,7 +32,6 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from .failures import is_machinery, is_out_of_memory, is_user_file, requested_bytes
 from .report import MemoryReport, format_bytes, needed
-from . import _torch_private as _priv
 from .objgraph import saved_tensors, walk
 from .trace import Category
 

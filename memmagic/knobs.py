@@ -48,7 +48,8 @@ from .patching import Patches
 from .report import Note
 
 __all__ = ["Knob", "KNOBS", "NEEDS", "Fixes", "Setting", "Applier", "KnobError", "make_optimizer",
-           "AMP_CHOICES", "WEIGHT_DTYPES", "GRAD_MODES", "OPTIMIZERS", "knob_value"]
+           "AMP_CHOICES", "WEIGHT_DTYPES", "GRAD_MODES", "OPTIMIZERS", "knob_value",
+           "setting_of"]
 
 AMP_CHOICES = ("off", "fp16", "bf16")
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16")
@@ -846,10 +847,49 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
 ]}
 
 
-def knob_value(name: str, value: Any) -> Any:
-    """What a cell's variable for knob ``name`` holds when the setting is ``value``."""
+# a setting's values that mean "off" to a cell whose variable is a flag (amp = False)
+_OFF = (None, False, 0, "off", "fp32", "train")
+
+
+def knob_value(name: str, value: Any, like: Any = None) -> Any:
+    """What a cell's variable for knob ``name`` holds when the setting is ``value``.
+
+    ``like`` is the variable's own value in the namespace, whose type the knob's value
+    takes: a flag (``amp = False``, for ``autocast(enabled=amp)``) gets True or False, a
+    name (``amp = "bf16"``) the setting's name, a dtype the dtype; otherwise the knob's
+    own form (``amp="fp16"`` -> ``torch.float16``). A setting left "as written" (None)
+    keeps the cell's own value."""
     knob = KNOBS[name]
+    if value is None and like is not None:
+        return like
+    if isinstance(like, bool):
+        return value not in _OFF
+    if isinstance(like, str) and isinstance(value, str):
+        return value
     return knob.cell_value(value) if knob.cell_value is not None else value
+
+
+def setting_of(name: str, own: Any) -> Any:
+    """The knob setting that a cell's own variable ``own`` stands for (the inverse of
+    :func:`knob_value`): ``amp = False`` is "off", ``amp = True`` the first of its
+    choices that is on, a dtype its name; None when it says nothing the knob knows."""
+    knob = KNOBS[name]
+    if knob.kind == "bool" or knob.kind == "int":
+        try:
+            return knob.check(own)
+        except KnobError:
+            return None
+    if isinstance(own, bool):
+        if not own:
+            return knob.default if knob.default in _OFF else None
+        return next((c for c in knob.choices if c not in _OFF), None)
+    names = {str(_dtype(c)): c for c in knob.choices if c in ("fp32", "fp16", "bf16")}
+    if str(own) in names:
+        return names[str(own)]
+    try:
+        return knob.check(own)
+    except (KnobError, TypeError):
+        return None
 
 
 # -- settings ------------------------------------------------------------------------------

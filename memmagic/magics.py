@@ -124,11 +124,10 @@ class MemMagics(Magics):
 
         mode = sim_mode(self.shell)
         backend, gpu, gpu_memory = args.backend, args.gpu, args.gpu_memory
-        if backend is None and (args.whatif or args.sweep is not None):
-            backend = "sim"  # re-runs are simulated unless asked otherwise
-        if backend is None:
-            backend = "sim" if mode.on else "auto"
-            if mode.on and not (gpu or gpu_memory):
+        if backend is None:  # re-runs are simulated unless asked otherwise
+            whatif = args.whatif or args.sweep is not None
+            backend = "sim" if mode.on or whatif else "auto"
+            if mode.on and not (gpu or gpu_memory):  # the notebook's card
                 gpu, gpu_memory = mode.gpu, mode.gpu_memory
         session = None
         if backend == "sim" or args.advise:

@@ -10,7 +10,7 @@ background. Sizes on the axes are in binary units (KiB, MiB, GiB) of bytes.
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from .report import COLORS, MemoryReport, format_bytes
 
@@ -269,10 +269,7 @@ def plot_sweep(curves: Mapping[str, Sequence[tuple[int, MemoryReport | None]]], 
                 capacity, capacity_name = r.gpu_memory, capacity_name or r.gpu_name
                 break
 
-    def need(r: MemoryReport) -> int:
-        return r.reserved_peak if r.reserved_peak is not None else r.peak
-
-    top = max([need(r) for r in reports] + [1])
+    top = max([r.need for r in reports] + [1])
     cap_on_scale = capacity is not None and capacity <= CAPACITY_FACTOR * top
     scale, unit = _unit(max(top, capacity or 0) if cap_on_scale else top)
     ymax = max(top, capacity or 0) / scale * 1.15 if cap_on_scale else top / scale * 1.18
@@ -280,9 +277,9 @@ def plot_sweep(curves: Mapping[str, Sequence[tuple[int, MemoryReport | None]]], 
     vals_all = sorted({v for pts in curves.values() for v, _ in pts})
     for i, (name, pts) in enumerate(curves.items()):
         pts = sorted(pts, key=lambda p: p[0])
-        color = _sweep_line(ax, name, pts, f"C{i % 10}", need, scale, failed_y)
+        color = _sweep_line(ax, name, pts, f"C{i % 10}", scale, failed_y)
         if capacity is not None:
-            _ring_largest_fit(ax, pts, color, need, scale, capacity, knob, vals_all)
+            _ring_largest_fit(ax, pts, color, scale, capacity, knob, vals_all)
     if capacity is not None and cap_on_scale:
         _capacity_line_left(ax, capacity, capacity_name or "GPU", scale)
     _knob_axis(ax, vals_all)
@@ -304,9 +301,9 @@ def plot_sweep(curves: Mapping[str, Sequence[tuple[int, MemoryReport | None]]], 
 
 
 def _sweep_line(ax: "Axes", name: str, pts: list[tuple[int, MemoryReport | None]], color: str,
-                need: Callable[[MemoryReport], int], scale: float, failed_y: Any) -> str:
+                scale: float, failed_y: Any) -> str:
     """One strategy's line, its failed runs as an x at the top; returns its color."""
-    ok = [(v, need(r) / scale) for v, r in pts if r is not None]
+    ok = [(v, r.need / scale) for v, r in pts if r is not None]
     line = ax.plot([v for v, _ in ok], [y for _, y in ok], marker="o", ms=4, lw=1.8,
                    color=color, label=name)[0]
     color = line.get_color()
@@ -318,15 +315,15 @@ def _sweep_line(ax: "Axes", name: str, pts: list[tuple[int, MemoryReport | None]
 
 
 def _ring_largest_fit(ax: "Axes", pts: list[tuple[int, MemoryReport | None]], color: str,
-                      need: Callable[[MemoryReport], int], scale: float, capacity: int,
+                      scale: float, capacity: int,
                       knob: str, vals_all: list[int]) -> None:
     """Ring (and name) the largest knob value whose run fits ``capacity``."""
     fit = [v for v, r in pts if r is not None and r.failed_request is None
-           and need(r) <= capacity]
+           and r.need <= capacity]
     if not fit:
         return
     best = max(fit)
-    y = next(need(r) for v, r in pts if v == best and r is not None) / scale
+    y = next(r.need for v, r in pts if v == best and r is not None) / scale
     ax.plot([best], [y], ls="none", marker="o", ms=13, mfc="none", mew=1.6, color=color)
     ha = "right" if best == vals_all[-1] and len(vals_all) > 1 else (
         "left" if best == vals_all[0] and len(vals_all) > 1 else "center")

@@ -90,6 +90,8 @@ class WhatIfPanel:
         self.ranges = dict(ranges or {})
         self.baseline: Setting = cell.setting()
         self.baseline_report = self._report(self.baseline)
+        self._fall_back()
+        cell = self.cell
         self.knobs: list[str] = cell.applicable()
         self.setting: Setting = self.baseline
         self.report: MemoryReport = self.baseline_report
@@ -221,6 +223,21 @@ class WhatIfPanel:
             self.setting, self.report = setting, report
             self._draw()
         self.last_update_s = time.perf_counter() - t0
+
+    def _fall_back(self) -> None:
+        """A cell that fails as written with the knob variables it reads set to a setting's
+        values (``autocast(enabled=amp)`` with a variable of its own kind) gets its knobs
+        applied by memmagic instead, so that the panel works; its notes say so."""
+        r = self.baseline_report
+        handled = {k.var for k in KNOBS.values()} - {"batch_size", "accum_steps"}
+        if r.error is None or r.failed_request is not None or not self.cell.reads & handled:
+            return
+        other = self.cell.applying_knobs(f"the cell failed with its own variables ({r.error})")
+        baseline = other.setting()
+        report = other.run(baseline)
+        if report.error is None or report.failed_request is not None:
+            self.cell, self.baseline, self.baseline_report = other, baseline, report
+            self._cache.clear()
 
     def _report(self, setting: Setting) -> MemoryReport:
         if self.cache_enabled and setting in self._cache:
