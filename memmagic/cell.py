@@ -57,6 +57,7 @@ class RunInfo:
     reads: frozenset[str] = frozenset()                  # knob variables the cell reads
     batch_known: bool = False                            # a batch size to start from exists
     notes: list[str] = field(default_factory=list)       # how memmagic applied the knobs
+    module_classes: set[str] = field(default_factory=set)  # classes of the models' modules
 
 
 def compile_cell(source: str, *, filename: str = "<what-if cell>",
@@ -311,6 +312,10 @@ class Cell:
                 _restore_names(ns, saved)
             del saved
         self.last_info = info
+        if isinstance(outcome.error, KnobError):  # memmagic's, raised in the run: a setting
+            release_own_frames(outcome.error.__traceback__)  # that cannot apply to this cell
+            raise outcome.error.with_traceback(None)
+        self._check_checkpoint_module(full, info, outcome)
         notes = list(info.notes)
         handled = sorted(k.name for k in KNOBS.values() if k.var in self.reads)
         if full != Setting():
@@ -322,6 +327,18 @@ class Cell:
         if notes:
             outcome.report = replace(outcome.report, notes=outcome.report.notes + tuple(notes))
         return outcome
+
+    def _check_checkpoint_module(self, setting: Setting, info: RunInfo, outcome: Outcome) -> None:
+        """KnobError when the module class checkpointing was told to wrap is in none of
+        the models the run called (a typo must not pass for a setting that changed nothing)."""
+        name = self.checkpoint_module
+        if name is None or not setting.checkpointing or not info.models or info.blocks:
+            return
+        if outcome.error is not None:
+            release_own_frames(outcome.error.__traceback__)
+        classes = ", ".join(sorted(info.module_classes)) or "none"
+        raise KnobError(f"--checkpointing {name}: no module of class {name} in "
+                        f"{', '.join(sorted(set(info.models)))}; its module classes: {classes}")
 
     def applicable(self, info: RunInfo | None = None, *,
                    setting: Setting | Mapping[str, Any] | None = None) -> list[str]:
@@ -403,6 +420,7 @@ class Cell:
                 changed.clear()
                 info.models = list(applier.models)
                 info.blocks = applier.blocks
+                info.module_classes = set(applier.module_classes)
                 info.inplace_modules = applier.inplace_modules
                 info.optimizers_built = list(applier.optimizers_built)
                 info.backward_calls = applier.backward_calls

@@ -231,6 +231,9 @@ class Retained:
     rows: tuple[Holder, ...]
     unnamed: int | None = None
     since_cell: bool = True
+    # bytes of library workspaces (cuBLAS) the cell made and torch keeps: no name holds
+    # them, and they are no leak (the report's ``workspaces``)
+    workspaces: int = 0
 
     @property
     def total(self) -> int:
@@ -266,6 +269,8 @@ class Retained:
             line = f"{head}: {format_bytes(self.total)} in {len(self.rows)} holder(s)"
         if self.unnamed:
             line += f"; {format_bytes(self.unnamed)} held by no name"
+        if self.workspaces:
+            line += f"; {format_bytes(self.workspaces)} of cuBLAS workspaces torch keeps"
         lines = [line]
         for names, size, graph, advice in self.table():
             lines.append(f"  {names:<30} {size:>24}  {graph}" + (f"\n    {advice}" if advice else ""))
@@ -322,6 +327,7 @@ def retained(namespace: Mapping[str, Any], *, since: Snapshot | None = None,
     # graphs: saved storages the cell made, counted once, for the largest holder first
     rows.sort(key=lambda r: -r["nbytes"])
     counted: set[int] = set(found.tensors)
+    graph_sizes: list[int] = []
     for r in rows:
         gbytes = nodes = chain = graphs = 0
         for key, t, _ in r["members"]:
@@ -339,13 +345,34 @@ def retained(namespace: Mapping[str, Any], *, since: Snapshot | None = None,
                     continue
                 counted.add(info[0])
                 gbytes += info[1]
+                graph_sizes.append(info[1])
         r.update(graph_bytes=gbytes, graph_nodes=nodes, chain=chain, graphs=graphs)
     out = [_holder(r) for r in rows]
     out.sort(key=lambda h: (-h.total, h.name))
-    unnamed = None
+    unnamed, workspaces = None, 0
     if report is not None and since is not None:
-        unnamed = max(report.retained - sum(h.total for h in out), 0)
-    return Retained(tuple(out), unnamed, since is not None)
+        sizes = [_storage(t)[1] for t in new.values()] + graph_sizes
+        workspaces = _workspaces_made(report)
+        unnamed = max(report.retained - _as_allocated(sizes, report) - workspaces, 0)
+    return Retained(tuple(out), unnamed, since is not None, workspaces)
+
+
+def _as_allocated(sizes: Iterable[int], report: MemoryReport) -> int:
+    """The bytes ``report`` counts for storages of these sizes: a CUDA allocator (real or
+    simulated) hands out multiples of 512 bytes."""
+    if report.backend in ("cuda", "sim"):
+        return sum(-(-n // 512) * 512 for n in sizes)
+    return sum(sizes)
+
+
+def _workspaces_made(report: MemoryReport) -> int:
+    """Bytes of workspaces (cuBLAS) the run made and left allocated, from its trace."""
+    trace = getattr(report, "trace", None)
+    if trace is None:
+        return 0
+    return sum(st.nbytes for st in trace.storages()
+               if st.category == Category.WORKSPACES.value and st.freed is None
+               and st.op > 0 and st.pool == "device")
 
 
 def _storage_obj(t: Any) -> Any:
@@ -806,6 +833,13 @@ def advise(namespace: Mapping[str, Any] | None = None, *, report: MemoryReport |
     return Advice(ret, failure, oom, ranked, baseline, tuple(notes))
 
 
+# why no smaller batch was tried, and how to let the doctor try them
+BATCH_HINT = ("no smaller batch was tried: the cell makes its batch with a fixed size. Write "
+              "the size as a variable the cell reads (batch_size = 4096 in an earlier cell, "
+              "then torch.randn(batch_size, ...) in this one), or make the batch in an earlier "
+              "cell, and the doctor re-runs the cell with smaller batches")
+
+
 def _candidates(applicable: Sequence[str], batch: int | None, optimizer: str | None
                 ) -> list[tuple[str, dict[str, Any]]]:
     """(label, knobs) of every single fix that applies to the cell (each knob's ``fixes``)."""
@@ -869,6 +903,8 @@ def rank(cell: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = No
     optimizer = None
     if info is not None and info.optimizers_built:
         optimizer = info.optimizers_built[0].lower()
+    if "batch_size" not in applicable and (knobs is None or "batch_size" in knobs):
+        notes.append(BATCH_HINT)
     rows = [_measure(c, label, knobs)
             for label, knobs in _candidates(applicable, c.baseline.batch_size, optimizer)]
     targeted = baseline.fits is not None or any(s.fits is not None for s in rows)

@@ -269,6 +269,7 @@ class Applier:
         # what the run did
         self.models: list[str] = []          # class names of the models called
         self.blocks = 0                      # blocks checkpointing could wrap
+        self.module_classes: set[str] = set()  # classes of the models' modules
         self.inplace_modules = 0             # modules with an inplace flag
         self.optimizers_built: list[str] = []
         self.backward_calls = 0
@@ -433,6 +434,8 @@ class Applier:
                 self._inside.add(id(m))
             self._inside.discard(id(module))
             self.blocks += len(find_blocks(module, self.checkpoint_module))
+            self.module_classes.update(type(m).__name__ for m in module.modules()
+                                       if m is not module)
             self.inplace_modules += sum(1 for m in module.modules()
                                         if isinstance(getattr(m, "inplace", None), bool))
         for fn, every in self._at_call:

@@ -36,6 +36,18 @@ def _with_options(func):
     return func
 
 
+def _silenced(source: str) -> bool:
+    """Whether the cell ends with ``;``, which silences its value (as IPython does)."""
+    import tokenize
+
+    from IPython.core.displayhook import DisplayHook
+
+    try:
+        return bool(DisplayHook.semicolon_at_end_of_expression(source))
+    except (SyntaxError, tokenize.TokenError):  # what tokenize says of an unfinished line
+        return False
+
+
 def _usage(exc: Exception) -> UsageError:
     return UsageError(str(exc))
 
@@ -80,7 +92,7 @@ class MemMagics(Magics):
         if args.var:
             self.shell.user_ns[args.var] = report
         if not args.quiet:
-            self._show(result, args)
+            self._show(result, args, source)
         problem = self._extras(report, args)
         if report.advice is not None and not args.quiet:
             display(report.advice)
@@ -163,9 +175,9 @@ class MemMagics(Magics):
             return None
 
     # -- display ---------------------------------------------------------------------------
-    def _show(self, result, args: argparse.Namespace) -> None:
+    def _show(self, result, args: argparse.Namespace, source: str) -> None:
         report = result.report
-        if result.error is None and result.value is not None:
+        if result.error is None and result.value is not None and not _silenced(source):
             display(result.value)
         if args.footer:
             display(report.footer())

@@ -34,25 +34,32 @@ class SimMode:
         self.gpu: str | None = None
         self.gpu_memory: str | None = None
         self._busy = 0
+        self._carried = False  # the transformer simulates the code after "%gpusim on"
 
     # -- the input transformer ---------------------------------------------------------
     def transform(self, lines: list[str]) -> list[str]:
-        if not self.on or self._busy:
+        if self._busy:
             return lines
         code = [ln for ln in lines if ln.strip()]
-        if not code or code[0].lstrip().startswith("%%"):
+        switch = _switch_on(code[0]) if code else None
+        if switch is not None:  # "%gpusim on" and code below it: that code is simulated too
+            at = lines.index(code[0]) + 1
+            rest = "".join(lines[at:])
+            if not rest.strip() or all(ln.lstrip().startswith(("%", "!", "#"))
+                                       for ln in lines[at:] if ln.strip()):
+                return lines
+            line = _magic_line(*switch).split(" ", 1)[1]
+            self._carried = True
+            return [*lines[:at], f"get_ipython().run_cell_magic('gpumem', {line!r}, {rest!r})\n"]
+        if not self.on or not code or code[0].lstrip().startswith("%%"):
             return lines
         if all(ln.lstrip().startswith(("%", "!", "#")) for ln in code):
             return lines
         return [self.magic_line() + "\n", *lines]
 
     def magic_line(self) -> str:
-        opts = ""
-        if self.gpu:
-            opts += f" --gpu {shlex.quote(self.gpu)}"
-        if self.gpu_memory:
-            opts += f" --gpu-memory {shlex.quote(self.gpu_memory)}"
-        return f"%%gpumem --backend sim --footer{opts}"
+        """The cell magic each cell runs under."""
+        return _magic_line(self.gpu, self.gpu_memory)
 
     def install(self) -> None:
         cleanup = self.shell.input_transformers_cleanup
@@ -64,11 +71,19 @@ class SimMode:
         while self.transform in cleanup:
             cleanup.remove(self.transform)
 
+    def _code_after(self, line: str) -> bool:
+        """Whether the running cell has code after this ``%gpusim`` line: code that was
+        transformed before the mode was on, and would run for real."""
+        result = getattr(getattr(self.shell, "displayhook", None), "exec_result", None)
+        raw = getattr(getattr(result, "info", None), "raw_cell", None)
+        return isinstance(raw, str) and _code_after_switch(raw, line)
+
     # -- the line magic ------------------------------------------------------------------
     def command(self, line: str) -> str:
         """Carry out ``%gpusim LINE``; the line to show."""
         from IPython.core.error import UsageError
 
+        from .backends import simulation_running
         from .backends.sim.gpus import resolve_target
         from .backends.sim.session import shell_session
 
@@ -110,9 +125,45 @@ class SimMode:
         except (ValueError, TypeError) as exc:
             raise UsageError(f"%gpusim: {exc}") from None
         self.on, self.gpu, self.gpu_memory = True, gpu, gpu_memory
+        carried, self._carried = self._carried, False
+        if not carried and self._code_after(line) and not simulation_running():
+            raise UsageError("%gpusim on: the code after it in this cell did not run (it would "
+                             "have run on the real CPU); run the cell again, or put %gpusim on "
+                             "in a cell of its own")
         card = f"{target.name} ({target.total_memory / 2**30:.2f} GiB)" if target else "no target card"
         return (f"%gpusim on: every cell runs on the simulated GPU, {card}, with a one-line "
                 "memory footer; %%gpumem cells give the full report; %gpusim off to stop")
+
+
+def _code_after_switch(cell: str, line: str) -> bool:
+    """Whether ``cell`` has code after its ``%gpusim <line>`` line."""
+    lines = cell.splitlines()
+    for i, ln in enumerate(lines):
+        if ln.strip().startswith("%gpusim") and ln.strip()[len("%gpusim"):].strip() == line.strip():
+            return any(x.strip() and not x.lstrip().startswith(("%", "!", "#"))
+                       for x in lines[i + 1:])
+    return False
+
+
+def _magic_line(gpu: str | None, gpu_memory: str | None) -> str:
+    opts = ""
+    if gpu:
+        opts += f" --gpu {shlex.quote(gpu)}"
+    if gpu_memory:
+        opts += f" --gpu-memory {shlex.quote(gpu_memory)}"
+    return f"%%gpumem --backend sim --footer{opts}"
+
+
+def _switch_on(line: str) -> tuple[str | None, str | None] | None:
+    """(gpu, gpu_memory) of a ``%gpusim on ...`` line; None for any other line (or one
+    whose options do not parse: the magic itself then says what is wrong)."""
+    words = line.split("#", 1)[0].split()
+    if words[:2] != ["%gpusim", "on"]:
+        return None
+    opts = dict(zip(words[2::2], words[3::2]))
+    if len(words[2:]) % 2 or set(opts) - {"--gpu", "--gpu-memory"}:
+        return None
+    return opts.get("--gpu"), opts.get("--gpu-memory")
 
 
 def sim_mode(shell: Any) -> SimMode:

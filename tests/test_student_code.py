@@ -61,3 +61,69 @@ def test_a_variable_the_cell_fails_with_falls_back_to_memmagic_applying_the_knob
                             "variables") for n in panel.baseline_report.notes)
     panel.set(amp="bf16")
     assert panel.report.error is None and "amp bf16" in panel.setting.label()
+
+
+# -- 7: a trailing ";" silences the cell's value ------------------------------------------
+def test_a_trailing_semicolon_silences_the_value(ip, capsys):
+    ip.run_cell(MODEL.replace(".cuda()", "").replace(', device="cuda"', ""))
+    ip.run_cell_magic("gpumem", "--backend sim --no-chart", "model.train();")
+    ip.run_cell_magic("gpumem", "--backend sim --no-chart", "model.train()  # shown")
+    out = capsys.readouterr().out
+    assert out.count("Sequential(") == 1
+
+
+# -- 8: a module class that matches nothing is a one-line error ---------------------------
+def test_checkpointing_a_class_that_is_not_there_names_what_is(ip):
+    _sim_model(ip)
+    with pytest.raises(UsageError, match=r"--checkpointing NoSuchModule: no module of class "
+                                         r"NoSuchModule in Sequential; its module classes: "
+                                         r"GELU, Linear$"):
+        ip.run_cell_magic("gpumem", "--checkpointing NoSuchModule -q", "model(x).sum().backward()")
+    r = ip.run_cell_magic("gpumem", "--checkpointing Linear -o -q", "model(x).sum().backward()")
+    assert r.error is None and any(n.startswith("checkpointing: 2 block(s) (Linear)")
+                                   for n in r.notes)
+
+
+# -- 10: an out of memory with a literal batch says how to let the doctor try smaller ones --
+def test_an_oom_with_a_literal_batch_says_how_to_try_smaller_batches(ip):
+    _sim_model(ip)
+    r = ip.run_cell_magic("gpumem", "--no-raise -o -q",
+                          "y = torch.randn(1 << 22, 256, device='cuda')\nmodel(y).sum().backward()")
+    assert r.failed_request is not None and r.advice is not None
+    assert not any("batch" in s.knobs for s in r.advice.strategies)
+    assert any(n.startswith("no smaller batch was tried: the cell makes its batch with a "
+                            "fixed size") for n in r.advice.notes)
+
+
+# -- 11: %gpusim on at the top of a cell with code ------------------------------------------
+def test_gpusim_on_at_the_top_of_a_cell_simulates_its_code_too(ip):
+    r = ip.run_cell("%gpusim on --gpu T4\nimport torch\nx = torch.ones(1024, device='cuda')\n",
+                    store_history=True)
+    assert r.error_in_exec is None and "x" in ip.user_ns
+    after = ip.run_cell_magic("gpumem", "-o -q", "y = 1")
+    assert after.backend == "sim" and after.before == 4096  # x is on the simulated card
+
+
+def test_gpusim_on_in_a_cell_transformed_before_it_was_loaded_refuses_the_rest(ip):
+    ip.run_line_magic("unload_ext", "memmagic")
+    r = ip.run_cell("%load_ext memmagic\n%gpusim on --gpu T4\nx = torch.ones(4, device='cuda')",
+                    store_history=True)
+    assert isinstance(r.error_in_exec, UsageError)
+    assert "the code after it in this cell did not run" in str(r.error_in_exec)
+    assert "x" not in ip.user_ns
+    again = ip.run_cell("%load_ext memmagic\n%gpusim on --gpu T4\nx = torch.ones(4, device='cuda')",
+                        store_history=True)
+    assert again.error_in_exec is None and "x" in ip.user_ns  # made on the simulated GPU
+
+
+# -- 4: a Cell's run in a cell of its own under %gpusim on says what to do -----------------
+def test_a_panels_cell_run_under_gpusim_says_to_switch_it_off(ip):
+    _sim_model(ip)
+    ip.run_cell("amp = False")
+    panel = ip.run_cell_magic("gpumem", "--whatif -o -q", OWN_AMP)
+    ip.user_ns["panel"] = panel
+    r = ip.run_cell("panel.cell.run(amp='bf16')")
+    assert "%gpusim off" in str(r.error_in_exec)
+    ip.run_line_magic("gpusim", "off")
+    again = ip.run_cell("panel.cell.run(amp='bf16')")
+    assert again.error_in_exec is None and again.result.error is None

@@ -118,7 +118,8 @@ def get_backend(name: str = "auto", **options: Any) -> Backend:
         raise SimulationUnsupported(
             f"a measurement (backend {name!r}) cannot run inside a simulated one (the code "
             "there runs on the simulated GPU, which only the simulation measures): measure "
-            "the inner code in a cell of its own")
+            "the inner code in a cell of its own; after %gpusim on every cell is a simulated "
+            "one, so run it after %gpusim off")
     if name == "auto":
         name = "cuda" if cuda_usable() else "cpu"
     if name == "cuda":
