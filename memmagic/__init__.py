@@ -7,7 +7,8 @@ In IPython/Jupyter::
     %%gpumem
     ...your cell...
 
-In scripts: :func:`measure` and :func:`track` return the same :class:`MemoryReport`.
+In scripts: :func:`measure` and :func:`track` return the same :class:`MemoryReport`;
+:func:`run_cell` runs a cell's source as the magic does.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .report import Category, MemoryReport, format_bytes, parse_bytes
 
 __all__ = [
     "Category", "MemoryReport", "format_bytes", "parse_bytes", "measure", "track",
+    "run_cell", "CellRequest",
     "Cell", "Setting", "KNOBS", "find_batch_size", "WhatIfPanel",
     "load_ipython_extension", "unload_ipython_extension", "__version__",
 ]
@@ -28,6 +30,10 @@ def __getattr__(name: str):
         from . import api
 
         return getattr(api, name)
+    if name in ("run_cell", "CellRequest"):  # the path every front end takes
+        from . import pipeline
+
+        return getattr(pipeline, name)
     if name in ("Cell", "Setting", "KNOBS"):  # the what-if engine
         from . import cell, knobs
 
