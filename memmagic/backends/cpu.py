@@ -12,7 +12,7 @@ from .. import _torch_private as _priv
 from ..failures import error_text
 from ..report import MemoryReport
 from ..tracking import Tracking
-from . import Backend, Measurement, compiled_note
+from .base import Backend, Measurement, compiled_note
 
 __all__ = ["CPUBackend", "CPU_NOTES"]
 

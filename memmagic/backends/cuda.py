@@ -29,7 +29,8 @@ from .. import _torch_private as _priv
 from ..failures import error_text
 from ..report import MemoryReport
 from ..tracking import Tracking
-from . import Backend, BackendUnavailable, Measurement, cuda_usable
+from ..failures import cuda_usable
+from .base import Backend, BackendUnavailable, Measurement
 
 __all__ = ["CUDABackend", "AllocatorProbe", "replay_peak", "CUDA_NOTES"]
 
@@ -206,7 +207,7 @@ class CUDABackend(Backend):
             breakdown = {}
             notes.append("no breakdown (breakdown=False)")
         if tr is not None and getattr(tr, "compiled_calls", 0):
-            from . import compiled_note
+            from .base import compiled_note
 
             notes.append(compiled_note(tr.compiled_calls))
         return MemoryReport(

@@ -16,7 +16,7 @@ from ... import _torch_private as _priv
 from ...report import Category, MemoryReport, Note, format_bytes
 from ...tracking import Tracking, RoleHooks
 from ...failures import is_user_file, release_own_frames
-from .. import Backend, Outcome
+from ..base import Backend, Outcome
 from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
 from .compat import install_compat
@@ -180,8 +180,9 @@ class SimBackend(Backend):
         if _ACTIVE:
             raise SimulationUnsupported(
                 "a simulated measurement cannot run inside another one (a measure(..., "
-                "backend='sim') or %%gpumem --backend sim in a simulated cell): measure the "
-                "inner code in a cell of its own")
+                "backend='sim'), a Cell's run or %%gpumem --backend sim in a simulated cell): "
+                "measure the inner code in a cell of its own; after %gpusim on every cell is "
+                "a simulated one, so run it after %gpusim off")
         copied = False
         if self.session is not None:
             card, session_notes = self.session.card_for(self.kernels, target, capability,

@@ -1,0 +1,92 @@
+"""The package's shape, as the redesign left it (issue 22), checked from the source with
+``ast`` (nothing imported): imports point one way, no module uses another's private
+names, functions stay short, the magic stays thin."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import memmagic
+
+ROOT = pathlib.Path(memmagic.__file__).parent
+LONGEST = 60  # lines of a function, unless a comment at its top says why it is one piece
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for f in sorted(ROOT.rglob("*.py")):
+        parts = f.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = f
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: pathlib.Path) -> list[tuple[str, str]]:
+    """(module imported, name imported from it or "") of every import in ``path``, at any
+    depth (imports inside functions count: they make cycles too)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                out.append((sub, "") if sub in MODULES else (target, alias.name))
+        elif isinstance(node, ast.Import):
+            out.extend((alias.name, "") for alias in node.names)
+    return [(m, n) for m, n in out if m in MODULES]
+
+
+def test_no_two_modules_import_each_other():
+    graph = {m: {t for t, _ in _imports(m, p)} - {m} for m, p in MODULES.items()}
+
+    def reaches(a: str, b: str) -> bool:
+        seen, todo = set(), [a]
+        while todo:
+            m = todo.pop()
+            if m == b:
+                return True
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph[m])
+        return False
+
+    cycles = sorted((a, b) for a in graph for b in graph[a] if a < b and reaches(b, a))
+    assert cycles == []
+
+
+def test_no_module_uses_another_modules_private_names():
+    found = [(m, t, n) for m, p in MODULES.items() for t, n in _imports(m, p)
+             if n.startswith("_") and not n.startswith("__")
+             and t != "memmagic._torch_private"]
+    assert found == []
+
+
+def test_functions_are_short_or_say_why_not():
+    long = []
+    for name, path in MODULES.items():
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and node.end_lineno - node.lineno > LONGEST:
+                top = "\n".join(lines[node.lineno - 1:node.lineno + 12])
+                if "One piece" not in top:
+                    long.append(f"{name}.{node.name} ({node.end_lineno - node.lineno} lines)")
+    assert long == []
+
+
+def test_the_magic_is_thin():
+    magic = MODULES["memmagic.magics"]
+    assert len(magic.read_text().splitlines()) < 250
+    imported = {t for t, _ in _imports("memmagic.magics", magic)}
+    # the magic reaches the library through the pipeline: it runs no backend, reads no
+    # failure and asks no doctor itself (the notebook's simulated GPU is the shell's)
+    assert imported & {"memmagic.doctor", "memmagic.failures", "memmagic.tracking",
+                       "memmagic.backends.cpu", "memmagic.backends.cuda",
+                       "memmagic.backends.sim.backend"} == set()
+    assert "memmagic.pipeline" in imported
