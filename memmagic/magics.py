@@ -24,6 +24,7 @@ from .report import MemoryReport
 
 __all__ = ["MemMagics"]
 
+
 def _with_options(func):
     """(Re)build the magic's parser from the base options and the knobs of KNOBS now."""
     before, after = OPTIONS
@@ -46,10 +47,6 @@ def _silenced(source: str) -> bool:
         return bool(DisplayHook.semicolon_at_end_of_expression(source))
     except (SyntaxError, tokenize.TokenError):  # what tokenize says of an unfinished line
         return False
-
-
-def _usage(exc: Exception) -> UsageError:
-    return UsageError(str(exc))
 
 
 @magics_class
@@ -87,7 +84,7 @@ class MemMagics(Magics):
                 return self._whatif(make_cell(request, isolated=True), args)
             result = run_cell(request)
         except RequestError as exc:
-            raise _usage(exc) from None
+            raise UsageError(str(exc)) from None
         report, error = result.report, result.error
         if args.var:
             self.shell.user_ns[args.var] = report
@@ -227,7 +224,7 @@ class MemMagics(Magics):
                                      "--batch-size N (or define batch_size in an earlier cell)")
                 shown = WhatIfPanel(engine, ranges=parse_ranges(args.range or []))
         except (ImportError, ValueError) as exc:  # no ipywidgets; a bad range, sweep or setting
-            raise _usage(exc) from None
+            raise UsageError(str(exc)) from None
         if args.var:
             self.shell.user_ns[args.var] = shown
         if not args.quiet:
