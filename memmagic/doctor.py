@@ -327,7 +327,7 @@ def retained(namespace: Mapping[str, Any], *, since: Snapshot | None = None,
     # graphs: saved storages the cell made, counted once, for the largest holder first
     rows.sort(key=lambda r: -r["nbytes"])
     counted: set[int] = set(found.tensors)
-    graph_sizes: list[int] = []
+    graph_saved: list[tuple[Any, int]] = []  # (tensor, bytes) of each storage counted once
     for r in rows:
         gbytes = nodes = chain = graphs = 0
         for key, t, _ in r["members"]:
@@ -345,24 +345,29 @@ def retained(namespace: Mapping[str, Any], *, since: Snapshot | None = None,
                     continue
                 counted.add(info[0])
                 gbytes += info[1]
-                graph_sizes.append(info[1])
+                graph_saved.append((s, info[1]))
         r.update(graph_bytes=gbytes, graph_nodes=nodes, chain=chain, graphs=graphs)
     out = [_holder(r) for r in rows]
     out.sort(key=lambda h: (-h.total, h.name))
     unnamed, workspaces = None, 0
     if report is not None and since is not None:
-        sizes = [_storage(t)[1] for t in new.values()] + graph_sizes
+        counted_here = [(t, _storage(t)[1]) for t in new.values()] + graph_saved
         workspaces = _workspaces_made(report)
-        unnamed = max(report.retained - _as_allocated(sizes, report) - workspaces, 0)
+        unnamed = max(report.retained - _as_allocated(counted_here, report) - workspaces, 0)
     return Retained(tuple(out), unnamed, since is not None, workspaces)
 
 
-def _as_allocated(sizes: Iterable[int], report: MemoryReport) -> int:
-    """The bytes ``report`` counts for storages of these sizes: a CUDA allocator (real or
-    simulated) hands out multiples of 512 bytes."""
-    if report.backend in ("cuda", "sim"):
-        return sum(-(-n // 512) * 512 for n in sizes)
-    return sum(sizes)
+def _as_allocated(storages: Iterable[tuple[Any, int]], report: MemoryReport) -> int:
+    """The bytes ``report`` counts for these (tensor, storage bytes): only those on its
+    device (a simulated GPU's tensors are fake; the real CPU scalars an autograd graph
+    saves are not on it), in multiples of 512 bytes on a CUDA allocator, real or simulated."""
+    from ._torch_private import is_fake
+
+    if report.backend == "sim":
+        return sum(-(-n // 512) * 512 for t, n in storages if is_fake(t))
+    if report.backend == "cuda":
+        return sum(-(-n // 512) * 512 for t, n in storages if t.device.type == "cuda")
+    return sum(n for t, n in storages if t.device.type == "cpu" and not is_fake(t))
 
 
 def _workspaces_made(report: MemoryReport) -> int:

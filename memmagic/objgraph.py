@@ -236,17 +236,33 @@ def _key(value: Any) -> str:
 
 def saved_tensors(fn: object, seen: set[int]) -> Iterator[torch.Tensor]:
     """Tensors saved for backward by the autograd graph reachable from ``fn`` (a node);
-    ``seen`` collects the ids of the nodes walked (and skips those already in it)."""
+    ``seen`` collects the ids of the nodes walked (and skips those already in it).
+
+    A node of torch's own ops keeps them as ``_saved_*`` attributes; a node of a custom
+    ``torch.autograd.Function`` (the node is its ``ctx``) keeps them in ``ctx.saved_tensors``
+    (``save_for_backward``) and in the attributes its forward set (``ctx.mask = mask``)."""
     stack = [fn]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        for value in _priv.node_saved_values(node):
+        for value in _node_values(node):
             values = value if isinstance(value, (tuple, list)) else (value,)
             for v in values:
                 if isinstance(v, torch.Tensor):
                     yield v
         for nxt, _ in getattr(node, "next_functions", ()):
             stack.append(nxt)
+
+
+def _node_values(node: object) -> Iterator[Any]:
+    """What one autograd node keeps for its backward (see :func:`saved_tensors`)."""
+    yield from _priv.node_saved_values(node)
+    if not isinstance(node, torch.autograd.function.BackwardCFunction):
+        return
+    try:
+        yield node.saved_tensors  # type: ignore[attr-defined]
+    except Exception:  # freed by an earlier backward, or a hook refused
+        pass
+    yield from getattr(node, "__dict__", {}).values()

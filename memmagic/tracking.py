@@ -594,16 +594,33 @@ class RoleHooks:
         self.channel = _Channel(tracker)
 
     def _root_name(self, module, kind: type | None = None) -> str:
-        """The variable that holds a root module in the notebook (``model``), else its type
-        (``kind``: the type to name it by, for a compiled wrapper the module it wraps)."""
+        """The name of a module called with no module running: its path in the outermost
+        module of the notebook that contains it (``model.layers.1``, ``layers.1``), else
+        the variable that holds it (``model``), else its type (``kind``: the type to name
+        it by, for a compiled wrapper the module it wraps).
+
+        The owner's path wins over a variable: in ``for l in model.layers: h = l(h)`` the
+        loop variable ``l`` holds each layer in turn, and naming them all ``l`` would merge
+        every layer's rows into one."""
+        direct = owned = None
         for ns in self._namespaces:
             try:
-                for k, v in ns.items():
-                    if v is module and isinstance(k, str) and not k.startswith("_"):
-                        return k
+                items = list(ns.items())
             except RuntimeError:  # the namespace changed while we looked
                 continue
-        return (kind or type(module)).__name__
+            for k, v in items:
+                if not isinstance(k, str) or k.startswith("_") or not isinstance(v, torch.nn.Module):
+                    continue
+                if v is module:
+                    direct = direct or k
+                    continue
+                path = _path_in(v, module)
+                # the outermost owner gives the longest path (model.layers.1, not layers.1)
+                if path and (owned is None or path.count(".") > owned[0]):
+                    owned = (path.count("."), f"{k}.{path}")
+        if owned is not None:
+            return owned[1]
+        return direct or (kind or type(module)).__name__
 
     def _pre_forward(self, module, args):
         t = self.t
@@ -862,6 +879,20 @@ def _remove_warning_filter(entry: tuple) -> None:
     mutated = getattr(warnings, "_filters_mutated", None)  # drop the registries' cached verdicts
     if mutated is not None:
         mutated()
+
+
+def _path_in(owner: torch.nn.Module, module: torch.nn.Module) -> str | None:
+    """The qualified name of ``module`` inside ``owner`` (``layers.1``), with compiled
+    wrappers seen through (their ``_orig_mod`` is no part of a path); None when ``owner``
+    does not contain it, or contains it only as the module a compiled wrapper wraps."""
+    try:
+        for qn, m in owner.named_modules():
+            if m is module and qn:
+                path = ".".join(p for p in qn.split(".") if p != "_orig_mod")
+                return path or None
+    except Exception:  # a module that cannot list its children
+        return None
+    return None
 
 
 def _compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:

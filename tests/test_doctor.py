@@ -250,3 +250,61 @@ def test_the_namespace_view_of_a_simulated_gpu_shows_its_objects():
     view = doctor.namespace_view(ns, session)
     assert isinstance(view["w"], torch.Tensor)
     assert doctor.retained(view)["w"].nbytes == 4000
+
+
+# -- issue 23, item 9: every byte a list of outputs pins is named -----------------------------
+FUNCTION = """
+class Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x * 2)      # saved through save_for_backward
+        ctx.mask = torch.ones_like(x)     # kept as an attribute of ctx
+        return x * 3
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.saved_tensors[0] * ctx.mask
+"""
+
+
+def test_a_custom_functions_saved_tensors_are_pinned_by_its_holder(ip):
+    """A custom autograd.Function's node keeps its tensors in ``ctx.saved_tensors`` and
+    ctx's attributes, not in ``_saved_*``: the doctor missed them and called them "held by
+    no name" (the simulated GPU's flash attention is such a Function)."""
+    _cell(ip, SETUP + FUNCTION)
+    before = doctor.snapshot(ip.user_ns)
+    rep = ip.run_cell_magic("gpumem", "--backend cpu -o -q",
+                            "kept = []\nfor _ in range(3):\n    kept.append(Scale.apply(model(x)))\n")
+    r = doctor.retained(ip.user_ns, since=before, report=rep)
+    h = r["kept[...]"]
+    # each output (64x10 fp32, 2560 B) pins its Linear/ReLU activations and the Function's
+    # two saved 64x10 tensors: ctx's x * 2 and ctx.mask
+    assert h.graph_bytes >= 3 * 2 * 64 * 10 * 4 + 3 * 64 * 1024 * 4
+    assert r.unnamed == 0 and r.total == rep.retained
+
+
+def test_model_outputs_kept_in_a_list_add_up_on_the_simulated_gpu(ip):
+    """The issue's cell: ``preds.append(model(x).logits)`` four times with a transformers
+    GPT-2 built from a config: every retained byte is in ``preds`` (the logits, and the
+    graphs they pin, flash attention's saved tensors included), none "held by no name";
+    the cuBLAS workspace the first matmul made is named as such."""
+    pytest.importorskip("transformers")
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    try:
+        _cell(ip, "from transformers import GPT2Config, GPT2LMHeadModel\n"
+                  "cfg = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=128,\n"
+                  "                 bos_token_id=0, eos_token_id=0)\n"
+                  "model = GPT2LMHeadModel(cfg).cuda()\n"
+                  "x = torch.randint(0, 1000, (4, 128), device='cuda')\n")
+        rep = ip.run_cell_magic("gpumem", "--advise -o -q --no-chart",
+                                "preds = []\nfor _ in range(4):\n    preds.append(model(x).logits)\n")
+    finally:
+        ip.run_line_magic("gpusim", "off")
+    r = rep.advice.retained
+    h = r["preds[...]"]
+    assert h.tensors == 4 and h.nbytes == 4 * 4 * 128 * 1000 * 4  # the logits, fp32
+    assert r.unnamed == 0, str(r)
+    assert 0 < r.workspaces <= 64 << 20
+    # what remains between the two: the 512-byte rounding of each storage (up), and the
+    # real 8-byte CPU scalars the graphs save, in graph_bytes but not on the GPU (down)
+    assert h.total + r.workspaces - 4096 <= rep.retained <= h.total + r.workspaces + 512 * 2000
+    assert "held by no name" not in str(r)

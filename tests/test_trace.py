@@ -179,6 +179,48 @@ def test_root_module_named_by_its_variable(ip):
     assert any(row.module.startswith("net.blocks") for row in r.modules)
 
 
+LOOP_MODEL = """\
+import torch.nn as nn
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+                                    for _ in range(3))
+model = Net().to(dev)
+layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+                       for _ in range(2)).to(dev)
+x = torch.randn(32, 64, device=dev)
+"""
+
+
+@pytest.mark.parametrize("backend", ["cpu", "sim"])
+@pytest.mark.parametrize("owner,n", [("model.layers", 3), ("layers", 2)])
+def test_a_loop_variable_does_not_name_the_layers_it_runs(ip, backend, owner, n):
+    """Issue 23, item 6: ``for l in model.layers: h = l(h)`` in a cell named every layer
+    ``l`` (the loop variable holds each in turn), so the rows of all layers merged into
+    ``l.0``, ``l.2``: the owner's path wins over a loop variable."""
+    if backend == "sim":  # the model on the notebook's simulated GPU
+        ip.run_cell_magic("gpumem", "--backend sim -q --no-chart", 'dev = "cuda"\n' + LOOP_MODEL)
+    else:
+        ip.run_cell('dev = "cpu"\n' + LOOP_MODEL)
+    r = ip.run_cell_magic("gpumem", f"--backend {backend} -o -q --no-chart",
+                          f"h = x\nfor l in {owner}:\n    h = l(h)\nh.sum().backward()")
+    paths = {row.module for row in r.modules}
+    assert not any(p == "l" or p.startswith("l.") for p in paths), sorted(paths)
+    for i in range(n):
+        assert f"{owner}.{i}.0" in paths and f"{owner}.{i}.2" in paths, sorted(paths)
+    assert r.peak_module is None or r.peak_module.startswith(owner + ".")
+    # every layer's rows are its own: the parameters of each layer's first Linear, once
+    assert all(next(row for row in r.modules if row.module == f"{owner}.{i}.0").parameters
+               == (64 * 256 + 256) * 4 for i in range(n))
+
+
+def test_a_variable_still_names_a_module_nothing_else_holds(ip):
+    ip.run_cell('dev = "cpu"\n' + LOOP_MODEL + "block = nn.Linear(64, 64)\n")
+    r = ip.run_cell_magic("gpumem", "--backend cpu -o -q --no-chart", "block(x).sum().backward()")
+    assert {row.module for row in r.modules} == {"block"}
+
+
 def test_sim_trace_of_a_notebook_card_is_its_own(ip):
     """On the notebook's simulated GPU (one tracker for all cells), a report's trace is not
     changed by the cells after it."""
