@@ -297,7 +297,6 @@ def retained(namespace: Mapping[str, Any], *, since: Snapshot | None = None,
     """The tensors the namespace holds that were not there in ``since`` (the snapshot
     taken before the cell; None: every tensor held), largest first, with their holders,
     the autograd graphs they pin, and the leaks named with their fix."""
-    import torch
 
     found = _walk(_roots(namespace))
     new = {k: t for k, t in found.tensors.items() if since is None or not since.holds(k, _storage_obj(t))}
@@ -326,8 +325,24 @@ def retained(namespace: Mapping[str, Any], *, since: Snapshot | None = None,
                          kind=found.kind.get(key, "tensor"), group=None))
     # graphs: saved storages the cell made, counted once, for the largest holder first
     rows.sort(key=lambda r: -r["nbytes"])
-    counted: set[int] = set(found.tensors)
-    graph_saved: list[tuple[Any, int]] = []  # (tensor, bytes) of each storage counted once
+    graph_saved = _pin_graphs(rows, set(found.tensors), since)
+    out = [_holder(r) for r in rows]
+    out.sort(key=lambda h: (-h.total, h.name))
+    unnamed, workspaces = None, 0
+    if report is not None and since is not None:
+        counted_here = [(t, _storage(t)[1]) for t in new.values()] + graph_saved
+        workspaces = _workspaces_made(report)
+        unnamed = max(report.retained - _as_allocated(counted_here, report) - workspaces, 0)
+    return Retained(tuple(out), unnamed, since is not None, workspaces)
+
+
+def _pin_graphs(rows: list[dict[str, Any]], counted: set[int], since: Snapshot | None
+                ) -> list[tuple[Any, int]]:
+    """Give each row the autograd graphs its tensors pin (storages the cell made, counted
+    once, for the first row that reaches them); (tensor, bytes) of each storage counted."""
+    import torch
+
+    graph_saved: list[tuple[Any, int]] = []
     for r in rows:
         gbytes = nodes = chain = graphs = 0
         for key, t, _ in r["members"]:
@@ -347,14 +362,7 @@ def retained(namespace: Mapping[str, Any], *, since: Snapshot | None = None,
                 gbytes += info[1]
                 graph_saved.append((s, info[1]))
         r.update(graph_bytes=gbytes, graph_nodes=nodes, chain=chain, graphs=graphs)
-    out = [_holder(r) for r in rows]
-    out.sort(key=lambda h: (-h.total, h.name))
-    unnamed, workspaces = None, 0
-    if report is not None and since is not None:
-        counted_here = [(t, _storage(t)[1]) for t in new.values()] + graph_saved
-        workspaces = _workspaces_made(report)
-        unnamed = max(report.retained - _as_allocated(counted_here, report) - workspaces, 0)
-    return Retained(tuple(out), unnamed, since is not None, workspaces)
+    return graph_saved
 
 
 def _as_allocated(storages: Iterable[tuple[Any, int]], report: MemoryReport) -> int:
