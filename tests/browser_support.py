@@ -199,9 +199,11 @@ def _command(kind: str, port: int, token: str, root: Path, notebook: str | None)
         cmd = [str(BIN / "voila"), "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1",
                "--Voila.port_retries=0", f"--Voila.token={token}", f"--Voila.root_dir={root}",
                "--VoilaConfiguration.show_tracebacks=True",
-               # Notebook 7's JupyterLab extension fails to load in Voila (it wants the
-               # document registry Voila does not have) and logs an error on every page
-               "--VoilaConfiguration.extension_denylist=['@jupyter-notebook/lab-extension']"]
+               # Notebook 7's and jupytext's JupyterLab extensions fail to load in Voila
+               # (they want the document manager Voila does not have) and log an error on
+               # every page; a dashboard has no use for either
+               "--VoilaConfiguration.extension_denylist="
+               "['@jupyter-notebook/lab-extension', 'jupyterlab-jupytext']"]
         return cmd + ([str(root / notebook)] if notebook else [])
     raise ValueError(f"server kind must be 'lab' or 'voila', not {kind!r}")
 
