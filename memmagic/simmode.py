@@ -55,6 +55,8 @@ class SimMode:
             return lines
         if all(ln.lstrip().startswith(("%", "!", "#")) for ln in code):
             return lines
+        if _only_memmagic("".join(lines), self.shell.user_ns):
+            return lines  # a panel moved, a report read: memmagic's own objects run for real
         return [self.magic_line() + "\n", *lines]
 
     def magic_line(self) -> str:
@@ -143,6 +145,35 @@ def _code_after_switch(cell: str, line: str) -> bool:
             return any(x.strip() and not x.lstrip().startswith(("%", "!", "#"))
                        for x in lines[i + 1:])
     return False
+
+
+def _only_memmagic(source: str, namespace: dict) -> bool:
+    """Whether the code uses nothing but memmagic's own objects of the namespace (a what-if
+    panel, a Cell, a report) and builtins: such a cell runs for real under %gpusim on (its
+    re-runs simulate themselves; wrapped, they would be a simulation inside another)."""
+    import builtins
+
+    from .cell import source_names
+
+    try:
+        loads, stores = source_names(source)
+    except SyntaxError:
+        return False
+    used = loads - stores
+    if not used or any(ch in source for ch in "%!"):
+        return False
+    for name in used:
+        if name in namespace:
+            obj = namespace[name]
+            home = getattr(obj, "__name__", "") if isinstance(obj, type(builtins)) \
+                else type(obj).__module__
+            # memmagic's results and engines; not the simulated objects standing for the
+            # user's (memmagic.backends.sim's placeholders)
+            if home.split(".")[0] != "memmagic" or home.startswith("memmagic.backends"):
+                return False
+        elif not hasattr(builtins, name):
+            return False
+    return True
 
 
 def _magic_line(gpu: str | None, gpu_memory: str | None) -> str:

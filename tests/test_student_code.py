@@ -116,14 +116,16 @@ def test_gpusim_on_in_a_cell_transformed_before_it_was_loaded_refuses_the_rest(i
     assert again.error_in_exec is None and "x" in ip.user_ns  # made on the simulated GPU
 
 
-# -- 4: a Cell's run in a cell of its own under %gpusim on says what to do -----------------
-def test_a_panels_cell_run_under_gpusim_says_to_switch_it_off(ip):
+# -- 4: a panel moved or a Cell run in a cell of its own under %gpusim on ----------------
+def test_a_cell_of_memmagic_objects_runs_for_real_under_gpusim(ip):
     _sim_model(ip)
     ip.run_cell("amp = False")
     panel = ip.run_cell_magic("gpumem", "--whatif -o -q", OWN_AMP)
     ip.user_ns["panel"] = panel
-    r = ip.run_cell("panel.cell.run(amp='bf16')")
-    assert "%gpusim off" in str(r.error_in_exec)
-    ip.run_line_magic("gpusim", "off")
-    again = ip.run_cell("panel.cell.run(amp='bf16')")
-    assert again.error_in_exec is None and again.result.error is None
+    r = ip.run_cell("report = panel.cell.run(amp='bf16')\npanel.set(amp='fp16')\nreport")
+    assert r.error_in_exec is None and r.result.error is None
+    assert r.result.backend == "sim" and panel.setting.amp == "fp16" and panel.error is None
+    # code that uses the simulated objects too is a simulated cell: a run inside is refused,
+    # with what to do
+    mixed = ip.run_cell("y = model(x)\npanel.cell.run(amp='bf16')")
+    assert "%gpusim off" in str(mixed.error_in_exec)
