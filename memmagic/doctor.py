@@ -30,7 +30,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from .failures import is_machinery, is_out_of_memory, is_user_file, requested_bytes
+from .failures import (is_machinery, is_out_of_memory, is_user_file, release_call_closures,
+                       requested_bytes)
 from .report import MemoryReport, format_bytes, needed
 from .objgraph import saved_tensors, walk
 from .trace import Category
@@ -546,6 +547,7 @@ def free_traceback(error: BaseException | None = None) -> int:
     cleared = 0
     seen: set[int] = set()
     for tb in tbs:
+        release_call_closures(tb)
         for f in _frames(tb):
             if id(f) in seen or f.f_locals is f.f_globals:
                 continue
@@ -575,6 +577,7 @@ def release_failed_cell(error: BaseException, namespace: Mapping[str, Any] | Non
     """After an out of memory: clear the failed cell's frames (the next cell needs the
     memory; ``%debug`` then shows no variables) and say how many bytes that freed."""
     hold = traceback_holdings(error, namespace)
+    release_call_closures(_tb_of(error))
     for f in _frames(_tb_of(error)):
         if f.f_locals is not f.f_globals:
             _clear_frame(f)

@@ -9,13 +9,16 @@ doctor, the FSDP2 rows, the backends and the simulated device. Knows nothing of 
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import re
+import sys
+import types
 from typing import Any
 
 from .report import parse_bytes
 
-__all__ = ["PACKAGE_DIR", "is_machinery", "is_user_file", "is_out_of_memory",
+__all__ = ["PACKAGE_DIR", "GENERATOR_FLAGS", "frames_of", "release_call_closures", "is_machinery", "is_user_file", "is_out_of_memory",
            "requested_bytes", "requested_text", "release_own_frames", "strip_own_frames",
            "needs_missing_cuda", "add_note_once", "NO_GPU_HINT", "simulated_error_types",
            "error_text"]
@@ -85,6 +88,75 @@ def requested_bytes(error: BaseException) -> int | None:
         return parse_bytes(text.replace("bytes", "B"))
     except ValueError:
         return None
+
+
+# -- releasing a failed run's frames ------------------------------------------------------
+# A GPU frees a failed step's tensors once the exception's frames are released. Two things
+# keep them past ``frame.clear()``: the frames' variables (cleared by the callers), and
+# closures made for one call: with any module hook installed (memmagic's trackers install
+# global ones), ``nn.Module._call_impl`` calls the module through a nested ``inner``
+# function whose closure cells hold ``args``; the finished frame keeps that function, so
+# the input of the module that failed, and the autograd graph of the whole forward behind
+# it, stayed alive. :func:`release_call_closures` empties such call-private cells.
+GENERATOR_FLAGS = 0x20 | 0x80 | 0x100 | 0x200  # CO_GENERATOR, COROUTINE, ITERABLE_COROUTINE, ASYNC_GENERATOR
+
+
+def frames_of(tb: Any) -> list[types.FrameType]:
+    """The frames of a traceback, outermost first."""
+    out = []
+    while tb is not None:
+        out.append(tb.tb_frame)
+        tb = tb.tb_next
+    return out
+
+
+def _frame_refs(frames: list[types.FrameType], obj: Any) -> int:
+    """How many references ``frames`` hold to ``obj`` (their variables, their function,
+    the snapshot of their variables that reading ``f_locals`` leaves)."""
+    n = 0
+    for f in frames:
+        for r in gc.get_referents(f):
+            if r is obj:
+                n += 1
+            elif type(r) is dict and r is not f.f_globals and r is not f.f_builtins:
+                n += sum(1 for v in r.values() if v is obj)
+    return n
+
+
+def _function_of(frame: types.FrameType) -> types.FunctionType | None:
+    for r in gc.get_referents(frame):
+        if isinstance(r, types.FunctionType) and r.__code__ is frame.f_code:
+            return r
+    return None
+
+
+def release_call_closures(tb: Any) -> int:
+    """Empty the closure cells that only ``tb``'s finished frames hold (see the module
+    docstring); returns how many cells were emptied. A closure or a cell that anything
+    else references (a function stored elsewhere, a sibling closure) is left alone."""
+    frames = frames_of(tb)
+    emptied = 0
+    for f in frames:
+        if f.f_code.co_flags & GENERATOR_FLAGS or not f.f_code.co_freevars:
+            continue
+        fn = _function_of(f)
+        if fn is None or not fn.__closure__:
+            continue
+        # references: the frames', this variable's and getrefcount's argument
+        if sys.getrefcount(fn) - 2 != _frame_refs(frames, fn):
+            fn = None
+            continue
+        for cell in fn.__closure__:
+            # the closure tuple's, the loop variable's, getrefcount's argument
+            if sys.getrefcount(cell) - 3 != _frame_refs(frames, cell):
+                continue
+            try:
+                del cell.cell_contents
+            except ValueError:  # already empty
+                continue
+            emptied += 1
+        fn = None
+    return emptied
 
 
 # -- the user's view of a failure -----------------------------------------------------------

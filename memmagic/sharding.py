@@ -325,29 +325,91 @@ def _as_run(cell: str | RunFn) -> RunFn:
     return run
 
 
+def _shard_existing(auto: _AutoShard, ns: dict) -> None:
+    """Shard the models whose parameters optimizers of ``ns`` (made in earlier cells)
+    hold, as a training script shards before it makes its optimizer: each optimizer then
+    holds the sharded parameters; its state and the gradients (of the whole parameters)
+    start again (FSDP2 keeps shards of them, made at the next backward and step)."""
+    import torch
+
+    seen: set[int] = set()
+    for value in list(ns.values()):
+        if not isinstance(value, torch.optim.Optimizer) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        params = [p for g in value.param_groups for p in g["params"]]
+        for p in params:  # gradients of the whole parameters (a step of an earlier cell)
+            p.grad = None
+        swap = {id(p): q for p, q in zip(params, auto.shard_for(params)) if q is not p}
+        if not swap:
+            continue
+        for g in value.param_groups:
+            g["params"] = [swap.get(id(p), p) for p in g["params"]]
+        value.state.clear()
+
+
+def _notebook_run(backend_cls: Any, session: Any, gpu: Any, gpu_memory: Any, auto: _AutoShard,
+                  run: RunFn, ns: dict) -> Any:
+    """The cell on a copy of the notebook's simulated GPU (``session``): a first run shards
+    the models of its optimizers (:func:`_shard_existing`), the cell then runs on what that
+    left, from an emptied cache (rank 0 of a job that never held the whole model)."""
+    from .backends.sim.session import SimSession
+
+    work = SimSession()
+    work.card, _notes = session.card.copy()
+    if gpu is None and gpu_memory is None:
+        gpu = work.card.target  # no card named: the notebook's
+    try:
+        backend = backend_cls(gpu=gpu, gpu_memory=gpu_memory, session=work)
+        first = backend.execute(lambda n: _shard_existing(auto, n), ns)
+        if first.error is not None:
+            return first
+        allocator = work.card.tracker.allocator
+        if allocator is not None:
+            allocator.empty_cache()
+        return backend.execute(run, ns)
+    finally:
+        work.reset()
+
+
 def simulate_fsdp(cell: str | RunFn, namespace: Mapping[str, Any] | None = None, *,
-                  world_size: int, gpu: Any = None, gpu_memory: int | str | None = None
-                  ) -> ShardResult:
+                  world_size: int, gpu: Any = None, gpu_memory: int | str | None = None,
+                  session: Any = None) -> ShardResult:
     """Run ``cell`` (source text, or a function of the namespace) on a simulated GPU as
     rank 0 of ``world_size`` ranks, its model sharded with FSDP2 when it makes its
     optimizer. ``namespace`` is copied (the cell's names do not land in it). Returns the
-    :class:`ShardResult`; one whose ``report`` is None says why it could not run."""
+    :class:`ShardResult`; one whose ``report`` is None says why it could not run.
+
+    Where names of ``namespace`` hold objects of the notebook's simulated GPU (a model and
+    optimizer built in earlier simulated cells; ``session``, by default the one they live
+    on), the run starts from a copy of that GPU, left as it was: the models its
+    optimizers hold are sharded first, then the cell runs."""
     from . import _torch_private as dist_priv
     from .backends.sim import SimBackend
+    from .backends.sim.errors import SimulationUnsupported
+    from .backends.sim.session import session_of
 
     world_size = int(world_size)
     if world_size < 2:
         raise ValueError(f"world_size must be 2 or more (1 GPU is the plain run), not {world_size}")
     run = _as_run(cell)
     ns = dict(namespace or {})
-    backend = SimBackend(gpu=gpu, gpu_memory=gpu_memory)
+    if session is None:
+        session = session_of(ns)
+    elif not session.holds(ns):
+        session = None
     try:
         with ExitStack() as stack:
             stack.enter_context(dist_priv.fake_process_group(world_size))
             stack.enter_context(_wrapper_aware_tracking())
             auto = _AutoShard(dist_priv.device_mesh("cuda", world_size), ns)
             stack.enter_context(auto.installed())
-            outcome = backend.execute(run, ns)
+            if session is not None:
+                outcome = _notebook_run(SimBackend, session, gpu, gpu_memory, auto, run, ns)
+            else:
+                outcome = SimBackend(gpu=gpu, gpu_memory=gpu_memory).execute(run, ns)
+    except SimulationUnsupported as exc:  # the notebook's objects do not fit that card
+        return ShardResult(world_size, None, reason=str(exc))
     except RuntimeError as exc:  # a process group exists already
         return ShardResult(world_size, None, reason=str(exc))
     error = outcome.error
@@ -366,7 +428,7 @@ def simulate_fsdp(cell: str | RunFn, namespace: Mapping[str, Any] | None = None,
 
 def shard_memory(cell: str | RunFn, namespace: Mapping[str, Any] | None = None, *,
                  world_sizes: Sequence[int] = WORLD_SIZES, gpu: Any = None,
-                 gpu_memory: int | str | None = None) -> list[ShardResult]:
+                 gpu_memory: int | str | None = None, session: Any = None) -> list[ShardResult]:
     """:func:`simulate_fsdp` for each of ``world_sizes`` (default 2, 4, 8 GPUs)."""
-    return [simulate_fsdp(cell, namespace, world_size=n, gpu=gpu, gpu_memory=gpu_memory)
-            for n in world_sizes]
+    return [simulate_fsdp(cell, namespace, world_size=n, gpu=gpu, gpu_memory=gpu_memory,
+                          session=session) for n in world_sizes]

@@ -15,7 +15,7 @@ import torch
 from ... import _torch_private as _priv
 from ...report import Category, MemoryReport, Note, format_bytes
 from ...tracking import Tracking, RoleHooks
-from ...failures import is_user_file, release_own_frames
+from ...failures import is_user_file, release_call_closures, release_own_frames
 from ..base import Backend, Outcome
 from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
@@ -252,6 +252,10 @@ class SimBackend(Backend):
             # the simulation's own finished frames (dispatch, tracker) hold the op's fake
             # tensors: a caller keeping the error must not keep them on the card
             release_own_frames(exc.__traceback__)
+            # nor may the closures the tracker's module hooks made torch call through
+            # (frame.clear() leaves them): released frames free the step, as on a GPU
+            release_call_closures(exc.__traceback__)
+            card.failed = True
         card.cells += 1
         if tracking.result is None:  # failed before the cell ran (the sandbox, the seed)
             assert error is not None

@@ -272,8 +272,10 @@ _RENAMED = {
     "reset_max_memory_allocated": "reset_peak_memory_stats",
     "reset_max_memory_cached": "reset_peak_memory_stats",
     "_record_memory_history": "record_memory_history", "_snapshot": "snapshot",
-    "_dump_snapshot": "dump_snapshot",
+    "_dump_snapshot": "dump_snapshot", "_clear_cublas_workspaces": "clear_cublas_workspaces",
 }
+# installed even where this torch build has no such name (a CPU build lacks CUDA's)
+_INSTALLED_ALWAYS = frozenset({"_clear_cublas_workspaces"})
 _CUDA_NAMES = (
     "is_available", "device_count", "current_device", "is_initialized", "init", "set_device",
     "get_device_name", "get_device_properties", "get_device_capability", "is_bf16_supported",
@@ -285,7 +287,7 @@ _CUDA_NAMES = (
     "_record_memory_history", "_snapshot", "_dump_snapshot", "memory_snapshot", "manual_seed",
     "manual_seed_all", "seed", "seed_all", "get_rng_state", "set_rng_state",
     "get_rng_state_all", "set_rng_state_all", "is_current_stream_capturing", "device",
-    "device_of",
+    "device_of", "_clear_cublas_workspaces",
 )
 _STREAM_NAMES = ("Event", "Stream", "stream", "set_stream", "current_stream", "default_stream")
 _UNSUPPORTED_CLASSES = ("ExternalStream", "CUDAGraph", "graph", "MemPool")
@@ -332,7 +334,7 @@ class SimulatedCuda:
         import torch.cuda.memory as cmem
 
         for attr, value in self.api().items():
-            if hasattr(torch.cuda, attr):
+            if hasattr(torch.cuda, attr) or attr in _INSTALLED_ALWAYS:
                 patches.set(torch.cuda, attr, value)
             if hasattr(cmem, attr):
                 patches.set(cmem, attr, value)
@@ -472,6 +474,13 @@ class SimulatedCuda:
         check_device(device)
         if self.tracker.allocator is not None:
             self.tracker.allocator.reset_accumulated_stats()
+
+    def clear_cublas_workspaces(self) -> None:
+        """``torch.cuda._clear_cublas_workspaces()`` (what PyTorch's memory tests call
+        before reading ``memory_allocated()``): frees the cuBLAS and cuBLASLt workspaces
+        of every thread; their blocks stay cached (reserved), and the next matmul takes
+        them again, as on a GPU."""
+        self.tracker.release_workspaces()
 
     def empty_cache(self) -> None:
         if self.tracker.allocator is not None:

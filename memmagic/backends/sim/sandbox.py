@@ -35,7 +35,7 @@ from ...patching import Patches
 from .constants import CONSTANT_NUMEL
 from .values import SimulatedValue
 
-__all__ = ["Sandbox", "Shadow", "sanitize_value", "contains_fake"]
+__all__ = ["Sandbox", "Shadow", "sanitize_value", "contains_fake", "reachable_tensors"]
 
 _SKIP_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_ih", "_oh", "_dh", "_", "__", "___",
                "__builtins__", "__builtin__", "__name__", "__doc__", "__spec__", "__loader__",
@@ -81,6 +81,9 @@ def _reachable_tensors(value: Any, limit: int = 10_000) -> Iterator[torch.Tensor
             d = getattr(v, "__dict__", None)
             if isinstance(d, dict):
                 stack.extend(d.values())
+
+
+reachable_tensors = _reachable_tensors
 
 
 def contains_tensor(value: Any, limit: int = 10_000) -> bool:

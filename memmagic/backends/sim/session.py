@@ -23,7 +23,8 @@ What the notebook (and a real cell) sees after a simulated cell:
 from __future__ import annotations
 
 import copy as _copy
-from typing import Any
+import weakref
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -34,13 +35,14 @@ from .errors import AllocatorConfigError, SimulationUnsupported
 from .gpus import GPUSpec
 from .op_cache import FakeOutputCache
 from ...patching import Patches
-from .sandbox import Shadow
+from .frames import release_tracebacks
+from .sandbox import Shadow, reachable_tensors
 from .state import SimState
 from .tracker import SimTracker
 from .values import SimulatedValue, forget
 from .workspaces import Workspaces
 
-__all__ = ["SimSession", "Card", "shell_session"]
+__all__ = ["SimSession", "Card", "shell_session", "session_of"]
 
 
 class Card:
@@ -78,6 +80,7 @@ class Card:
         self.fast = None
         self.shadow: dict[str, Shadow] = {}
         self.cells = 0  # simulated cells run on this card
+        self.failed = False  # a cell failed on it: a kept traceback may hold its objects
 
     def op_cache(self, on: bool):
         """The card's FakeOutputCache (made on first use), or None when ``on`` is False."""
@@ -138,7 +141,7 @@ class Card:
         tr.persistent = True
         allocator, tr.allocator = tr.allocator, None  # the copy below replaces it
         names = {k: sh.value for k, sh in self.shadow.items() if k not in leave_out}
-        copies, rekey = _copy_objects(self, new, names)
+        copies, rekey, skipped = _copy_objects(self, new, names)
         for key, sh in self.shadow.items():
             if key in copies:
                 new.shadow[key] = Shadow(sh.shown, copies[key])
@@ -150,7 +153,9 @@ class Card:
                 rekey[e.serial] = tr.hold_workspace(e.nbytes)[0]
         if allocator is not None and old.allocator is not None:
             _copy_allocator(old, tr, allocator, rekey, packed=bool(leave_out))
-        return new, self._copy_notes(new, leave_out)
+        notes = [f"the what-if runs go without `{k}`: it could not be copied ({why}); a cell "
+                 "that uses it fails on the copy" for k, why in skipped.items()]
+        return new, notes + self._copy_notes(new, leave_out)
 
     def _copy_notes(self, new: "Card", leave_out: frozenset[str]) -> list[str]:
         """What :meth:`copy` left out, as report notes."""
@@ -180,10 +185,14 @@ class Card:
         return a.reserved if a is not None else self.tracker.current["device"]
 
 
-def _copy_objects(src: Card, dst: Card, names: dict[str, Any]) -> tuple[dict[str, Any], dict[int, int]]:
+def _copy_objects(src: Card, dst: Card, names: dict[str, Any]
+                  ) -> tuple[dict[str, Any], dict[int, int], dict[str, str]]:
     """Deep copies of ``names``' objects for ``dst``: each fake tensor of ``src`` becomes a
     fake on a storage of its own tracked on ``dst`` in the same pool and role (views share
-    it), a real tensor a clone. (the copies, ``src``'s serial -> ``dst``'s serial)."""
+    it), a real tensor a clone. An object whose own copy path fails on a simulated value
+    (GradScaler's ``__getstate__`` reads its scale with ``.item()``) is copied from its
+    attributes instead (:func:`_copy_value`). (the copies, ``src``'s serial -> ``dst``'s
+    serial, name -> why it could not be copied at all)."""
     old, tr, state, fake_mode = src.tracker, dst.tracker, dst.state, src.fake_mode
     rekey: dict[int, int] = {}
     bases: dict[int, Any] = {}   # storage key -> a tensor on the copy's storage
@@ -226,17 +235,71 @@ def _copy_objects(src: Card, dst: Card, names: dict[str, Any]) -> tuple[dict[str
             out.grad = copy_tensor(t.grad, memo)
         return out
 
+    try:
+        copies, skipped = _copy_names(names, copy_tensor)
+    finally:
+        state.pending = "host"
+        bases.clear()  # copy_tensor is in a reference cycle: it must not hold tensors
+    return copies, rekey, skipped
+
+
+def _copy_names(names: dict[str, Any], copy_tensor: Callable[[torch.Tensor, dict], torch.Tensor]
+                ) -> tuple[dict[str, Any], dict[str, str]]:
+    """Deep copies of ``names``' objects with tensors copied by ``copy_tensor``; (the
+    copies, name -> why it could not be copied)."""
     patches = Patches()
     try:
         patches.set(torch.Tensor, "__deepcopy__", copy_tensor)
         patches.set(torch.nn.Parameter, "__deepcopy__", copy_tensor)
         patches.set(_priv.FakeTensorMode, "__deepcopy__", _priv.fake_mode_deepcopy)
-        copies = _copy.deepcopy(names, {})
+        copies, skipped, memo = {}, {}, {}
+        for name, value in names.items():  # one memo: objects under two names stay one
+            try:
+                copies[name] = _copy_value(value, memo)
+            except Exception as exc:
+                first = (str(exc).strip().splitlines() or [""])[0]
+                skipped[name] = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        memo.clear()
     finally:
         patches.restore()
-        state.pending = "host"
-        bases.clear()  # copy_tensor is in a reference cycle: it must not hold tensors
-    return copies, rekey
+    return copies, skipped
+
+
+def _copy_value(value: Any, memo: dict) -> Any:
+    """``copy.deepcopy(value, memo)``; where an object's own copy path fails (its
+    ``__getstate__``/``__reduce__`` reads a simulated value), the copy is rebuilt from its
+    attributes, the way deepcopy copies an object that defines neither: the same state,
+    its tensors copied as the card's are. Raises when that fails too."""
+    before = set(memo)
+    try:
+        return _copy.deepcopy(value, memo)
+    except Exception:
+        # what the failed attempt memoised is half-built: forget it
+        for key in [k for k in memo if k not in before and k != id(memo)]:
+            del memo[key]
+        if id(value) in memo:
+            return memo[id(value)]
+        if type(value) in (list, dict):
+            out = type(value)()
+            memo[id(value)] = out
+            if isinstance(out, list):
+                out.extend(_copy_value(v, memo) for v in value)
+            else:
+                for k, v in value.items():
+                    out[_copy_value(k, memo)] = _copy_value(v, memo)
+            return out
+        if type(value) is tuple:
+            out = tuple(_copy_value(v, memo) for v in value)
+            return memo.setdefault(id(value), out)
+        state = getattr(value, "__dict__", None)
+        if not isinstance(state, dict) or isinstance(value, (torch.Tensor, type)):
+            raise
+        new = type(value).__new__(type(value))  # raises for a class that needs arguments
+        memo[id(value)] = new
+        attrs = vars(new)  # set as deepcopy sets state: no __setattr__, no __setstate__
+        for k, v in state.items():
+            attrs[k] = _copy_value(v, memo)
+        return new
 
 
 def _copy_allocator(old: SimTracker, tr: SimTracker, allocator: CachingAllocatorModel,
@@ -266,6 +329,13 @@ class SimSession:
     def __init__(self) -> None:
         self.card: Card | None = None
         self.resets = 0
+        _SESSIONS.add(self)
+
+    def holds(self, namespace: Mapping[str, Any]) -> bool:
+        """Whether names of ``namespace`` show objects of this simulated GPU."""
+        card = self.card
+        return card is not None and any(k in namespace and namespace[k] is sh.shown
+                                        for k, sh in card.shadow.items())
 
     def card_for(self, kernels: str, target: GPUSpec | None, capability: tuple[int, int],
                  max_ops: int, max_seconds: float, entries: dict | None) -> tuple[Card, list[str]]:
@@ -297,6 +367,9 @@ class SimSession:
             if isinstance(sh.shown, SimulatedValue):
                 forget(sh.shown)
         card.shadow.clear()
+        if card.failed:  # the last error's frames (kept for %debug) let go of its objects
+            mode = card.fake_mode
+            release_tracebacks(lambda v: _holds_fake_of(v, mode))
         card.tracker.persistent = False
         card.tracker.close()
         self.resets += 1
@@ -320,6 +393,24 @@ class SimSession:
         return (f"simulated GPU ({name}): {format_bytes(card.live_bytes())} allocated, "
                 f"{format_bytes(card.reserved_bytes())} reserved; names holding simulated "
                 f"objects: {names}")
+
+
+_SESSIONS: "weakref.WeakSet[SimSession]" = weakref.WeakSet()
+
+
+def session_of(namespace: Mapping[str, Any]) -> SimSession | None:
+    """The notebook's simulated GPU whose objects names of ``namespace`` show (None when
+    no name does): what a run that starts from a copy of it (``start_from=``) needs."""
+    for session in list(_SESSIONS):
+        if session.holds(namespace):
+            return session
+    return None
+
+
+def _holds_fake_of(value: Any, mode: Any) -> bool:
+    """Whether ``value`` reaches a fake tensor of ``mode`` (a card's simulated tensor)."""
+    return any(_priv.is_fake(t) and getattr(t, "fake_mode", None) is mode
+               for t in reachable_tensors(value, 2_000))
 
 
 def shell_session(shell: Any) -> SimSession:

@@ -390,6 +390,17 @@ class SimTracker(StorageTracker):
         self._live[-entry.serial] = entry
         return entry.serial, entry.nbytes
 
+    def release_workspaces(self) -> int:
+        """Free every workspace :meth:`hold_workspace` holds (torch's
+        ``_clear_cublas_workspaces``); the next matmul allocates them again. Bytes freed."""
+        freed = 0
+        for e in self.held_workspaces():
+            self._on_free(-e.serial, e.serial)
+            freed += e.nbytes
+        if self.workspaces is not None:
+            self.workspaces.held.clear()
+        return freed
+
     def held_workspaces(self) -> list[Entry]:
         """The entries of the workspaces :meth:`hold_workspace` holds on the device."""
         return [e for k, e in list(self._live.items()) if k < 0 and e.pool == "device"]
