@@ -312,9 +312,6 @@ class Cell:
                 _restore_names(ns, saved)
             del saved
         self.last_info = info
-        if isinstance(outcome.error, KnobError):  # memmagic's, raised in the run: a setting
-            release_own_frames(outcome.error.__traceback__)  # that cannot apply to this cell
-            raise outcome.error.with_traceback(None)
         self._check_checkpoint_module(full, info, outcome)
         notes = list(info.notes)
         handled = sorted(k.name for k in KNOBS.values() if k.var in self.reads)

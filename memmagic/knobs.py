@@ -666,8 +666,19 @@ def _apply_grad_mode(a: Applier, value: str) -> None:
     a.on_backward(skip_backward)
     a.at_call(to_eval)
     a.gate_steps(lambda: False)
+    # the cell's own GradScaler: no backward ran, so it has nothing to unscale or update
+    a.patch(torch.amp.GradScaler, "step", _skipped_scaler_step)
+    a.patch(torch.amp.GradScaler, "update", _skipped_scaler_update)
     a.note(f"grad_mode {value}: the cell ran under torch.{value}() with its models in eval(); "
-           "backward() calls and optimizer steps were skipped")
+           "backward() calls, optimizer steps and GradScaler steps were skipped")
+
+
+def _skipped_scaler_step(scaler, optimizer, *args, **kwargs):
+    return None
+
+
+def _skipped_scaler_update(scaler, new_scale=None):
+    return None
 
 
 def _apply_offload(a: Applier, value: bool) -> None:

@@ -199,6 +199,9 @@ def run_cell(request: CellRequest) -> CellResult:
             outcome = backend.execute(_runner(request), request.namespace)
     except (KnobError, SimulationError) as exc:  # refused before the cell ran
         raise RequestError(str(exc)) from None
+    if isinstance(outcome.error, KnobError):  # memmagic's, in the run: a knob that cannot
+        release_own_frames(outcome.error.__traceback__)  # apply to this cell
+        raise RequestError(str(outcome.error)) from None
     report = _with_notes(outcome, request, backend)
     error = outcome.error
     if error is not None:  # before the doctor reads the traceback's frames

@@ -129,3 +129,25 @@ def test_a_cell_of_memmagic_objects_runs_for_real_under_gpusim(ip):
     # with what to do
     mixed = ip.run_cell("y = model(x)\npanel.cell.run(amp='bf16')")
     assert "%gpusim off" in str(mixed.error_in_exec)
+
+
+# -- the corpus's GradScaler recipe under --grad-mode no_grad ------------------------------
+SCALER_STEP = """
+opt.zero_grad(set_to_none=True)
+with torch.autocast("cuda", dtype=torch.float16):
+    loss = model(x).float().pow(2).mean()
+scaler.scale(loss).backward()
+scaler.step(opt)
+scaler.update()
+"""
+
+
+def test_a_grad_scaler_step_is_skipped_with_the_backward(ip):
+    _sim_model(ip)
+    ip.run_cell("opt = torch.optim.AdamW(model.parameters())\nscaler = torch.amp.GradScaler('cuda')")
+    train = ip.run_cell_magic("gpumem", "-o -q", SCALER_STEP)
+    assert train.error is None and train.breakdown["activations"] > 0
+    r = ip.run_cell_magic("gpumem", "--grad-mode no_grad -o -q", SCALER_STEP)
+    assert r.error is None and r.breakdown["activations"] == 0
+    assert any("GradScaler steps were skipped" in n for n in r.notes)
+    assert torch.amp.GradScaler.step.__name__ == "step"  # put back after the run
