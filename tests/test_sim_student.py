@@ -264,3 +264,16 @@ def test_simulate_fsdp_from_the_notebooks_card_leaves_it_alone(gpusim):
     assert session.card is card and card.live_bytes() == held and sorted(card.shadow) == names
     assert all(ip.user_ns[k] is v for k, v in shown.items())
     assert "x" not in ip.user_ns
+
+
+def test_item_under_inference_mode_reads_a_placeholder_as_under_no_grad():
+    import torch
+
+    from memmagic.pipeline import CellRequest, run_cell
+
+    src = ("x = torch.randn(8, device='cuda')\n"
+           "with torch.inference_mode():\n    v = x.sum().item()\n"
+           "with torch.no_grad():\n    w = x.sum().item()\n"
+           "(type(v).__name__, type(w).__name__)")
+    r = run_cell(CellRequest(src, {"torch": torch}, backend="sim"))
+    assert r.error is None and r.value == ("SimulatedFloat", "SimulatedFloat")

@@ -49,5 +49,3 @@ assert kept <= r.after - r.before <= kept + CUBLAS + MiB, (r.after - r.before, k
 # bf16 weights make every feature map bf16 (half the 16 MiB maps); fp16 autocast makes the
 # convolutions' outputs fp16; a bigger GPU changes nothing the cell allocates
 WHATIF = [("weights_dtype", "bf16", "down"), ("amp", "fp16", "down"), ("gpu", "A100-40GB", "same")]
-_ITEM = "sim: .item() under torch.inference_mode() raises DataDependentOutputException (it works under no_grad)"
-XFAIL = {"sim_cell": _ITEM, "gpusim": _ITEM, "whatif": _ITEM, "advise": _ITEM, "oom": _ITEM}

@@ -48,6 +48,9 @@ __all__ = ["SimTracker"]
 
 _aten = torch.ops.aten
 _LOCAL_SCALAR = _aten._local_scalar_dense.default
+# under inference_mode, t.item() reaches the dispatch level as aten.item itself (it is
+# decomposed into _local_scalar_dense only below it): the same read
+_ITEM = _aten.item.default
 _PRIM_DEVICE = torch.ops.prim.device.default
 _FOUND_INF_OPS = {_aten._amp_foreach_non_finite_check_and_unscale_.default}
 _PHASE_WORDS = {"forward": " during forward", "backward": " during backward (loss.backward())",
@@ -299,8 +302,8 @@ class SimTracker(StorageTracker):
             n = self.ops + 1
             if n > self.max_ops or (not n & 1023 and time.perf_counter() > self.deadline):
                 raise self._over_budget(n)
-            if func is _LOCAL_SCALAR:
-                return self._read_scalar(func, args[0])
+            if func is _LOCAL_SCALAR or func is _ITEM:
+                return self._read_scalar(_LOCAL_SCALAR, args[0])
             if forced is not None:
                 pool = forced if s.cuda else "device"
                 self._out_unsure = False
