@@ -277,3 +277,28 @@ def test_item_under_inference_mode_reads_a_placeholder_as_under_no_grad():
            "(type(v).__name__, type(w).__name__)")
     r = run_cell(CellRequest(src, {"torch": torch}, backend="sim"))
     assert r.error is None and r.value == ("SimulatedFloat", "SimulatedFloat")
+
+
+def test_a_module_that_keeps_the_simulated_stream_class_keeps_no_run_alive():
+    """transformers' continuous batching, imported during a simulated cell, keeps
+    ``torch.cuda.Stream | None`` in its annotations for the process's life: the simulated
+    classes it keeps must hold no run (tracker, allocator, sandbox)."""
+    import gc
+    import types
+
+    import torch
+
+    from memmagic import tracking
+    from memmagic.pipeline import CellRequest, run_cell
+
+    kept = types.ModuleType("kept")  # a module, as transformers is: the sandbox leaves it
+    src = ("kept.annotations = {'s': torch.cuda.Stream | None, 'e': torch.cuda.Event}\n"
+           "e0 = torch.cuda.Event(enable_timing=True); e1 = torch.cuda.Event(enable_timing=True)\n"
+           "e0.record(); x = torch.ones(8, device='cuda'); e1.record()\n"
+           "e0.elapsed_time(e1)")
+    r = run_cell(CellRequest(src, {"torch": torch, "kept": kept}, backend="sim"))
+    assert r.error is None and str(r.value) == "1.0(simulated)"
+    del r
+    gc.collect()
+    assert kept.annotations["e"].__name__ == "SimEvent"
+    assert not [o for o in gc.get_objects() if isinstance(o, tracking.StorageTracker)]

@@ -116,87 +116,89 @@ _STREAMS_NOTE = ("CUDA streams and events ran as one stream: work on a side stre
                  "reserved memory can be higher there), and events time nothing")
 
 
-def _event_class(note_read: Callable[[str], None]) -> type:
-    """The ``torch.cuda.Event`` of one run: records and waits; times nothing (its
-    ``elapsed_time`` is a marked placeholder, counted by ``note_read``)."""
+class _Reads:
+    """Where the simulated events of the run in progress count a data read. Set through the
+    run's undo log: the classes below hold no run (a module imported during a simulation
+    keeps them in its annotations, ``torch.cuda.Stream | None``, for the process's life)."""
 
-    class Event:
-        """A CUDA event in a simulation: records and waits; times nothing."""
-
-        def __init__(self, enable_timing: bool = False, blocking: bool = False,
-                     interprocess: bool = False, external: bool = False) -> None:
-            self.enable_timing = enable_timing
-            self.recorded = False
-
-        def __repr__(self) -> str:
-            return "<torch.cuda.Event [simulated]>"
-
-        def record(self, stream=None) -> None:
-            self.recorded = True
-
-        def wait(self, stream=None) -> None:
-            return None
-
-        def query(self) -> bool:
-            return True
-
-        def synchronize(self) -> None:
-            return None
-
-        def elapsed_time(self, end_event) -> float:
-            if not (self.enable_timing and end_event.enable_timing):
-                raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
-            if not (self.recorded and end_event.recorded):
-                raise RuntimeError("Both events must be recorded before calculating elapsed time.")
-            note_read("torch.cuda.Event.elapsed_time (a simulation times nothing)")
-            return SimulatedFloat(1.0)
-
-    return Event
+    note: Callable[[str], None] | None = None
 
 
-def _stream_class(event_cls: type) -> type:
-    """The ``torch.cuda.Stream`` of one run (its events are ``event_cls``)."""
+_READS = _Reads()
 
-    class Stream(torch.Stream):
-        """A CUDA stream in a simulation: everything runs in order on one stream. A
-        ``torch.Stream`` (of the CPU underneath) so that ops taking a stream
-        (``tensor.record_stream(s)``) accept it."""
 
-        def __new__(cls, device=None, priority: int = 0, **kwargs: Any):
-            return super().__new__(cls, device="cpu")
+class SimEvent:
+    """A CUDA event in a simulation: records and waits; times nothing (its
+    ``elapsed_time`` is a marked placeholder, counted as a data read)."""
 
-        def __init__(self, device=None, priority: int = 0, **kwargs: Any) -> None:
-            self._priority = priority
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False, external: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self.recorded = False
 
-        device = property(lambda self: torch.device("cuda", 0))
-        priority = property(lambda self: self._priority)
-        cuda_stream = property(lambda self: 0)
+    def __repr__(self) -> str:
+        return "<torch.cuda.Event [simulated]>"
 
-        def __repr__(self) -> str:
-            return "<torch.cuda.Stream device=cuda:0 cuda_stream=0x0 [simulated]>"
+    def record(self, stream=None) -> None:
+        self.recorded = True
 
-        @staticmethod
-        def priority_range() -> tuple[int, int]:
-            return (0, -5)  # (least, greatest) on current NVIDIA GPUs
+    def wait(self, stream=None) -> None:
+        return None
 
-        def query(self) -> bool:
-            return True
+    def query(self) -> bool:
+        return True
 
-        def synchronize(self) -> None:
-            return None
+    def synchronize(self) -> None:
+        return None
 
-        def wait_stream(self, stream) -> None:
-            return None
+    def elapsed_time(self, end_event) -> float:
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if not (self.recorded and end_event.recorded):
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        if _READS.note is not None:
+            _READS.note("torch.cuda.Event.elapsed_time (a simulation times nothing)")
+        return SimulatedFloat(1.0)
 
-        def wait_event(self, event) -> None:
-            return None
 
-        def record_event(self, event=None):
-            event = event if event is not None else event_cls()
-            event.record(self)
-            return event
+class SimStream(torch.Stream):
+    """A CUDA stream in a simulation: everything runs in order on one stream. A
+    ``torch.Stream`` (of the CPU underneath) so that ops taking a stream
+    (``tensor.record_stream(s)``) accept it."""
 
-    return Stream
+    def __new__(cls, device=None, priority: int = 0, **kwargs: Any):
+        return super().__new__(cls, device="cpu")
+
+    def __init__(self, device=None, priority: int = 0, **kwargs: Any) -> None:
+        self._priority = priority
+
+    device = property(lambda self: torch.device("cuda", 0))
+    priority = property(lambda self: self._priority)
+    cuda_stream = property(lambda self: 0)
+
+    def __repr__(self) -> str:
+        return "<torch.cuda.Stream device=cuda:0 cuda_stream=0x0 [simulated]>"
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        return (0, -5)  # (least, greatest) on current NVIDIA GPUs
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def record_event(self, event=None):
+        event = event if event is not None else SimEvent()
+        event.record(self)
+        return event
 
 
 class _SimStreamEvents:
@@ -204,8 +206,7 @@ class _SimStreamEvents:
 
     def __init__(self, state, notes: list[str]) -> None:
         self.state, self.notes = state, notes
-        self.Event = _event_class(state.note_read)
-        self.Stream = _stream_class(self.Event)
+        self.Event, self.Stream = SimEvent, SimStream
         self.default = self.Stream()
         self.current = self.default
 
@@ -339,6 +340,7 @@ class SimulatedCuda:
             if hasattr(cmem, attr):
                 patches.set(cmem, attr, value)
         patches.set(torch.cuda.amp, "autocast", autocast["cuda_amp_autocast"])
+        patches.set(_READS, "note", self.streams.state.note_read)
         self.install_accelerator(patches)
         # the device-generic classes (torch.Stream(0), torch.Event()): the simulated GPU's
         patches.set(torch, "Stream", self.streams.Stream)
