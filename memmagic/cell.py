@@ -400,11 +400,28 @@ class Cell:
         return get_backend(self.backend_name, **options)
 
     def _runner(self, setting: Setting, info: RunInfo, device_type: str) -> Callable[[dict], Any]:
+        """The run of this cell with ``setting``: ``run(ns)``, and ``run.prepare(ns)``,
+        which a backend calls before its measurement starts (the knobs' setup that a user
+        does before the cell, such as weights loaded in another dtype); a run whose
+        backend did not call it prepares at its start."""
         cell = self
+        prepared: list[Applier] = []
+
+        def prepare(ns: dict) -> None:
+            applier = Applier(device_type, checkpoint_module=cell.checkpoint_module)
+            # a run on a copy of the notebook's simulated GPU changes nothing it must put back
+            applier.on_copy = cell.backend_options.get("start_from") is not None
+            prepared.append(applier)
+            for knob in KNOBS.values():
+                if knob.apply is not None and knob.var not in cell.reads:
+                    knob.apply(applier, getattr(setting, knob.name))
+            applier.prepare({k: ns[k] for k in sorted(cell.names) if k in ns})
 
         def run(ns: dict) -> Any:
             __tracebackhide__ = True
-            applier = Applier(device_type, checkpoint_module=cell.checkpoint_module)
+            if not prepared:
+                prepare(ns)
+            applier = prepared[-1]
             changed: dict[str, Any] = {}
             try:
                 return cell._run_with(ns, setting, applier, changed, info)
@@ -426,6 +443,7 @@ class Cell:
                 finally:
                     info.notes = list(applier.notes)
 
+        run.prepare = prepare  # type: ignore[attr-defined]
         return run
 
     def _run_with(self, ns: dict, setting: Setting, applier: Applier, changed: dict,
@@ -435,9 +453,6 @@ class Cell:
         k = setting.accum_steps
         engine_accum = k > 1 and "accum_steps" not in reads
         batch = setting.micro_batch if engine_accum else setting.batch_size
-        for knob in KNOBS.values():
-            if knob.apply is not None and knob.var not in reads:
-                knob.apply(applier, getattr(setting, knob.name))
         applier.install()
         values = self._variables(setting, batch)
         if self.function is None:

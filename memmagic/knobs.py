@@ -22,8 +22,10 @@ knob (variable)   values                        applied by memmagic as
 ``checkpointing`` on / off                      the repeated blocks of each model (children of a
                                                 ModuleList / Sequential, or a named module type)
                                                 run through torch.utils.checkpoint
-``weights_dtype`` fp32 / bf16 / fp16            each model converted (``model.half()``) at its
-                                                first call, floating inputs cast to match
+``weights_dtype`` fp32 / bf16 / fp16            each model the cell names converted
+                                                (``model.to(bfloat16)``) before the measurement, as
+                                                if loaded so (put back after the run); a model the
+                                                cell makes, at its first call; inputs cast to match
 ``grad_mode``     train / no_grad /             the cell under torch.no_grad() or
                   inference_mode                torch.inference_mode(), models in eval(), its
                                                 backward() calls and optimizer steps skipped
@@ -171,7 +173,7 @@ class Knob:
     def from_option(self, text: Any) -> tuple[Any, dict[str, Any]]:
         """The magic option's text as (value, options for the cell); KnobError names the
         option."""
-        if self.parse_option is not None:
+        if self.parse_option is not None and isinstance(text, str):
             return self.parse_option(text)  # its errors name the option
         try:
             return self.check(text), {}
@@ -283,6 +285,9 @@ class Applier:
         self._scaler = None
         self._on_leave_forward: list[Callable[[], None]] = []
         self._before_step: list[Callable[[Any], None]] = []
+        self._before_run: list[Callable[[dict], None]] = []
+        self.on_copy = False  # the run's objects are copies, dropped after it (nothing to undo)
+        self.made_in_run: set[int] = set()  # ids of the modules the run made
 
     # -- the API knobs use ------------------------------------------------------------------
     def note(self, text: str) -> None:
@@ -319,6 +324,22 @@ class Applier:
         again if there was none)."""
         self._undo.set(obj, attr, value)
 
+    def before_run(self, fn: Callable[[dict], None]) -> None:
+        """Call ``fn(values)`` before the run's measurement starts, with the namespace's
+        values the cell names (name -> object): a knob's setup that a user does before
+        the cell (the model converted to another dtype)."""
+        self._before_run.append(fn)
+
+    def prepare(self, values: dict) -> None:
+        """Run the :meth:`before_run` functions (the backend calls this before measuring;
+        a failure closes the applier)."""
+        try:
+            for fn in self._before_run:
+                fn(values)
+        except BaseException:
+            self.close()
+            raise
+
     def undo_later(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` when :meth:`close` undoes the run's changes, in reverse order."""
         self._undo.call_on_restore(fn)
@@ -341,6 +362,12 @@ class Applier:
         import torch
         from torch.nn.modules import module as _module_mod
 
+        # the modules the run makes (their parameters are registered during it)
+        made = self.made_in_run
+        self.undo_later(_module_mod.register_module_parameter_registration_hook(
+            lambda m, name, p: made.add(id(m))).remove)
+        self.undo_later(_module_mod.register_module_module_registration_hook(
+            lambda m, name, child: made.add(id(m))).remove)
         self.undo_later(_module_mod.register_module_forward_pre_hook(self._pre).remove)
         self.undo_later(_module_mod.register_module_forward_hook(self._post, always_call=True).remove)
         applier = self
@@ -571,8 +598,14 @@ def _apply_checkpointing(a: Applier, value: bool) -> None:
     from torch.utils.checkpoint import checkpoint
 
     wrapped: list = []
+    how = ["torch.utils.checkpoint (use_reentrant=False)"]
 
     def wrap(module, args):
+        if a.checkpoint_module is None:
+            switch = _library_checkpointing(a, module, wrapped)
+            if switch is not None:
+                how[0] = switch
+                return None
         for block in find_blocks(module, a.checkpoint_module):
             if "forward" in block.__dict__:
                 continue
@@ -585,9 +618,34 @@ def _apply_checkpointing(a: Applier, value: bool) -> None:
         if wrapped:
             kinds = sorted(set(wrapped))
             a.note(f"checkpointing: {len(wrapped)} block(s) ({', '.join(kinds)}) run through "
-                   "torch.utils.checkpoint (use_reentrant=False)")
+                   f"{how[0]}")
     a.at_call(wrap)
     a.on_leave_forward(describe)
+
+
+def _library_checkpointing(a: Applier, model: Any, wrapped: list) -> str | None:
+    """A transformers model checkpoints through its own switch, as its users turn it on:
+    ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` before
+    transformers 5) also turns the KV cache off in training, which a block wrapped from
+    outside would fill again in its recompute. Undone by the run's close. Returns how the
+    blocks run (for the note), or None for a model without such a switch."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return None
+    for prefix in ("activation", "gradient"):
+        enable = getattr(model, f"{prefix}_checkpointing_enable", None)
+        if enable is not None:
+            break
+    else:
+        return None
+    if not getattr(model, f"is_{prefix}_checkpointing", False):  # else the cell turned it on
+        enable(**{f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}})
+        a.undo_later(getattr(model, f"{prefix}_checkpointing_disable"))
+    # the repeated layers it checkpoints (transformers' GradientCheckpointingLayer)
+    wrapped.extend(type(m).__name__ for m in model.modules()
+                   if getattr(m, "gradient_checkpointing", False)
+                   and any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__))
+    return (f"transformers' {prefix}_checkpointing_enable() (use_reentrant=False; the KV "
+            "cache is off in training)")
 
 
 def _checkpointed(checkpoint, fwd, *args, **kwargs):
@@ -605,14 +663,22 @@ def _apply_weights(a: Applier, value: str | None) -> None:
 
     dtype = _dtype(value)
 
+    short = str(dtype).replace("torch.", "")
+
     def convert(module, args):
-        params = [p for p in module.parameters() if p.is_floating_point()]
-        before = {p.dtype for p in params}
-        if before != {dtype}:
-            module.to(dtype)
-        a.note(f"weights {value}: each model converted with .to({str(dtype).replace('torch.', '')}) "
-               "at its first call, floating inputs cast to match")
+        if _convert_undoably(a, module, dtype):
+            a.note(f"weights {value}: {type(module).__name__} converted with .to({short}) at "
+                   "its first call (it was made in the cell), floating inputs cast to match")
         return None
+
+    def convert_before(values: dict) -> None:
+        names = [k for k, m in values.items() if isinstance(m, torch.nn.Module)
+                 and _convert_undoably(a, m, dtype)]
+        if names:
+            a.note(f"weights {value}: {', '.join(names)} converted with .to({short}) before the "
+                   "measurement, as if loaded in that dtype"
+                   + ("" if a.on_copy else " (put back after the run)")
+                   + "; floating inputs cast to match")
 
     def cast(module, args):
         return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
@@ -636,9 +702,46 @@ def _apply_weights(a: Applier, value: str | None) -> None:
             a.note(f"weights {value}: {cast} optimizer state tensors made before the "
                    f"conversion were cast to {str(dtype).replace('torch.', '')} with them")
 
+    a.before_run(convert_before)
     a.at_call(convert)
     a.at_call(cast, every=True)
     a.before_step(cast_state)
+
+
+def _convert_undoably(a: Applier, module: Any, dtype: Any) -> bool:
+    """``module.to(dtype)``, undone when the run closes: the same Parameter objects get
+    their old data and gradients back, the buffers their old tensors (the notebook's model
+    is left as it was, on every backend). Keeping the old weights to put back keeps them in
+    memory during the run, which a note says; a run on a copy (the what-if panel's) keeps
+    none. False when it already had that dtype."""
+    import torch
+
+    floating = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    if not floating or floating == {dtype}:
+        return False
+    if a.on_copy or id(module) in a.made_in_run:  # nothing of the notebook's to put back
+        module.to(dtype)
+        return True
+    kept = sum(p.untyped_storage().nbytes() for p in module.parameters() if p.is_floating_point())
+    a.note(f"weights: the {type(module).__name__}'s own weights ({kept / 2**20:,.1f} MiB) stay in "
+           "memory during the run, to be put back after it, and count in it: the what-if "
+           "panel (--whatif) runs on a copy and shows the model as if loaded in that dtype")
+    saved = []
+    for m in module.modules():
+        saved.extend((m._parameters, k, p, p.data, p.grad) for k, p in m._parameters.items()
+                     if p is not None)
+        saved.extend((m._buffers, k, b, None, None) for k, b in m._buffers.items() if b is not None)
+
+    def undo() -> None:
+        with torch.no_grad():
+            for registry, k, obj, data, grad in saved:
+                registry[k] = obj
+                if data is not None:
+                    obj.data = data
+                    obj.grad = grad
+    a.undo_later(undo)
+    module.to(dtype)
+    return True
 
 
 def _apply_grad_mode(a: Applier, value: str) -> None:
@@ -830,8 +933,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          parse_option=_checkpointing_option,
          fixes=lambda f: [("activation checkpointing", {"checkpointing": True})],
          strategy=("", "ckpt", True)),
-    Knob("weights_dtype", "weights dtype", "choice", None, "each model converted at its first "
-         "call (model.half() / .to(bfloat16))", choices=WEIGHT_DTYPES, apply=_apply_weights,
+    Knob("weights_dtype", "weights dtype", "choice", None, "each model converted before the "
+         "measurement, as if loaded in that dtype (.to(bfloat16) / .half())", choices=WEIGHT_DTYPES, apply=_apply_weights,
          cell_value=_dtype, needs="model", short="weights", panel="buttons",
          metavar="{fp32,bf16,fp16}",
          help="What-if knob: convert the model's weights (model.half()).",

@@ -25,6 +25,13 @@ class Patches:
         self._undo.append((obj, name, old))
         setattr(obj, name, value)
 
+    def original(self, obj: Any, name: str) -> Any:
+        """What ``obj.name`` was before this log first set it (its value now if never set)."""
+        for o, n, old in self._undo:
+            if o is obj and n == name:
+                return getattr(type(obj), name, None) if old is _MISSING else old
+        return getattr(obj, name)
+
     def call_on_restore(self, callback: Any) -> None:
         """Call ``callback()`` when :meth:`restore` reaches this point (undoing a change that
         is not an attribute: a cache filled while patched)."""

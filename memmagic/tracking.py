@@ -308,6 +308,11 @@ class StorageTracker(_priv.TorchDispatchMode):
         self.peak_event = -1
         self.peak_op = self.peak_module = self.peak_phase = self.peak_label = None
 
+    def restart(self) -> None:
+        """The run starts now: what is live is ``before`` (a run's setup done inside the
+        tracking, as a what-if knob's conversion of the model, is not the run's)."""
+        self.seed(())
+
     # -- dispatch -----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -c .ci/constraints.txt -e ".[test]"
 .venv/bin/python notebooks/run.py notebooks/01_first_steps.ipynb

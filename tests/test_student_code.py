@@ -151,3 +151,118 @@ def test_a_grad_scaler_step_is_skipped_with_the_backward(ip):
     assert r.error is None and r.breakdown["activations"] == 0
     assert any("GradScaler steps were skipped" in n for n in r.notes)
     assert torch.amp.GradScaler.step.__name__ == "step"  # put back after the run
+
+
+# -- the corpus's cases 06 and 25: checkpointing a transformers model --------------------
+GPT2 = """
+from transformers import GPT2Config, GPT2LMHeadModel
+model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=128, n_embd=64, n_layer=2,
+                                   n_head=2, bos_token_id=0, eos_token_id=0)).to("cuda")
+ids = torch.randint(0, 512, (4, 128), device="cuda")
+"""
+
+
+@pytest.mark.slow
+def test_checkpointing_a_transformers_model_uses_its_own_switch(ip):
+    # wrapped from outside, each GPT2Block appended its keys and values to the KV cache
+    # again in the recompute (256 -> 512 positions: CheckpointError); the model's own
+    # switch turns the cache off in training, as a user's gradient_checkpointing_enable does
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    ip.run_cell(GPT2)
+    panel = ip.run_cell_magic("gpumem", "--whatif -o -q", "model(ids, labels=ids).loss.backward()")
+    base = panel.report.peak
+    panel.set(checkpointing=True)
+    assert panel.error is None and panel.report.error is None, panel.error
+    assert panel.report.peak < base
+    assert any("activation_checkpointing_enable()" in n and "2 block(s) (GPT2Block)" in n
+               for n in panel.report.notes), panel.report.notes
+    panel.set(checkpointing=False)
+    assert panel.report.peak == base
+    # the notebook's model is as it was: no checkpointing left switched on
+    assert ip.run_cell("assert not model.is_activation_checkpointing").error_in_exec is None
+    ip.run_line_magic("gpusim", "off")
+
+
+def test_a_knob_value_given_as_a_value_not_as_option_text(ip):
+    import memmagic
+
+    _sim_model(ip)
+    ns = ip.user_ns
+    r = memmagic.run_cell(memmagic.CellRequest(
+        "model(x).sum().backward()", ns, backend="sim", gpu="T4",
+        session=ip._memmagic_sim_session, knobs={"checkpointing": True}))
+    assert r.error is None  # was AttributeError: 'bool' object has no attribute 'lower'
+
+
+def test_a_whatif_copy_keeps_the_lr_schedulers_mark_on_its_optimizer(ip, recwarn):
+    _sim_model(ip)
+    ip.run_cell("opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                "sched = torch.optim.lr_scheduler.StepLR(opt, 1)")
+    panel = ip.run_cell_magic("gpumem", "--whatif -o -q",
+                              "model(x).sum().backward()\nopt.step()\nsched.step()")
+    assert panel.report.error is None
+    assert not [w for w in recwarn if "optimizer.step()` has been overridden" in str(w.message)]
+
+
+def test_importing_bitsandbytes_in_a_simulated_cell_loads_its_cpu_build(ip):
+    pytest.importorskip("bitsandbytes")  # (installed with the test extras)
+    import subprocess
+    import sys
+    # a fresh process: bitsandbytes (as peft and transformers import it) first imported
+    # inside a simulation saw torch.cuda.is_available() True and loaded its CUDA backend,
+    # which failed on torch._C._cuda_getCurrentRawStream
+    code = ("import IPython, torch\n"
+            "from IPython.testing.globalipapp import start_ipython\n"
+            "ip = start_ipython()\nip.run_line_magic('load_ext', 'memmagic')\n"
+            "ip.run_line_magic('gpusim', 'on --gpu T4')\n"
+            "r = ip.run_cell('import bitsandbytes, peft')\n"
+            "assert r.error_in_exec is None, r.error_in_exec\n"
+            "ip.run_line_magic('gpusim', 'off')\n"
+            "assert torch.cuda.is_available() is False\nprint('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+# -- the corpus's case 02: bf16 weights in an evaluation loop ------------------------------
+def test_weights_dtype_on_a_real_backend_leaves_the_users_model_as_it_was(ip):
+    ip.run_cell("m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))\n"
+                "w, bn = m[0].weight, m[1].running_mean\nx = torch.randn(8, 64)")
+    r = ip.run_cell_magic("gpumem", "--backend cpu --weights-dtype bf16 -o -q", "y = m(x)")
+    assert r.error is None and ip.user_ns["y"].dtype == torch.bfloat16
+    # the same objects with their fp32 data (it was converted for good before the fix)
+    m = ip.user_ns["m"]
+    assert m[0].weight is ip.user_ns["w"] and m[0].weight.dtype == torch.float32
+    assert m[1].running_mean is ip.user_ns["bn"] and m[1].running_mean.dtype == torch.float32
+    assert any("put back after the run" in n for n in r.notes)
+
+
+def test_bf16_weights_halve_a_no_grad_loops_parameters_in_the_whatif_panel(ip):
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    ip.run_cell("model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(),\n"
+                "                            torch.nn.Linear(4096, 1024)).cuda()\n"
+                "x = torch.randn(64, 1024, device='cuda')")
+    panel = ip.run_cell_magic("gpumem", "--whatif -o -q", "with torch.no_grad():\n    y = model(x)")
+    base = panel.report
+    panel.set(weights_dtype="bf16")
+    r = panel.report
+    fp32 = 2 * (1024 * 4096 * 4) + 4096 * 4 + 1024 * 4
+    assert base.breakdown["parameters"] == fp32
+    # converted before the measurement, as if loaded in bf16: half the bytes, and no fp32
+    # copy on top (the conversion's own transient counted before: the peak went up)
+    assert r.breakdown["parameters"] == fp32 // 2
+    assert r.before == fp32 // 2 + 64 * 1024 * 4  # and x
+    assert r.peak < base.peak
+    assert ip.run_cell("assert model[0].weight.dtype == torch.float32").error_in_exec is None
+
+
+def test_random_indices_are_drawn_for_real_so_slicing_by_them_keeps_shapes(ip):
+    # nanoGPT's get_batch: data[i:i + block_size] for i in torch.randint(...): each i and
+    # i + block_size were placeholders (0 and 0), and every slice came out empty
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    r = ip.run_cell("data = torch.randint(0, 100, (10_000,))\n"
+                    "ix = torch.randint(len(data) - 64, (8,))\n"
+                    "X = torch.stack([data[i:i + 64] for i in ix]).to('cuda')\n"
+                    "perm = torch.randperm(16, device='cuda')\n"
+                    "assert X.shape == (8, 64), X.shape\n"
+                    "assert sorted(perm.tolist()) == list(range(16))")
+    assert r.error_in_exec is None, r.error_in_exec

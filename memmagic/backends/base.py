@@ -68,6 +68,9 @@ class Backend(ABC):
         __tracebackhide__ = True
         value = error = None
         holder = Measurement()
+        prepare = getattr(run, "prepare", None)
+        if prepare is not None:  # the run's setup, before the measurement starts
+            prepare(namespace)
         try:
             with self.measuring([namespace] if namespace else None) as holder:
                 value = run(namespace)

@@ -38,4 +38,3 @@ assert 60 * MiB <= r.peak - r.before - 2 * params
 
 # %% tags=["corpus"]
 WHATIF = [("amp", "bf16", "down"), ("checkpointing", True, "down"), ("batch_size", 16, "up")]
-XFAIL = {"whatif": "knobs/sim: --checkpointing on a transformers GPT-2 in training raises CheckpointError (recomputed tensors' metadata differ)"}

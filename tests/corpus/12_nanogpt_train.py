@@ -88,5 +88,3 @@ assert r.peak - r.before >= 2 * 16 * 256 * 8192 * 2, r.peak - r.before
 
 # %% tags=["corpus"]
 WHATIF = [("grad_mode", "no_grad", "down"), ("checkpointing", True, "down"), ("weights_dtype", "bf16", "down")]
-_SLICE = "sim: a host tensor sliced by a data-dependent index (data[i:i + block_size], nanoGPT's get_batch) is empty: X is (16, 0)"
-XFAIL = {"sim_cell": _SLICE, "whatif": _SLICE}

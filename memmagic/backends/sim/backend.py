@@ -294,6 +294,10 @@ class SimBackend(Backend):
             _seed(tracker, state, sandbox, namespace)
             sandbox.release()
             with card.fake_mode, tracking, DeviceRewriteMode(state):
+                prepare = getattr(run, "prepare", None)
+                if prepare is not None:  # the run's setup (a knob's), not measured
+                    prepare(namespace)
+                    tracker.restart()
                 tracker.start_clock()
                 value = run(namespace)
                 return value, _shown(value)  # its repr, while fake tensors print as on a GPU

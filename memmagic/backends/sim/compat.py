@@ -58,7 +58,12 @@ __all__ = ["install_compat", "holds_simulated_tensors"]
 
 # top-level packages whose modules are scanned for names bound to a replaced function
 _WATCHED = frozenset({"transformers", "safetensors", "huggingface_hub", "accelerate", "peft",
-                      "diffusers", "timm"})
+                      "diffusers", "timm", "bitsandbytes"})
+# packages whose import must see this machine's torch.cuda, not the simulated one: with
+# ``torch.cuda.is_available()`` True, bitsandbytes loads its CUDA backend, which calls into
+# the CUDA runtime at import (and peft and transformers import it); its ops stay registered
+# for every device, with fake-tensor kernels the simulation runs
+_IMPORTED_AS_ON_THIS_MACHINE = frozenset({"bitsandbytes"})
 
 
 # -- finding simulated tensors ---------------------------------------------------------------
@@ -335,6 +340,15 @@ class _Run:
             if module.__name__ == mod_name:
                 self.replace(module, attr, make)
 
+    def exec_as_on_this_machine(self, exec_module: Callable, module: Any) -> None:
+        """Run a module's import with this machine's ``torch.cuda.is_available``."""
+        simulated = torch.cuda.is_available
+        torch.cuda.is_available = self.patches.original(torch.cuda, "is_available")
+        try:
+            exec_module(module)
+        finally:
+            torch.cuda.is_available = simulated
+
     def finish(self) -> None:
         """The run is over: stop watching imports, and put back what modules imported
         during the run bound by name."""
@@ -386,7 +400,10 @@ class _ImportWatch(importlib.abc.MetaPathFinder):
 
         def exec_and_adjust(module: Any) -> None:
             try:
-                exec_module(module)
+                if fullname in _IMPORTED_AS_ON_THIS_MACHINE:
+                    run.exec_as_on_this_machine(exec_module, module)
+                else:
+                    exec_module(module)
             finally:
                 try:
                     del loader.exec_module

@@ -39,6 +39,16 @@ _FILL_FACTORIES = {
     _aten.new_zeros.default: lambda a, k: 0, _aten.new_full.default: lambda a, k: a[2],
 }
 _VALUE_FACTORIES = _VALUE_FACTORIES | set(_FILL_FACTORIES)
+# random indices (nanoGPT's ``ix = torch.randint(len(data) - block_size, (batch_size,))``,
+# a shuffle's ``randperm``): drawn for real when small, so slicing by them
+# (``data[i:i + block_size]``) takes the GPU's shapes. A host tensor's draw comes from the
+# host generator (or the one passed), advancing it as the real run does; a GPU tensor's
+# from a generator of the simulation's own (a GPU run would not touch the host's).
+_RANDOM_INDICES = {_aten.randint.default, _aten.randint.low, _aten.randint.generator,
+                   _aten.randint.low_generator, _aten.randperm.default,
+                   _aten.randperm.generator}
+_VALUE_FACTORIES = _VALUE_FACTORIES | _RANDOM_INDICES
+_GPU_DRAWS = torch.Generator().manual_seed(0)
 # ops whose result a known operand decides alone: x | True, x & False, x * 0 (a GPU's
 # stopping criteria: ``unfinished & ~(max_len_done | eos_hit)``)
 _OR_OPS = {_aten.bitwise_or.Tensor, _aten.logical_or.default}
@@ -76,6 +86,8 @@ def _with_values(func, args, kwargs, out):
     with _priv.no_python_modes():
         if fill is not None:
             real = torch.full(tuple(out.shape), fill(args, kwargs), dtype=out.dtype)
+        elif func in _RANDOM_INDICES and out.device.type != "cpu" and kwargs.get("generator") is None:
+            real = func(*args, **{**kwargs, "device": CPU, "generator": _GPU_DRAWS})
         else:
             real = func(*args, **{**kwargs, "device": CPU})
     return _priv.constant_fake(mode, real, out)

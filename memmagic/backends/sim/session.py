@@ -259,10 +259,36 @@ def _copy_names(names: dict[str, Any], copy_tensor: Callable[[torch.Tensor, dict
             except Exception as exc:
                 first = (str(exc).strip().splitlines() or [""])[0]
                 skipped[name] = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        _keep_scheduler_marks(memo)
         memo.clear()
     finally:
         patches.restore()
     return copies, skipped
+
+
+def _keep_scheduler_marks(memo: dict) -> None:
+    """An LR scheduler marks its optimizer's ``step`` (an instance attribute) to check that
+    ``optimizer.step()`` runs before ``scheduler.step()``; an optimizer's deepcopy drops it
+    (``Optimizer.__getstate__``), and the copied scheduler then warns "optimizer.step() has
+    been overridden". The copy gets the same mark, calling its class's ``step`` of the
+    moment (so the what-if knobs' step gates apply to it)."""
+    for original_id, new in list(memo.items()):
+        if not isinstance(new, torch.optim.Optimizer) or "step" in vars(new):
+            continue
+        original = next((o for o in memo.get(id(memo), ()) if id(o) == original_id), None)
+        marked = vars(original).get("step") if original is not None else None
+        if marked is None or not hasattr(marked, "_wrapped_by_lr_sched"):
+            continue
+        ref = weakref.ref(new)
+
+        def step(*args: Any, _ref=ref, **kwargs: Any) -> Any:
+            opt = _ref()
+            opt._opt_called = True
+            return type(opt).step(opt, *args, **kwargs)
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        new.step = step
+        if getattr(original, "_opt_called", False):
+            new._opt_called = True
 
 
 def _copy_value(value: Any, memo: dict) -> Any:

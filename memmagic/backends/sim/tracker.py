@@ -139,6 +139,17 @@ class SimTracker(StorageTracker):
             # the cell's allocator history (for memory_viz snapshots), stamped with op indices
             a.start_log(clock=lambda: self.ops)
 
+    def restart(self) -> None:
+        """The cell starts now (after a what-if knob's setup): the allocator's peaks too
+        (its cache keeps what the setup freed, as a GPU's would)."""
+        super().restart()
+        self.cuda_peak = self.current["device"]
+        a = self.allocator
+        if a is not None:
+            a.reserved_peak = a.reserved
+            a.allocated_peak = a.allocated
+            self.cuda_reserved_peak = a.reserved
+
     def trace(self) -> Trace:
         """The run's trace, with the allocator model's history of the cell attached as
         ``allocator_log`` (:class:`~.allocator.AllocatorLog`; None without a CUDA model).
