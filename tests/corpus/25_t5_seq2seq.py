@@ -46,4 +46,3 @@ assert r.peak - r.before >= 2 * params + 2 * 16 * 48 * 4000 * 4
 # the peak here, 271 -> 275 MB: T5 computes its softmax and norms in fp32 and the loss in
 # fp32; not verified by hand, so not a move.)
 WHATIF = [("weights_dtype", "bf16", "down"), ("checkpointing", True, "down"), ("batch_size", 32, "up")]
-XFAIL = {"whatif": "knobs/sim: --checkpointing on a transformers T5 (through its own activation_checkpointing_enable) raises CheckpointError: a different number of tensors saved in the recompute"}
