@@ -640,6 +640,10 @@ def _library_checkpointing(a: Applier, model: Any, wrapped: list) -> str | None:
     if not getattr(model, f"is_{prefix}_checkpointing", False):  # else the cell turned it on
         enable(**{f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}})
         a.undo_later(getattr(model, f"{prefix}_checkpointing_disable"))
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) and model.training:
+        # as the transformers docs do with checkpointing (else each layer warns on stderr)
+        a.patch(config, "use_cache", False)
     # the repeated layers it checkpoints (transformers' GradientCheckpointingLayer)
     wrapped.extend(type(m).__name__ for m in model.modules()
                    if getattr(m, "gradient_checkpointing", False)
@@ -728,14 +732,13 @@ def _convert_undoably(a: Applier, module: Any, dtype: Any) -> bool:
            "panel (--whatif) runs on a copy and shows the model as if loaded in that dtype")
     saved = []
     for m in module.modules():
-        saved.extend((m._parameters, k, p, p.data, p.grad) for k, p in m._parameters.items()
-                     if p is not None)
-        saved.extend((m._buffers, k, b, None, None) for k, b in m._buffers.items() if b is not None)
+        saved.extend((m, k, p, p.data, p.grad) for k, p in m.named_parameters(recurse=False))
+        saved.extend((m, k, b, None, None) for k, b in m.named_buffers(recurse=False))
 
     def undo() -> None:
         with torch.no_grad():
-            for registry, k, obj, data, grad in saved:
-                registry[k] = obj
+            for m, k, obj, data, grad in saved:
+                setattr(m, k, obj)  # a registered name: the registration (and persistence) stays
                 if data is not None:
                     obj.data = data
                     obj.grad = grad

@@ -143,13 +143,15 @@ def test_placeholders_print_as_placeholders_and_the_note_names_lines():
             total += loss.item()
         seen["text"] = f"loss {loss.item():.4f}"
         seen["total"] = repr(total)
-        seen["int"] = str(torch.randint(0, 9, (), device="cuda").item())
+        seen["int"] = str(model(torch.randn(4, 8, device="cuda")).argmax().item())
+        seen["draw"] = torch.randint(0, 9, (), device="cuda").item()  # drawn for real
         seen["real"] = repr(torch.arange(3, device="cuda").sum().item())
     """, {"seen": Recorder(seen)})
     assert out.error is None, out.error
     assert seen["text"] == "loss 1.0000(simulated)"
     assert seen["total"] == "6.0(simulated)"      # arithmetic keeps the mark
     assert seen["int"] == "0(simulated)"
+    assert type(seen["draw"]) is int and 0 <= seen["draw"] < 9  # random indices are real
     assert seen["real"] == "3"                    # a value the simulation has is plain
     note = next(n for n in out.report.notes if "depend on data were read" in n)
     # lines of the cell, not internal reads: three lines read placeholders
