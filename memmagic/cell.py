@@ -412,10 +412,14 @@ class Cell:
             # a run on a copy of the notebook's simulated GPU changes nothing it must put back
             applier.on_copy = cell.backend_options.get("start_from") is not None
             prepared.append(applier)
-            for knob in KNOBS.values():
-                if knob.apply is not None and knob.var not in cell.reads:
-                    knob.apply(applier, getattr(setting, knob.name))
-            applier.prepare({k: ns[k] for k in sorted(cell.names) if k in ns})
+            try:
+                for knob in KNOBS.values():
+                    if knob.apply is not None and knob.var not in cell.reads:
+                        knob.apply(applier, getattr(setting, knob.name))
+                applier.prepare({k: ns[k] for k in sorted(cell.names) if k in ns})
+            except BaseException:
+                applier.close()
+                raise
 
         def run(ns: dict) -> Any:
             __tracebackhide__ = True

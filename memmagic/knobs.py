@@ -331,14 +331,9 @@ class Applier:
         self._before_run.append(fn)
 
     def prepare(self, values: dict) -> None:
-        """Run the :meth:`before_run` functions (the backend calls this before measuring;
-        a failure closes the applier)."""
-        try:
-            for fn in self._before_run:
-                fn(values)
-        except BaseException:
-            self.close()
-            raise
+        """Run the :meth:`before_run` functions (the backend calls this before measuring)."""
+        for fn in self._before_run:
+            fn(values)
 
     def undo_later(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` when :meth:`close` undoes the run's changes, in reverse order."""
@@ -666,13 +661,12 @@ def _apply_weights(a: Applier, value: str | None) -> None:
     import torch
 
     dtype = _dtype(value)
-
     short = str(dtype).replace("torch.", "")
 
     def convert(module, args):
         if _convert_undoably(a, module, dtype):
-            a.note(f"weights {value}: {type(module).__name__} converted with .to({short}) at "
-                   "its first call (it was made in the cell), floating inputs cast to match")
+            a.note(f"weights {value}: {type(module).__name__} (not a name the cell uses) "
+                   f"converted with .to({short}) at its first call, floating inputs cast to match")
         return None
 
     def convert_before(values: dict) -> None:
@@ -704,7 +698,7 @@ def _apply_weights(a: Applier, value: str | None) -> None:
                         cast += 1
         if cast:
             a.note(f"weights {value}: {cast} optimizer state tensors made before the "
-                   f"conversion were cast to {str(dtype).replace('torch.', '')} with them")
+                   f"conversion were cast to {short} with them")
 
     a.before_run(convert_before)
     a.at_call(convert)
@@ -937,7 +931,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          fixes=lambda f: [("activation checkpointing", {"checkpointing": True})],
          strategy=("", "ckpt", True)),
     Knob("weights_dtype", "weights dtype", "choice", None, "each model converted before the "
-         "measurement, as if loaded in that dtype (.to(bfloat16) / .half())", choices=WEIGHT_DTYPES, apply=_apply_weights,
+         "measurement, as if loaded in that dtype (.to(bfloat16) / .half())",
+         choices=WEIGHT_DTYPES, apply=_apply_weights,
          cell_value=_dtype, needs="model", short="weights", panel="buttons",
          metavar="{fp32,bf16,fp16}",
          help="What-if knob: convert the model's weights (model.half()).",

@@ -266,3 +266,18 @@ def test_random_indices_are_drawn_for_real_so_slicing_by_them_keeps_shapes(ip):
                     "assert X.shape == (8, 64), X.shape\n"
                     "assert sorted(perm.tolist()) == list(range(16))")
     assert r.error_in_exec is None, r.error_in_exec
+
+
+class _Unconvertible(torch.nn.Linear):
+    def _apply(self, fn, recurse=True):  # a .to() that fails, as an OOM in the conversion would
+        raise RuntimeError("this model cannot be converted")
+
+
+def test_a_failed_knob_setup_is_the_runs_error_on_a_real_backend(clean_state):
+    from memmagic import Cell
+
+    m = _Unconvertible(8, 8)
+    r = Cell("y = m(x)", {"m": m, "x": torch.randn(2, 8)}, backend="cpu").run(weights_dtype="bf16")
+    # the setup runs before the measurement; its error is the report's, as in the sim
+    assert r.error is not None and "this model cannot be converted" in r.error
+    assert m.weight.dtype == torch.float32

@@ -69,10 +69,16 @@ class Backend(ABC):
         value = error = None
         holder = Measurement()
         prepare = getattr(run, "prepare", None)
+        failed_setup = None
         if prepare is not None:  # the run's setup, before the measurement starts
-            prepare(namespace)
+            try:
+                prepare(namespace)
+            except BaseException as exc:  # the run's error, as in the sim (reported below)
+                failed_setup = exc
         try:
             with self.measuring([namespace] if namespace else None) as holder:
+                if failed_setup is not None:
+                    raise failed_setup
                 value = run(namespace)
         except BaseException as exc:  # handed back to the caller, who re-raises it
             error = exc

@@ -133,22 +133,24 @@ class SimTracker(StorageTracker):
         self._closed = False
         self.quiet = 0
         a = self.allocator
+        self._restart_report_peaks()
         if a is not None:
-            a.reserved_peak = a.reserved
-            a.allocated_peak = a.allocated
             # the cell's allocator history (for memory_viz snapshots), stamped with op indices
             a.start_log(clock=lambda: self.ops)
 
     def restart(self) -> None:
-        """The cell starts now (after a what-if knob's setup): the allocator's peaks too
-        (its cache keeps what the setup freed, as a GPU's would)."""
+        """The cell starts now (after a what-if knob's setup): the report's allocator peaks
+        too (its cache keeps what the setup freed, as a GPU's would; torch.cuda's own
+        counters are the card's and stay)."""
         super().restart()
-        self.cuda_peak = self.current["device"]
+        self._restart_report_peaks()
+
+    def _restart_report_peaks(self) -> None:
+        """The report's reserved and allocated peaks start from what the allocator holds."""
         a = self.allocator
         if a is not None:
             a.reserved_peak = a.reserved
             a.allocated_peak = a.allocated
-            self.cuda_reserved_peak = a.reserved
 
     def trace(self) -> Trace:
         """The run's trace, with the allocator model's history of the cell attached as
