@@ -210,7 +210,7 @@ no_dispatch = torch._C._DisableTorchDispatch
 
 __all__ += [
     "OpOverload", "DEFAULT_CONSTANT_NUMEL_LIMIT", "FAKE_DEVICE_ATTR", "PARSE_TO_FUNCTION",
-    "no_dispatch", "dispatch_keys", "bare_fake", "register_fake_constant", "fake_debug_enabled",
+    "no_dispatch", "dispatch_keys", "bare_fake", "register_fake_constant", "fake_alias", "fake_debug_enabled",
     "fake_tensor_device_getter", "dataloader_iterator_slot", "destroy_library",
     "default_foreach_slots",
 ]
@@ -243,6 +243,19 @@ def register_fake_constant(mode: FakeTensorMode, const: torch.Tensor, fake: Fake
     conv = mode.fake_tensor_converter
     conv.add_constant_storage_mapping(fake)
     conv.set_tensor_memo(const, fake)
+
+
+def fake_alias(base: FakeTensor, out: FakeTensor) -> FakeTensor:
+    """``out`` (a FakeTensor carrying a constant, on a storage of its own) remade on
+    ``base``'s storage with its sizes, strides, offset, fake device and constant, and
+    registered as a constant."""
+    mode = base.fake_mode
+    with no_dispatch():
+        meta = torch.empty((0,), dtype=out.dtype, device="meta")
+        meta.set_(base.untyped_storage(), out.storage_offset(), out.shape, out.stride())
+    fake = FakeTensor(mode, meta, out.fake_device, constant=out.constant)
+    register_fake_constant(mode, out.constant, fake)
+    return fake
 
 
 def fake_debug_enabled() -> bool:

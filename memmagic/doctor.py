@@ -178,15 +178,8 @@ class Snapshot:
 def snapshot(namespace: Mapping[str, Any]) -> Snapshot:
     """What the namespace holds now: the storages of every tensor reachable from it, and
     of the autograd graphs they keep (for :func:`retained` ``since=``)."""
-    found = _walk(_roots(namespace))
     refs: dict[int, Any] = {}
-    keys = dict(found.tensors)
-    for key, t in list(found.tensors.items()):
-        for s in _graph(t)[0]:
-            info = _storage(s)
-            if info is not None:
-                keys.setdefault(info[0], s)
-    for key, t in keys.items():
+    for key, t in _reach(_walk(_roots(namespace))).items():
         try:
             refs[key] = weakref.ref(t.untyped_storage())
         except (TypeError, RuntimeError, NotImplementedError):
@@ -364,6 +357,42 @@ def _pin_graphs(rows: list[dict[str, Any]], counted: set[int], since: Snapshot |
                 graph_saved.append((s, info[1]))
         r.update(graph_bytes=gbytes, graph_nodes=nodes, chain=chain, graphs=graphs)
     return graph_saved
+
+
+def freed_by_del(namespace: Mapping[str, Any], names: Iterable[str],
+                 report: MemoryReport) -> tuple[tuple[str, ...], int]:
+    """What ``del`` of these names would free: (the names, in the namespace's order, that
+    hold any storage no other name reaches, tensors or the autograd graphs they keep; the
+    bytes of those storages as ``report``'s device counts them). Modules and optimizers
+    are left out: they are what the next attempt needs."""
+    import torch
+
+    wanted = set(names)
+    roots = _roots(namespace)
+    mine = [(k, v) for k, v in roots if k in wanted
+            and not isinstance(v, (torch.nn.Module, torch.optim.Optimizer))]
+    others = [(k, v) for k, v in roots if k not in {m for m, _ in mine}]
+    kept = set(_reach(_walk(others)))
+    held: dict[int, Any] = {}
+    holders = []
+    for name, value in mine:
+        new = {k: t for k, t in _reach(_walk([(name, value)])).items() if k not in kept}
+        if new:
+            holders.append(name)
+            held.update(new)
+    nbytes = _as_allocated([(t, _storage(t)[1]) for t in held.values()], report)
+    return tuple(holders), nbytes
+
+
+def _reach(found: _Found) -> dict[int, Any]:
+    """Storage key -> tensor of everything ``found`` holds and the graphs its tensors keep."""
+    out = dict(found.tensors)
+    for t in list(found.tensors.values()):
+        for s in _graph(t)[0]:
+            info = _storage(s)
+            if info is not None:
+                out.setdefault(info[0], s)
+    return out
 
 
 def _as_allocated(storages: Iterable[tuple[Any, int]], report: MemoryReport) -> int:
@@ -606,7 +635,10 @@ class OOMDescription:
     ``by_category``: those bytes per category; ``by_holder``: (name, bytes) of what the
     namespace holds (the model, the optimizer, the batch) and the failed cell's frames
     (the rest: its activations and temporaries); ``by_module``: (module, activation bytes);
-    ``op``/``phase``/``module``/``line``: where it asked."""
+    ``op``/``phase``/``module``/``line``: where it asked; ``left``/``left_bytes``: names
+    the failed cell bound that still hold memory no other name holds (a loss with its
+    autograd graph, a batch), and its bytes: re-running earlier cells does not free it
+    (on a GPU neither), ``del`` does."""
 
     requested: int | None
     live: int | None
@@ -618,6 +650,13 @@ class OOMDescription:
     phase: str | None
     module: str | None
     line: str | None
+    left: tuple[str, ...] = ()
+    left_bytes: int = 0
+
+    @property
+    def del_line(self) -> str | None:
+        """The line that frees what the failed cell's names still hold (None: nothing)."""
+        return f"del {', '.join(self.left)}" if self.left else None
 
     def __str__(self) -> str:
         req = format_bytes(self.requested) if self.requested is not None else "an unknown amount"
@@ -637,16 +676,42 @@ class OOMDescription:
         if self.by_module:
             lines.append("  activations by module: " + ", ".join(
                 f"{k} {format_bytes(v)}" for k, v in self.by_module[:5]))
+        if self.left:
+            lines.append(f"  {self.left_text()}")
         return "\n".join(lines)
+
+    def left_text(self) -> str:
+        names = ", ".join(f"`{n}`" for n in self.left)
+        return (f"{names}, bound by this cell, still hold{'s' if len(self.left) == 1 else ''} "
+                f"{format_bytes(self.left_bytes)} (tensors and the autograd graphs they keep): "
+                f"`{self.del_line}` frees it; re-running earlier cells does not")
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(str(self))
 
 
+def _live_holders(namespace: Mapping[str, Any], live: int) -> list[tuple[str, int]]:
+    """(holder, bytes) of what the namespace holds, largest first, and the rest of ``live``
+    as the failed cell's frames."""
+    found = _walk(_roots(namespace))
+    per: dict[str, int] = {}
+    for key, t in found.tensors.items():
+        group = found.groups.get(key)
+        name = group.split(" (")[0] if group else sorted(found.paths[key], key=_rank)[0]
+        per[name] = per.get(name, 0) + _storage(t)[1]
+    holders = sorted(per.items(), key=lambda kv: -kv[1])[:8]
+    rest = live - sum(per.values())
+    if rest > 0:
+        holders.append(("the failed cell's frames (activations, temporaries)", rest))
+    return holders
+
+
 def describe_oom(report: MemoryReport, error: BaseException | None = None,
-                 namespace: Mapping[str, Any] | None = None) -> OOMDescription:
+                 namespace: Mapping[str, Any] | None = None, bound: Iterable[str] = ()
+                 ) -> OOMDescription:
     """What the out of memory of ``report``'s run was made of (call it before the failed
-    cell's frames are cleared: their bytes are what the namespace does not explain)."""
+    cell's frames are cleared: their bytes are what the namespace does not explain);
+    ``bound``: the names the cell assigns (what of them still holds memory is named)."""
     requested = report.failed_request
     if requested is None and error is not None:
         requested = requested_bytes(error)
@@ -656,18 +721,7 @@ def describe_oom(report: MemoryReport, error: BaseException | None = None,
         by_category = trace.breakdown_at(len(trace.events) - 1)
     else:
         by_category = dict(report.breakdown)
-    holders: list[tuple[str, int]] = []
-    if namespace is not None:
-        found = _walk(_roots(namespace))
-        per: dict[str, int] = {}
-        for key, t in found.tensors.items():
-            group = found.groups.get(key)
-            name = group.split(" (")[0] if group else sorted(found.paths[key], key=_rank)[0]
-            per[name] = per.get(name, 0) + _storage(t)[1]
-        holders = sorted(per.items(), key=lambda kv: -kv[1])[:8]
-        rest = (live or 0) - sum(per.values())
-        if rest > 0:
-            holders.append(("the failed cell's frames (activations, temporaries)", rest))
+    holders = _live_holders(namespace, live or 0) if namespace is not None else []
     by_module = tuple((r.module, r.activations) for r in report.modules_at(None) if r.activations)
     op = phase = module = None
     if trace is not None and trace.ops:
@@ -680,8 +734,11 @@ def describe_oom(report: MemoryReport, error: BaseException | None = None,
         uf = _user_frame(error.__traceback__)
         if uf is not None:
             line = f"line {uf[1]}" + (f" (`{uf[3]}`)" if uf[3] else "")
+    left, left_bytes = (), 0
+    if namespace is not None and bound:
+        left, left_bytes = freed_by_del(namespace, bound, report)
     return OOMDescription(requested, live, report.gpu_memory, dict(by_category), tuple(holders),
-                          by_module, op, phase, module, line)
+                          by_module, op, phase, module, line, left, left_bytes)
 
 
 # -- strategies --------------------------------------------------------------------------------
@@ -803,7 +860,8 @@ class Advice:
                 requested=self.oom.requested, live=self.oom.live, capacity=self.oom.capacity,
                 by_category=dict(self.oom.by_category), by_holder=[list(x) for x in self.oom.by_holder],
                 by_module=[list(x) for x in self.oom.by_module], op=self.oom.op, phase=self.oom.phase,
-                module=self.oom.module, line=self.oom.line),
+                module=self.oom.module, line=self.oom.line, left=list(self.oom.left),
+                left_bytes=self.oom.left_bytes),
             "strategies": [dict(label=s.label, knobs=dict(s.knobs), peak=s.peak,
                                 reserved_peak=s.reserved_peak, fits=s.fits, reason=s.reason,
                                 out_of_memory=s.out_of_memory)
@@ -822,7 +880,8 @@ def _html_table(caption: str, head: Sequence[str], rows: Sequence[Sequence[str]]
 def advise(namespace: Mapping[str, Any] | None = None, *, report: MemoryReport | None = None,
            error: BaseException | None = None, since: Snapshot | None = None,
            cell: Any = None, strategies: bool = False, world_sizes: Sequence[int] = (),
-           gpu: Any = None, gpu_memory: int | str | None = None) -> Advice:
+           gpu: Any = None, gpu_memory: int | str | None = None, bound: Iterable[str] = ()
+           ) -> Advice:
     """Everything the doctor can say about one cell, as data.
 
     ``report``/``error``: the measured run and its exception (an out of memory is
@@ -830,14 +889,15 @@ def advise(namespace: Mapping[str, Any] | None = None, *, report: MemoryReport |
     ``since``: the :func:`snapshot` taken before the cell (the retained table then lists
     what the cell left); ``cell`` with ``strategies=True``: the cell to re-run with each
     knob (a :class:`memmagic.cell.Cell`, or source text) to rank the fixes;
-    ``world_sizes``: also simulate FSDP2 over these GPU counts."""
+    ``world_sizes``: also simulate FSDP2 over these GPU counts; ``bound``: the names the
+    cell assigns (after an out of memory, what of them still holds memory is named)."""
     notes: list[str] = []
     ret = retained(namespace, since=since, report=report) if namespace is not None else None
     oom = failure = None
     if error is not None:
         if is_out_of_memory(error):
             if report is not None:
-                oom = describe_oom(report, error, namespace)
+                oom = describe_oom(report, error, namespace, bound)
         else:
             failure = traceback_holdings(error, namespace)
     baseline, ranked = None, ()

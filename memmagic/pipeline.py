@@ -81,7 +81,16 @@ class CellResult:
         return (f"memmagic: out of memory on {r.device}: tried to allocate "
                 f"{requested_text(self.error) or 'an unknown amount'} while "
                 f"{format_bytes(r.after)} of tensors were live (peak {format_bytes(r.peak)}). "
-                "The failed cell's local variables were released.")
+                "The failed cell's local variables were released." + _left_text(r))
+
+
+def _left_text(report: MemoryReport) -> str:
+    """The sentence on what the failed cell's names still hold ('' when nothing)."""
+    oom = getattr(report.advice, "oom", None)
+    if oom is None or not oom.left:
+        return ""
+    text = oom.left_text()
+    return f" {text[0].upper()}{text[1:]}."
 
 
 # -- the request's parts --------------------------------------------------------------------
@@ -298,7 +307,8 @@ def _advise(request: CellRequest, report: MemoryReport, error: BaseException | N
             cell = _ranking_cell(request)
         return doctor.advise(view, report=report, error=error, cell=cell,
                              strategies=cell is not None,
-                             world_sizes=(2, 4, 8) if request.advise else ())
+                             world_sizes=(2, 4, 8) if request.advise else (),
+                             bound=_bound_names(request))
     except RequestError:
         return None
     except Exception as exc:  # the doctor never hides the cell's own outcome
@@ -307,18 +317,23 @@ def _advise(request: CellRequest, report: MemoryReport, error: BaseException | N
         return None
 
 
+def _bound_names(request: CellRequest) -> list[str]:
+    """The names the cell's source assigns (none for a function run)."""
+    from .cell import source_names
+
+    return sorted(source_names(request.source)[1]) if request.source else []
+
+
 def _ranking_cell(request: CellRequest):
     """The engine the doctor ranks fixes with: the cell as written on the simulated GPU (a
     card of the real one's size after a real out of memory), from the state before the cell
     ran (what it bound before failing, a model it builds, stays out of the copy)."""
-    from .cell import source_names
-
     sim = request
     if request.backend != "sim":
         sim = replace(request, backend="sim", gpu=None, gpu_memory=_real_card_memory(request),
                       device=None, breakdown=True)
     sim = replace(sim, knobs={})
-    return make_cell(sim, isolated=True, leave_out=tuple(sorted(source_names(request.source)[1])))
+    return make_cell(sim, isolated=True, leave_out=tuple(_bound_names(request)))
 
 
 def _real_card_memory(request: CellRequest) -> str | None:

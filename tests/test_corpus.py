@@ -141,14 +141,28 @@ _corpus_result("advise", ok=True, retained=adv.retained, unnamed=_ret.unnamed,
 '''
 
 OOM_CARD = '''\
-# a card between what is allocated before the step and the step's peak (at least 64 MiB)
-_card = max(64 * MiB, r.before + 6 * (r.peak - r.before) // 10) // MiB
+# a card between what the notebook's card reserves now (its tensors in the allocator's
+# segments, the cache emptied) and the step's reserved peak in (a), at least 64 MiB
+import torch as _torch
+_torch.cuda.empty_cache()
+_now = _torch.cuda.memory_reserved()
+_card = max(64 * MiB, _now + 6 * (max(r.reserved_peak, _now) - _now) // 10) // MiB
 '''
 
 OOM_CHECK = '''\
 assert oom.failed_request is not None, f"no out of memory on a {_card} MiB card: {oom}"
 assert oom.fits is False and oom.advice is not None and oom.advice.oom is not None
 _ranked = [(s.label, s.fits) for s in oom.advice.strategies]
+'''
+
+# the student runs the line the report gives: it frees exactly what the report says
+OOM_DEL = '''\
+import torch as _torch
+_held = _torch.cuda.memory_allocated()
+if oom.advice.oom.left:
+    exec(oom.advice.oom.del_line)
+assert _held - _torch.cuda.memory_allocated() == oom.advice.oom.left_bytes, (
+    _held - _torch.cuda.memory_allocated(), oom.advice.oom.left_bytes, oom.advice.oom.left)
 '''
 
 OOM_AFTER = '''\
@@ -198,6 +212,9 @@ def notebook(case: Case) -> tuple[nbformat.NotebookNode, dict[int, str]]:
     # (e) out of memory on a smaller card, then the step on the T4 again
     add("oom", on, *case.setup, OOM_CARD,
         "%%gpumem --gpu-memory {_card}MiB --no-raise -o -q --no-chart -v oom\n" + step, OOM_CHECK,
+        # names the failed step bound (a loss with its graph) hold memory, on a GPU as here:
+        # the report's `del` line frees it
+        OOM_DEL,
         # a failed optimizer step leaves the optimizer's state half made, on a GPU as here
         # (Adam's next step raises KeyError: 'exp_avg'): start again from the setup, as a
         # student would

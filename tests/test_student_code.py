@@ -281,3 +281,77 @@ def test_a_failed_knob_setup_is_the_runs_error_on_a_real_backend(clean_state):
     # the setup runs before the measurement; its error is the report's, as in the sim
     assert r.error is not None and "this model cannot be converted" in r.error
     assert m.weight.dtype == torch.float32
+
+
+# -- what a failed step's names hold after an out of memory (corpus case 04) ----------------
+def _allocated(ip) -> int:
+    ip.run_cell("_a = torch.cuda.memory_allocated()")
+    return ip.user_ns["_a"]
+
+
+LSTM = """
+import torch
+lstm = torch.nn.LSTM(256, 1024, 2, batch_first=True).cuda()
+head = torch.nn.Linear(1024, 96).cuda()
+x = torch.randn(32, 32, 256, device="cuda")
+"""
+
+LSTM_STEP = """
+out, state = lstm(x)
+loss = head(out).float().pow(2).mean()
+loss.backward()
+"""
+
+
+def _backward_fails(ip) -> int:
+    """The setup on a T4, and a card (MiB) between the forward's peak and the step's."""
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    ip.run_cell(LSTM)
+    forward = LSTM_STEP.replace("loss.backward()", "")
+    f = ip.run_cell_magic("gpumem", "--backend sim --gpu T4 -o -q --no-chart", forward).peak
+    b = ip.run_cell_magic("gpumem", "--backend sim --gpu T4 -o -q --no-chart", LSTM_STEP).peak
+    assert b > f + 8 * MiB
+    return (f + b) // 2 // MiB
+
+
+def test_after_an_oom_the_report_names_the_del_that_frees_what_the_step_left(ip, capsys):
+    # the backward fails: `out`, `state` and `loss` hold the step's autograd graph, as on
+    # a GPU (re-running the setup does not free it); the report's `del` line frees exactly
+    # what it says
+    oom = ip.run_cell_magic("gpumem", f"--gpu-memory {_backward_fails(ip)}MiB --no-raise -o -q",
+                            LSTM_STEP)
+    assert oom.failed_request is not None
+    desc = oom.advice.oom
+    assert set(desc.left) == {"out", "state", "loss"} and desc.left_bytes > 0
+    assert desc.del_line.startswith("del ") and "re-running earlier cells does not" in str(desc)
+    held = _allocated(ip)
+    ip.run_cell(desc.del_line)
+    assert held - _allocated(ip) == desc.left_bytes
+    # what remains is the model, the batch and the gradients the backward had made
+    assert "lstm" in ip.user_ns and "x" in ip.user_ns
+
+
+def test_the_oom_line_says_which_names_to_delete(ip, capsys):
+    ip.run_cell_magic("gpumem", f"--gpu-memory {_backward_fails(ip)}MiB --no-raise --no-chart",
+                      LSTM_STEP)
+    err = " ".join(capsys.readouterr().err.split())
+    assert "bound by this cell, still hold" in err and "`del " in err, err
+
+
+# -- a view of an earlier cell's small tensor (corpus case 04's `text[:, i:i + 32]`) -------
+def test_a_view_of_an_earlier_cells_tensor_takes_no_memory(ip):
+    # small factory outputs carry their values (constants); FakeTensorMode made views of
+    # them on storages of their own once its memo was emptied at a cell's start
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    ip.run_cell("import torch\ntext = torch.zeros(32, 97, device='cuda', dtype=torch.long)")
+    one = _allocated(ip)
+    assert one == 25088  # 32 x 97 x 8 B = 24,832 B, in 512-byte blocks
+    ip.run_cell("x, y = text[:, 0:32], text[:, 1:33]\nrows = text.unbind(0)\nflat = text.view(-1).t()")
+    assert _allocated(ip) == one
+    ip.run_cell("assert x.untyped_storage().nbytes() == 24832\nok = int(x[0, 0] + rows[3][5])")
+    assert ip.user_ns["ok"] == 0
+    ip.run_cell("text[0, 0] = 7")  # a write through the base reaches the views' values
+    ip.run_cell("seen = int(x[0, 0])")
+    assert ip.user_ns["seen"] == 7
+    ip.run_cell("del text, x, y, rows, flat")
+    assert _allocated(ip) == 0

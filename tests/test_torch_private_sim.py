@@ -155,6 +155,27 @@ def test_register_fake_constant_memoizes_like_the_converter():
     assert priv.fake_constant(fake).item() == 4.0
 
 
+def test_fake_alias_puts_a_constant_view_on_its_bases_storage(monkeypatch):
+    monkeypatch.setattr(*priv.constant_numel_limit_holder(), 4096)  # as the simulation does
+    mode = priv.new_fake_mode()
+    base = priv.constant_fake(mode, torch.arange(12).view(3, 4), mode.from_tensor(torch.empty(0)))
+    priv.forget_fake_memo(mode)  # what a simulated cell's start does
+    with mode:
+        view = base.t()[1:]   # computed for real: a fake on a storage of its own
+    assert priv.storage_key(view.untyped_storage()) != priv.storage_key(base.untyped_storage())
+    alias = priv.fake_alias(base, view)
+    assert priv.storage_key(alias.untyped_storage()) == priv.storage_key(base.untyped_storage())
+    assert alias.shape == view.shape and alias.stride() == view.stride()
+    assert alias.storage_offset() == view.storage_offset() == 1
+    assert alias.fake_mode is mode and priv.fake_constant(alias).tolist() == [[1, 5, 9], [2, 6, 10], [3, 7, 11]]
+    with mode:
+        base.add_(1)  # computed for real on the base's value: the alias sees it
+    assert priv.fake_constant(alias).tolist() == [[2, 6, 10], [3, 7, 11], [4, 8, 12]]
+    with mode:
+        base.copy_(mode.from_tensor(torch.zeros(3, 4, dtype=torch.long)))  # unknown values
+    assert priv.fake_constant(alias) is None  # forgotten with the base's
+
+
 def test_fake_debug_enabled_reads_the_config():
     from torch._subclasses.fake_tensor import FakeTensorConfig
 

@@ -57,4 +57,3 @@ assert r.breakdown["optimizer_state"] in (0, 2 * params)
 # fp16 autocast halves the LSTM's saved gates; a smaller optimizer state (SGD keeps none);
 # bf16 weights halve parameters, gradients and Adam's moments
 WHATIF = [("amp", "fp16", "down"), ("weights_dtype", "bf16", "down"), ("grad_mode", "no_grad", "down")]
-XFAIL_LOOSE = {"oom": "after an OOM and the setup re-run, the step peaks above (a): the failed step's memory stays on the simulated card (being fixed in backends/sim)"}

@@ -25,4 +25,3 @@ assert r.peak - r.before <= 64 * MiB
 
 # %% tags=["corpus"]
 WHATIF = [("weights_dtype", "fp32", "up"), ("batch_size", 8, "up"), ("amp", "bf16", "same")]
-XFAIL_LOOSE = {"oom": "after an OOM and the setup re-run, the step peaks above (a): the failed step's memory stays on the simulated card (being fixed in backends/sim)"}

@@ -71,7 +71,44 @@ def propagate(func, args: tuple, kwargs: dict, out):
         _priv.drop_constant(out)
         return out
     _drop_unfounded(args, kwargs, out)
+    if func in _VIEW_OPS or (func not in _NOT_VIEWS and _is_view(func)):
+        return _realias(args, out)
     return out
+
+
+_VIEW_OPS: set = set()
+_NOT_VIEWS: set = set()
+
+
+def _is_view(func) -> bool:
+    view = bool(getattr(func, "is_view", False))
+    (_VIEW_OPS if view else _NOT_VIEWS).add(func)
+    return view
+
+
+def _realias(args: tuple, out):
+    """A view op's outputs, on its input's storage. On constants FakeTensorMode computes a
+    view for real and converts the result; its real->fake memo (which would find the input
+    again) is emptied at each cell's start, so a view of a constant made in an earlier cell
+    came out on a storage of its own: ``x = text[:, :32]`` took memory a GPU does not
+    spend."""
+    base = args[0] if args else None
+    if not (_priv.is_fake(base) and base.constant is not None):
+        return out
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    key = _priv.storage_key(base.untyped_storage())
+    real = base.constant.untyped_storage().data_ptr()
+    fixed = []
+    for o in outs:
+        c = getattr(o, "constant", None)
+        if (c is None or _priv.storage_key(o.untyped_storage()) == key
+                or c.untyped_storage().data_ptr() != real):
+            fixed.append(o)
+            continue
+        fixed.append(_priv.fake_alias(base, o))
+    if not isinstance(out, (tuple, list)):
+        return fixed[0]
+    return type(out)(fixed)
 
 
 def _with_values(func, args, kwargs, out):

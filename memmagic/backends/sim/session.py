@@ -109,9 +109,10 @@ class Card:
         except AllocatorFull:
             self.target = old
             raise SimulationUnsupported(
-                f"the simulated GPU holds {tr.current['device']:,} B from earlier cells, more than "
-                f"{target.name if target else 'the new card'} can take: run %gpusim reset "
-                "(or memmagic.reset_simulated_gpu()) first") from None
+                f"the simulated GPU holds {format_bytes(tr.current['device'])} of tensors from "
+                f"earlier cells ({format_bytes(tr.allocator.reserved)} reserved in the "
+                f"allocator's segments), more than {target.name if target else 'the new card'} "
+                "can take: run %gpusim reset (or memmagic.reset_simulated_gpu()) first") from None
         tr.allocator = new
         if tr.memory_fraction is not None and target is not None:
             tr.card_memory = target.total_memory  # what the OOM message calls the capacity
