@@ -18,7 +18,7 @@ from .report import Category, MemoryReport, format_bytes, parse_bytes
 __all__ = [
     "Category", "MemoryReport", "format_bytes", "parse_bytes", "measure", "track",
     "run_cell", "CellRequest",
-    "Cell", "Setting", "KNOBS", "find_batch_size", "WhatIfPanel",
+    "Cell", "Setting", "KNOBS", "find_batch_size", "find_seq_len", "WhatIfPanel",
     "load_ipython_extension", "unload_ipython_extension", "__version__",
 ]
 __version__ = "0.1.0"
@@ -38,10 +38,10 @@ def __getattr__(name: str):
         from . import cell, knobs
 
         return getattr(cell, name, None) or getattr(knobs, name)
-    if name == "find_batch_size":  # memmagic.sweep.sweep() is the sweep itself
+    if name in ("find_batch_size", "find_seq_len"):  # memmagic.sweep.sweep() is the sweep itself
         import importlib
 
-        return importlib.import_module(f"{__name__}.sweep").find_batch_size
+        return getattr(importlib.import_module(f"{__name__}.sweep"), name)
     if name == "WhatIfPanel":
         from .widgets import WhatIfPanel
 

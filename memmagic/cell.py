@@ -53,9 +53,11 @@ class RunInfo:
     backward_calls: int = 0
     built: list[str] = field(default_factory=list)       # names bound to models/optimizers it made
     batch_names: tuple[str, ...] = ()                    # namespace batch tensors it resized
+    seq_names: tuple[str, ...] = ()                      # namespace token tensors it resized
     sim: bool = False
     reads: frozenset[str] = frozenset()                  # knob variables the cell reads
     batch_known: bool = False                            # a batch size to start from exists
+    seq_known: bool = False                              # a sequence length to start from exists
     notes: list[str] = field(default_factory=list)       # how memmagic applied the knobs
     module_classes: set[str] = field(default_factory=set)  # classes of the models' modules
 
@@ -134,16 +136,27 @@ def _batch_tensors(value: Any) -> list:
     return [t for t in items if t.dim() >= 1]
 
 
-def _resize(value: Any, batch: int, n: int) -> Any:
-    """``value`` with its tensors of first dimension ``batch`` resized to ``n`` rows
-    (repeated cyclically when growing)."""
+def _sized_tensors(value: Any, dim: int) -> list:
+    """The tensors of a batch-like value that have dimension ``dim``: for the batch (0)
+    every tensor, for the sequence (1) the token tensors (integer or bool, [batch, seq]:
+    ids, masks, labels; float tensors and images are not tokens)."""
+    ts = _batch_tensors(value)
+    if dim == 0:
+        return ts
+    return [t for t in ts if t.dim() == 2 and not t.is_floating_point() and not t.is_complex()]
+
+
+def _resize(value: Any, size: int, n: int, dim: int = 0) -> Any:
+    """``value`` with its tensors whose dimension ``dim`` is ``size`` resized to ``n``
+    along it (cut, or repeated cyclically when growing)."""
     import torch
 
     def one(t):
-        if not isinstance(t, torch.Tensor) or t.dim() < 1 or t.shape[0] != batch or n == batch:
+        if (not isinstance(t, torch.Tensor) or t.dim() <= dim or t.shape[dim] != size
+                or n == size or (dim and t not in _sized_tensors(t, dim))):
             return t
-        idx = torch.arange(n, device=t.device) % batch
-        return t.index_select(0, idx)
+        idx = torch.arange(n, device=t.device) % size
+        return t.index_select(dim, idx)
 
     if isinstance(value, torch.Tensor):
         return one(value)
@@ -216,10 +229,11 @@ class Cell:
             base = defaults
         else:
             base = Setting(**dict(defaults or {}))
-        if base.batch_size is None:
-            b = self._default_batch()
-            if b is not None:
-                base = base.replace(batch_size=b)
+        for knob in _SIZES:
+            if getattr(base, knob) is None:
+                size = self._default_size(knob)
+                if size is not None:
+                    base = base.replace(**{knob: size})
         base = self._own_settings(base)
         if "gpu" not in base.changed() and "gpu" in self.backend_options and \
                 isinstance(self.backend_options["gpu"], str) and "gpu_memory" not in self.backend_options:
@@ -275,19 +289,24 @@ class Cell:
         values.update(knobs)
         return Setting(**values)
 
-    def run(self, setting: Setting | Mapping[str, Any] | None = None, **knobs: Any) -> MemoryReport:
+    def run(self, setting: Setting | Mapping[str, Any] | None = None, *, strict: bool = False,
+            **knobs: Any) -> MemoryReport:
         """Re-run the cell under ``setting`` (and/or knob keywords) and return its report.
 
         The cell's own exception never propagates: the report says it failed
         (``report.error``; an out-of-memory run has ``fits`` False). A setting that cannot
-        apply raises :class:`KnobError`."""
+        apply raises :class:`KnobError` (with ``strict``, also one found only in the run:
+        the cell names no batch or token tensor to resize)."""
         outcome = self.execute(setting, **knobs)
         error = outcome.error
         if error is not None:
             release_own_frames(error.__traceback__)
             traceback.clear_frames(error.__traceback__)
         report = outcome.report
+        cannot = str(error) if strict and isinstance(error, KnobError) else None
         del outcome, error
+        if cannot is not None:  # found in the run: the cell names no batch, no token tensor
+            raise KnobError(cannot)
         return report
 
     def execute(self, setting: Setting | Mapping[str, Any] | None = None, **knobs: Any) -> Outcome:
@@ -301,7 +320,8 @@ class Cell:
         backend = self._backend(full)
         info = RunInfo(sim=backend.name == "sim", reads=self.reads,
                        batch_known=self.baseline.batch_size is not None
-                       or full.batch_size is not None)
+                       or full.batch_size is not None,
+                       seq_known=self.baseline.seq_len is not None or full.seq_len is not None)
         ns = self.namespace
         saved = dict(ns) if self.isolated else None
         run = self._runner(full, info, "cpu" if backend.name == "cpu" else "cuda")
@@ -350,19 +370,22 @@ class Cell:
         return [k.name for k in KNOBS.values() if k.var in self.reads or k.applies(info)]
 
     # -- internals ----------------------------------------------------------------------------
-    def _default_batch(self) -> int | None:
-        """The batch size the cell runs with as written: the namespace's ``batch_size`` when
-        the cell reads it, else the first dimension of the batch tensors it names."""
+    def _default_size(self, knob: str) -> int | None:
+        """The batch size or sequence length the cell runs with as written: the namespace's
+        variable when the cell reads it, else the size of the tensors it names (the batch's
+        first dimension, the token tensors' second)."""
         ns = self.namespace
-        if "batch_size" in self.reads:
-            v = ns.get("batch_size")
+        if knob in self.reads:
+            v = ns.get(knob)
             return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
-        names = self._batch_names()
+        names = self._sized_names(_SIZES[knob])
         return names[1] if names else None
 
-    def _batch_names(self) -> tuple[tuple[str, ...], int] | None:
-        """(names, batch) of the namespace values the cell names that look like its batch:
-        tensors (or tuples/lists/dicts of them) sharing the most common first dimension."""
+    def _sized_names(self, dim: int) -> tuple[tuple[str, ...], int] | None:
+        """(names, size) of the namespace values the cell names that look like its batch
+        (``dim`` 0: tensors, or tuples/lists/dicts of them, sharing the most common first
+        dimension) or its tokens (``dim`` 1: integer or bool tensors sharing the most common
+        second dimension)."""
         ns = self.namespace
         start = self.backend_options.get("start_from")
         sim = start.visible(ns) if start is not None else {}
@@ -376,15 +399,15 @@ class Cell:
             if name.startswith("_") or name not in ns:
                 continue
             high = KNOBS["batch_size"].high or 0
-            ts = [t for t in _batch_tensors(ns[name]) if t.shape[0] <= high]
+            ts = [t for t in _sized_tensors(ns[name], dim) if t.shape[dim] <= high]
             if ts:
                 cands[name] = ts
-                firsts.update({t.shape[0] for t in ts})
+                firsts.update({t.shape[dim] for t in ts})
         if not firsts:
             return None
-        batch = firsts.most_common(1)[0][0]
-        names = tuple(n for n, ts in cands.items() if any(t.shape[0] == batch for t in ts))
-        return names, batch
+        size = firsts.most_common(1)[0][0]
+        names = tuple(n for n, ts in cands.items() if any(t.shape[dim] == size for t in ts))
+        return names, size
 
     def _backend(self, setting: Setting):
         options = dict(self.backend_options)
@@ -464,8 +487,10 @@ class Cell:
                 changed.setdefault(name, ns.get(name, _MISSING))
                 ns[name] = v
         # a batch the cell does not size itself: the namespace's batch tensors
+        if setting.seq_len is not None and "seq_len" not in reads:
+            info.seq_names = self._resize_sized(ns, "seq_len", setting.seq_len, applier, changed)
         if batch is not None and not reads & {"batch_size", "micro_batch_size"}:
-            info.batch_names = self._resize_batch(ns, batch, applier, changed)
+            info.batch_names = self._resize_sized(ns, "batch_size", batch, applier, changed)
         if not engine_accum:
             before = {id(v) for v in ns.values()}
             value = self._call(ns, values)
@@ -499,30 +524,28 @@ class Cell:
             if knob.var in self.reads:
                 v = getattr(setting, knob.name)
                 if knob.name == "batch_size":
-                    if batch is None:
-                        continue  # as written: the namespace's own batch_size
                     v = batch
+                if v is None and knob.name in _SIZES:
+                    continue  # as written: the namespace's own batch_size / seq_len
                 values[knob.var] = knob_value(knob.name, v, self.namespace.get(knob.var))
         if "micro_batch_size" in self.reads and setting.batch_size is not None:
             values["micro_batch_size"] = setting.micro_batch
         return values
 
-    def _resize_batch(self, ns: dict, batch: int, applier: Applier, changed: dict
+    def _resize_sized(self, ns: dict, knob: str, n: int, applier: Applier, changed: dict
                       ) -> tuple[str, ...]:
-        """Resize the namespace's batch tensors the cell names to ``batch`` rows (the old
-        values go into ``changed``, to be put back); their names."""
-        found = self._batch_names()
+        """Resize the namespace's batch (or token) tensors the cell names to ``n`` along
+        their dimension (the old values go into ``changed``, to be put back); their names."""
+        dim = _SIZES[knob]
+        found = self._sized_names(dim)
         if found is None:
-            raise KnobError("batch_size: the cell does not read batch_size and names no "
-                            "batch tensor of the namespace: make the batch with batch_size "
-                            "in the cell (e.g. x = torch.randn(batch_size, ...))")
-        names, b0 = found
-        if batch != b0:
+            raise KnobError(_NO_SIZED[knob])
+        names, n0 = found
+        if n != n0:
             for name in names:
                 changed.setdefault(name, ns[name])
-                ns[name] = _resize(ns[name], b0, batch)
-            applier.note(f"batch_size {batch}: {', '.join(names)} resized along dim 0 "
-                         f"(from {b0})")
+                ns[name] = _resize(ns[name], n0, n, dim)
+            applier.note(f"{knob} {n}: {', '.join(names)} resized along dim {dim} (from {n0})")
         return names
 
     def _call(self, ns: dict, values: dict[str, Any]) -> Any:
@@ -531,6 +554,18 @@ class Cell:
             return self.function(**values)
         assert self._run is not None
         return self._run(ns)
+
+
+# the knobs that size the cell's input tensors, and the dimension each resizes
+_SIZES = {"batch_size": 0, "seq_len": 1}
+_NO_SIZED = {
+    "batch_size": "batch_size: the cell does not read batch_size and names no batch tensor "
+                  "of the namespace: make the batch with batch_size in the cell (e.g. "
+                  "x = torch.randn(batch_size, ...))",
+    "seq_len": "seq_len: the cell does not read seq_len and names no token tensor of the "
+               "namespace (integer ids or a mask of shape [batch, seq]): make the inputs with "
+               "seq_len in the cell (e.g. torch.randint(0, vocab, (batch_size, seq_len)))",
+}
 
 
 def _built(ns: dict, before: set[int]) -> list[str]:

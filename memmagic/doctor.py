@@ -916,12 +916,12 @@ BATCH_HINT = ("no smaller batch was tried: the cell makes its batch with a fixed
               "cell, and the doctor re-runs the cell with smaller batches")
 
 
-def _candidates(applicable: Sequence[str], batch: int | None, optimizer: str | None
-                ) -> list[tuple[str, dict[str, Any]]]:
+def _candidates(applicable: Sequence[str], batch: int | None, optimizer: str | None,
+                seq: int | None = None) -> list[tuple[str, dict[str, Any]]]:
     """(label, knobs) of every single fix that applies to the cell (each knob's ``fixes``)."""
     from .knobs import KNOBS, Fixes
 
-    known = Fixes(batch, optimizer)
+    known = Fixes(batch, optimizer, seq)
     return [fix for name in applicable if KNOBS[name].fixes is not None
             for fix in KNOBS[name].fixes(known)]
 
@@ -982,7 +982,8 @@ def rank(cell: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = No
     if "batch_size" not in applicable and (knobs is None or "batch_size" in knobs):
         notes.append(BATCH_HINT)
     rows = [_measure(c, label, knobs)
-            for label, knobs in _candidates(applicable, c.baseline.batch_size, optimizer)]
+            for label, knobs in _candidates(applicable, c.baseline.batch_size, optimizer,
+                                            c.baseline.seq_len)]
     targeted = baseline.fits is not None or any(s.fits is not None for s in rows)
     if combine and targeted and not baseline.fits and not any(s.fits for s in rows):
         combo = _combine(c, baseline, rows)

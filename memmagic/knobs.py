@@ -16,6 +16,9 @@ knob (variable)   values                        applied by memmagic as
                                                 adds a GradScaler (scale, unscale_, update)
 ``batch_size``    int (effective batch)         tensors of the namespace the cell names whose
                                                 first dimension is the batch, resized
+``seq_len``       int (tokens per sample)       the token tensors of the namespace the cell
+                                                names (integer or bool, [batch, seq, ...]: input
+                                                ids, masks, labels) cut or repeated along dim 1
 ``accum_steps``   int                           the cell repeated per micro-step on
                                                 batch_size / accum_steps, optimizer steps held
                                                 back and gradients kept until the last one
@@ -77,6 +80,7 @@ def _dtype(name: str | None):
 NEEDS: dict[str, Callable[[Any], bool]] = {
     "model": lambda info: bool(info.models),                  # a module was called
     "batch": lambda info: info.batch_known,                   # a batch size to start from
+    "seq": lambda info: info.seq_known,                       # a sequence length to start from
     "accum": lambda info: info.batch_known and info.backward_calls > 0 and not info.built,
     "blocks": lambda info: info.blocks > 0,                   # repeated blocks to wrap
     "backward": lambda info: info.backward_calls > 0,
@@ -88,11 +92,13 @@ NEEDS: dict[str, Callable[[Any], bool]] = {
 
 @dataclass(frozen=True)
 class Fixes:
-    """What the memory doctor knows of the cell when it proposes fixes: the batch size as
-    written (None: unknown) and the optimizer the cell builds (lower-case class name)."""
+    """What the memory doctor knows of the cell when it proposes fixes: the batch size and
+    the sequence length as written (None: unknown) and the optimizer the cell builds
+    (lower-case class name)."""
 
     batch: int | None = None
     optimizer: str | None = None
+    seq: int | None = None
 
 
 @dataclass(frozen=True)
@@ -872,6 +878,12 @@ def _batch_fixes(f: Fixes) -> list[tuple[str, dict[str, Any]]]:
             for d in (2, 4) if b and b // d >= 1 and b // d != b]
 
 
+def _seq_fixes(f: Fixes) -> list[tuple[str, dict[str, Any]]]:
+    s = f.seq
+    return [(f"context {s // d} (from {s})", {"seq_len": s // d})
+            for d in (2, 4) if s and s // d >= 1 and s // d != s]
+
+
 def _accum_fixes(f: Fixes) -> list[tuple[str, dict[str, Any]]]:
     b = f.batch
     return [(f"accumulate {n} x {b // n} (batch {b})", {"accum_steps": n})
@@ -915,6 +927,13 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          help="What-if knob: the (effective) batch size; the cell reads batch_size, or "
               "memmagic resizes the batch tensors of the namespace the cell names.",
          fixes=_batch_fixes),
+    Knob("seq_len", "sequence length", "int", None, "the namespace's token tensors the cell "
+         "names (integer or bool [batch, seq, ...]: ids, masks, labels), cut or repeated along "
+         "their second dimension", low=1, high=1 << 20, needs="seq", short="seq",
+         panel="slider", panel_range=(16, 2048), panel_grow=True, metavar="T",
+         help="What-if knob: the sequence length (tokens per sample); the cell reads seq_len, "
+              "or memmagic cuts or repeats the token tensors of the namespace the cell names.",
+         fixes=_seq_fixes),
     Knob("accum_steps", "accumulation steps", "int", 1, "the cell repeated per micro-step on "
          "batch_size / accum_steps, optimizer steps held back until the last", low=1, high=1024,
          needs="accum", panel="buttons", panel_range=(1, 16), metavar="K",

@@ -5,7 +5,7 @@ combination of other knobs: AMP, checkpointing, ...) and returns a :class:`Sweep
 reports per strategy, the largest value that fits the card for each, and a chart.
 :func:`find_batch_size` returns the largest batch size that fits a memory budget with a
 safety margin (doubling, then bisection), as a :class:`BatchSearch` that says how it
-found it. Knows nothing of IPython or widgets.
+found it; :func:`find_seq_len` the longest context (sequence length) the same way. Knows nothing of IPython or widgets.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .cell import Cell
 
 __all__ = ["Sweep", "sweep", "default_strategies", "parse_values", "BatchSearch",
-           "find_batch_size", "run_sweep_option"]
+           "find_batch_size", "find_seq_len", "run_sweep_option"]
 
 
 def _fits(report: MemoryReport, limit: int | None) -> bool:
@@ -168,7 +168,7 @@ def sweep(cell: "Cell", knob: str = "batch_size", values: Sequence[int] | str = 
                 s.check_batch()
             except KnobError:
                 continue  # a batch accumulation cannot split: not a point of this curve
-            r = cell.run(s)
+            r = cell.run(s, strict=True)
             pts.append((v, r))
             if cap is None and r.gpu_memory is not None:
                 cap = r.gpu_memory
@@ -188,14 +188,18 @@ def run_sweep_option(cell: "Cell", option: str) -> Sweep:
     return sweep(cell, knob.strip(), parse_values(values, knob.strip()))
 
 
-# -- the batch-size finder -----------------------------------------------------------------
+# -- the batch-size and context finders ------------------------------------------------------
+_WORDS = {"batch_size": ("batch", "batch size"), "seq_len": ("sequence length", "sequence length")}
+
+
 @dataclass(frozen=True)
 class BatchSearch:
-    """The largest batch size that fits ``limit`` = ``budget`` x (1 - ``margin``) bytes.
+    """The largest batch size (or sequence length: ``knob``) that fits ``limit`` =
+    ``budget`` x (1 - ``margin``) bytes.
 
-    ``trials`` holds (batch size, bytes needed or None when the run failed, fits) in the
-    order they ran; ``method`` is "simulation" (runs on the simulated GPU) or "trials"
-    (real runs on the GPU, each out-of-memory error caught and cleaned up after)."""
+    ``trials`` holds (size, bytes needed or None when the run failed, fits) in the order
+    they ran; ``method`` is "simulation" (runs on the simulated GPU) or "trials" (real runs
+    on the GPU, each out-of-memory error caught and cleaned up after)."""
 
     batch_size: int | None
     budget: int
@@ -204,6 +208,16 @@ class BatchSearch:
     method: str
     device: str = ""
     report: MemoryReport | None = field(default=None, repr=False)
+    knob: str = "batch_size"
+
+    @property
+    def value(self) -> int | None:
+        """The size found (the batch size, or the sequence length for ``find_seq_len``)."""
+        return self.batch_size
+
+    @property
+    def seq_len(self) -> int | None:
+        return self.batch_size if self.knob == "seq_len" else None
 
     @property
     def limit(self) -> int:
@@ -216,8 +230,9 @@ class BatchSearch:
         for b, _n, fits in self.trials:
             ups.append(f"{b} {'fits' if fits else 'does not'}")
         where = "on the simulated GPU" if self.method == "simulation" else "by real runs on the GPU"
-        verdict = (f"{self.batch_size} is the largest batch" if self.batch_size is not None
-                   else "no batch size tried")
+        one, what = _WORDS[self.knob]
+        verdict = (f"{self.value} is the largest {one}" if self.value is not None
+                   else f"no {what} tried")
         return (f"{verdict} whose {'reserved ' if self.method == 'simulation' else ''}peak stays "
                 f"under {format_bytes(self.limit)} ({1 - self.margin:.0%} of "
                 f"{format_bytes(self.budget)}); {len(self.trials)} runs {where} "
@@ -227,7 +242,7 @@ class BatchSearch:
         return self.how
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(f"<BatchSearch : batch_size={self.batch_size}; {self.how}>")
+        p.text(f"<BatchSearch : {self.knob}={self.value}; {self.how}>")
 
 
 def find_batch_size(cell: "Cell", *, budget: int | str | None = None, margin: float = 0.1,
@@ -242,26 +257,43 @@ def find_batch_size(cell: "Cell", *, budget: int | str | None = None, margin: fl
     "trials" runs it for real on a CUDA GPU, catching each out-of-memory error and
     emptying the allocator's cache after every run. Doubles from ``low`` until a run does
     not fit (or ``high``), then bisects."""
+    return _find_largest(cell, "batch_size", budget, margin, setting, low, high, method)
+
+
+def find_seq_len(cell: "Cell", *, budget: int | str | None = None, margin: float = 0.1,
+                 setting: Setting | Mapping[str, Any] | None = None, low: int = 16,
+                 high: int = 1 << 17, step: int = 16, method: str = "simulation") -> BatchSearch:
+    """The longest context: the largest sequence length (a multiple of ``step``) whose run
+    needs at most ``budget * (1 - margin)`` bytes, at the setting's batch size. The cell
+    reads ``seq_len``, or memmagic cuts or repeats the token tensors it names (see
+    :func:`find_batch_size` for ``budget``, ``margin`` and ``method``)."""
+    return _find_largest(cell, "seq_len", budget, margin, setting, low, high, method, step)
+
+
+def _find_largest(cell: "Cell", knob: str, budget: int | str | None, margin: float,
+                  setting: Setting | Mapping[str, Any] | None, low: int, high: int,
+                  method: str, step: int | None = None) -> BatchSearch:
     from .report import parse_bytes
 
     _check_search(cell, method, margin)
     base = cell.setting(setting)
-    step = base.accum_steps
+    if step is None:
+        step = base.accum_steps
     if isinstance(budget, str):
         budget = parse_bytes(budget)
     trials: list[tuple[int, int | None, bool]] = []
     reports: dict[int, MemoryReport] = {}
 
     def trial(b: int) -> bool:
-        r = cell.run(base.replace(batch_size=b))
+        r = cell.run(base.replace(**{knob: b}), strict=True)
         nonlocal budget
         if budget is None:
             budget = r.gpu_memory if r.gpu_memory is not None else _cuda_total(method)
             if budget is None:
-                raise ValueError("find_batch_size needs a budget: pass budget= (bytes or "
-                                 "'10GiB') or give the cell a target GPU (gpu='T4')")
-        lim = int(budget * (1 - margin))
-        ok = _fits(r, lim)
+                raise ValueError(f"find_{'batch_size' if knob == 'batch_size' else 'seq_len'} "
+                                 "needs a budget: pass budget= (bytes or '10GiB') or give the "
+                                 "cell a target GPU (gpu='T4')")
+        ok = _fits(r, int(budget * (1 - margin)))
         trials.append((b, None if r.error else r.need, ok))
         reports[b] = r
         if method == "trials":
@@ -272,7 +304,7 @@ def find_batch_size(cell: "Cell", *, budget: int | str | None = None, margin: fl
     assert budget is not None
     device = next(iter(reports.values())).device if reports else ""
     return BatchSearch(lo_ok, int(budget), margin, tuple(trials), method, device,
-                       reports.get(lo_ok) if lo_ok is not None else None)
+                       reports.get(lo_ok) if lo_ok is not None else None, knob)
 
 
 def _check_search(cell: "Cell", method: str, margin: float) -> None:

@@ -229,7 +229,7 @@ class WhatIfPanel:
         values (``autocast(enabled=amp)`` with a variable of its own kind) gets its knobs
         applied by memmagic instead, so that the panel works; its notes say so."""
         r = self.baseline_report
-        handled = {k.var for k in KNOBS.values()} - {"batch_size", "accum_steps"}
+        handled = {k.var for k in KNOBS.values()} - {"batch_size", "seq_len", "accum_steps"}
         if r.error is None or r.failed_request is not None or not self.cell.reads & handled:
             return
         other = self.cell.applying_knobs(f"the cell failed with its own variables ({r.error})")
