@@ -337,6 +337,22 @@ class MemoryReport:
             text += f" ({detail})"
         return text
 
+    @property
+    def frozen_parameters(self) -> int | None:
+        """Bytes of the peak's parameters that do not require grad (a frozen base model
+        under LoRA: no gradients, no optimizer state); None without a trace."""
+        if self.trace is None:
+            return None
+        return self.trace.frozen_parameters_at()
+
+    def parameters_text(self) -> str:
+        """'' or "(trainable 8.00 MiB, frozen 2.46 GiB)" for the peak's parameters."""
+        frozen = self.frozen_parameters
+        total = self.breakdown.get(Category.PARAMETERS.value, 0)
+        if not frozen or not total:
+            return ""
+        return f"(trainable {format_bytes(total - frozen)}, frozen {format_bytes(frozen)})"
+
     def breakdown_rows(self) -> list[tuple[str, int, float]]:
         """(category, bytes, share of peak) for every category, in Category order
         (workspaces only where there are some: only a GPU, real or simulated, has them)."""
@@ -371,7 +387,8 @@ class MemoryReport:
         lines += [f"  {k:<{width}}  {v}" for k, v in self._rows()]
         lines.append("  breakdown at peak:")
         for name, value, share in self.breakdown_rows():
-            lines.append(f"    {name:<16}{format_bytes(value):>12}  {share:6.1%}")
+            more = f"  {self.parameters_text()}" if name == Category.PARAMETERS.value else ""
+            lines.append(f"    {name:<16}{format_bytes(value):>12}  {share:6.1%}{more}".rstrip())
         if self.backend == "cuda" and self.unattributed:
             lines.append(f"    {'unattributed':<16}{format_bytes(self.unattributed):>12}")
         rows = self._module_rows()
@@ -411,8 +428,10 @@ class MemoryReport:
             if not value:
                 continue  # the text report lists every category; the table only what holds bytes
             pct = max(0.0, min(share, 1.0)) * 100
+            more = self.parameters_text() if name == Category.PARAMETERS.value else ""
+            more = f" <span style='{_MUTED}'>{esc(more)}</span>" if more else ""
             bars.append(
-                f"<tr><td style='text-align:left'>{esc(name.replace('_', ' '))}</td>"
+                f"<tr><td style='text-align:left'>{esc(name.replace('_', ' '))}{more}</td>"
                 f"<td style='text-align:right'>{esc(format_bytes(value))}</td>"
                 f"<td style='text-align:right'>{share:.1%}</td>"
                 f"<td style='width:12em'><div style='background:{COLORS[name]};height:0.8em;width:{pct:.1f}%'></div></td></tr>"

@@ -123,7 +123,8 @@ class Trace:
     node a backward op runs for, "softmax backward", or the optimizer of a step, "Adam"); ``events`` are
     (serial, delta bytes, op index) in order; ``saved_events`` are (number of events
     before it, serial, +1 saved / -1 released by autograd); ``seed`` maps the serials
-    that existed before the run to their bytes.
+    that existed before the run to their bytes; ``frozen`` holds the serials of
+    parameters that do not require grad.
     """
 
     def __init__(self, *, ops: list[tuple[str, str | None, str, str | None]],
@@ -133,7 +134,8 @@ class Trace:
                  saver: dict[int, str | None], owner: dict[int, str],
                  frames: dict[int, tuple] | None = None,
                  peak_event: int = -1, before: int = 0,
-                 allocator_log: object | None = None) -> None:
+                 allocator_log: object | None = None, frozen: frozenset[int] = frozenset()
+                 ) -> None:
         self.ops = ops
         self.events = events
         self.saved_events = saved_events
@@ -148,6 +150,7 @@ class Trace:
         self.allocator_log = allocator_log
         self.peak_event = peak_event
         self.before = before
+        self.frozen = frozen  # serials of parameters that do not require grad
         self._storages: list[Storage] | None = None
 
     def __repr__(self) -> str:
@@ -278,6 +281,14 @@ class Trace:
                 out.sort(key=lambda p: (-p[0].nbytes, p[0].serial))
                 return out
         raise IndexError(f"no event {at} in this trace ({len(self.events)} events)")
+
+    def frozen_parameters_at(self, event_index: int | None = None) -> int:
+        """Device bytes of parameters that do not require grad (a frozen base model under
+        LoRA) live after event ``event_index`` (default: the peak)."""
+        if not self.frozen:
+            return 0
+        return sum(st.nbytes for st, cat in self.live_at(event_index)
+                   if cat == Category.PARAMETERS.value and st.serial in self.frozen)
 
     # -- storages -------------------------------------------------------------------------
     def storages(self) -> list[Storage]:

@@ -97,6 +97,7 @@ class StorageTracker(_priv.TorchDispatchMode):
         self.pool_of: dict[int, str] = {}
         self._seed: dict[int, int] = {}
         self.roles: dict[int, Category] = {}
+        self.frozen: set[int] = set()  # parameters that do not require grad (LoRA's base)
         self.events: list[tuple[int, int, int]] = []  # (serial, delta bytes, op index)
         # (number of events before it, serial, +1 saved / -1 released by autograd)
         self.saved_events: list[tuple[int, int, int]] = []
@@ -296,6 +297,8 @@ class StorageTracker(_priv.TorchDispatchMode):
         entry = self._live.get(key)
         if entry is not None:
             self.note_serial(entry.serial, role)
+            if role is Category.PARAMETERS:
+                (self.frozen.discard if t.requires_grad else self.frozen.add)(entry.serial)
 
     def seed(self, tensors: Iterable[tuple[torch.Tensor, Category]]) -> None:
         """Register tensors that exist before the run: they count in ``before``."""
@@ -363,7 +366,8 @@ class StorageTracker(_priv.TorchDispatchMode):
             seed=seed, saver={s: saver[s] for s in serials if s in saver},
             owner={s: owner[s] for s in serials if s in owner},
             frames={s: self.frames[s] for s in serials if s in self.frames},
-            peak_event=self.peak_event, before=self.before["device"])
+            peak_event=self.peak_event, before=self.before["device"],
+            frozen=frozenset(s for s in serials if s in self.frozen))
 
     def timeline(self, max_points: int = 2000) -> list[tuple[int, int]]:
         """(op index, live device bytes) through the run: :meth:`Trace.timeline` summed."""

@@ -1,0 +1,58 @@
+"""Fine-tuning LLMs on the simulated GPU (issue 24): LoRA with peft on a transformers
+model built from a config (no download): the frozen base gets no gradients and no
+optimizer state, the breakdown splits trainable from frozen parameters."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("peft")
+
+CUBLAS = 8519680  # one cuBLAS workspace on a T4 (2 x 4 MiB + 8 x 16 KiB), per thread
+
+
+def rnd(n: int) -> int:
+    return -(-n // 512) * 512
+
+
+LORA = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from peft import LoraConfig, get_peft_model
+cfg = LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=8, target_modules=["q_proj", "v_proj"])).cuda()
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+ids = torch.randint(0, 8000, (4, 256), device="cuda")
+"""
+STEP = "loss = model(input_ids=ids, labels=ids).loss\nloss.backward()\nopt.step(); opt.zero_grad()"
+
+
+def test_lora_splits_trainable_from_frozen_parameters_and_trains_only_the_adapters(ip):
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    ip.run_cell(LORA)
+    first = ip.run_cell_magic("gpumem", "-o -q --no-chart", STEP)
+    # adapters: 4 layers x (q, v) x (A: 8 x 512 + B: 512 x 8) fp32 = 262,144 B
+    trainable = 4 * 2 * (rnd(8 * 512 * 4) + rnd(512 * 8 * 4))
+    d, i, v = 512, 1376, 8000
+    layer = [d * d] * 4 + [d * i] * 3 + [d, d]     # q k v o, gate up down, two RMSNorms
+    frozen = 2 * rnd(v * d * 4) + 4 * sum(rnd(n * 4) for n in layer) + rnd(d * 4)
+    assert first.frozen_parameters == frozen                       # 83,380,224 B
+    assert first.breakdown["parameters"] == frozen + trainable
+    assert "(trainable 256.00 KiB, frozen 79.52 MiB)" in first.summary()
+    # the step left AdamW's two moments of the adapters only, and the cuBLAS workspaces of
+    # the first matmuls (main and autograd thread), and `loss` (a scalar, one 512-byte
+    # block); zero_grad(set_to_none) dropped the gradients
+    assert first.after - first.before == 2 * trainable + 2 * CUBLAS + 512
+    again = ip.run_cell_magic("gpumem", "-o -q --no-chart", STEP)
+    assert again.after == again.before and again.frozen_parameters == frozen
+
+
+def test_a_model_with_every_parameter_trainable_says_nothing_of_frozen(ip):
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    ip.run_cell("import torch\nm = torch.nn.Linear(256, 256).cuda()\nx = torch.randn(8, 256, device='cuda')")
+    r = ip.run_cell_magic("gpumem", "-o -q --no-chart", "m(x).sum().backward()")
+    assert r.frozen_parameters == 0 and "frozen" not in r.summary()
+    ip.run_cell("m.weight.requires_grad_(False)")
+    r = ip.run_cell_magic("gpumem", "-o -q --no-chart", "m(x).sum().backward()")
+    assert r.frozen_parameters == 256 * 256 * 4 and "frozen 256.00 KiB" in r.summary()
