@@ -98,9 +98,13 @@ COLORS = {
     Category.GRADIENTS.value: "#f58518",
     Category.OPTIMIZER_STATE.value: "#e45756",
     Category.ACTIVATIONS.value: "#54a24b",
+    Category.KV_CACHE.value: "#72b7b2",
     Category.WORKSPACES.value: "#b279a2",
     Category.OTHER.value: "#bab0ac",
 }
+
+# categories a breakdown lists only when they hold bytes
+_SHOWN_WHEN_HELD = (Category.WORKSPACES.value, Category.KV_CACHE.value)
 
 BACKENDS = ("cuda", "cpu", "sim")
 
@@ -355,10 +359,11 @@ class MemoryReport:
 
     def breakdown_rows(self) -> list[tuple[str, int, float]]:
         """(category, bytes, share of peak) for every category, in Category order
-        (workspaces only where there are some: only a GPU, real or simulated, has them)."""
+        (workspaces only where there are some: only a GPU, real or simulated, has them;
+        the KV cache only where a model kept one)."""
         total = self.peak or 1
         return [(k, v, v / total) for k, v in self.breakdown.items()
-                if v or k != Category.WORKSPACES.value]
+                if v or k not in _SHOWN_WHEN_HELD]
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(f"<MemoryReport : {self}>")

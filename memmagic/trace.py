@@ -27,6 +27,7 @@ class Category(str, Enum):
     GRADIENTS = "gradients"
     OPTIMIZER_STATE = "optimizer_state"
     ACTIVATIONS = "activations"  # tensors autograd saved for backward
+    KV_CACHE = "kv_cache"  # a transformers model's key/value cache (past_key_values)
     WORKSPACES = "workspaces"  # library workspaces (cuBLAS) held through the allocator
     OTHER = "other"  # inputs, outputs, temporaries
 
@@ -42,11 +43,12 @@ NO_MODULE = "(outside modules)"
 PRIORITY = {
     Category.OTHER.value: 0,
     Category.ACTIVATIONS.value: 1,
-    Category.OPTIMIZER_STATE.value: 2,
-    Category.GRADIENTS.value: 3,
-    Category.BUFFERS.value: 4,
-    Category.PARAMETERS.value: 5,
-    Category.WORKSPACES.value: 6,
+    Category.KV_CACHE.value: 2,
+    Category.OPTIMIZER_STATE.value: 3,
+    Category.GRADIENTS.value: 4,
+    Category.BUFFERS.value: 5,
+    Category.PARAMETERS.value: 6,
+    Category.WORKSPACES.value: 7,
 }
 CATEGORY_ORDER = tuple(c.value for c in Category)
 _ACT = Category.ACTIVATIONS.value

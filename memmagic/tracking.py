@@ -709,6 +709,9 @@ class RoleHooks:
             return
         t = self.t
         t.exit_module()
+        cache = getattr(output, "past_key_values", None)
+        if cache is not None and not self._parents[:-1]:  # the outermost model's output
+            objgraph.walk([(None, cache)], lambda x, *_: t.note(x, Category.KV_CACHE), names=False)
         if self._parents:
             self._parents.pop()
         for b in _priv.own_buffers(module).values():  # BatchNorm replaces running stats in place or anew

@@ -56,3 +56,41 @@ def test_a_model_with_every_parameter_trainable_says_nothing_of_frozen(ip):
     ip.run_cell("m.weight.requires_grad_(False)")
     r = ip.run_cell_magic("gpumem", "-o -q --no-chart", "m(x).sum().backward()")
     assert r.frozen_parameters == 256 * 256 * 4 and "frozen 256.00 KiB" in r.summary()
+
+
+# -- inference: the KV cache is its own category (issue 24, item 4) -------------------------
+LLAMA = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+cfg = LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2)
+model = LlamaForCausalLM(cfg).cuda().eval()
+ids = torch.randint(3, 8000, (4, 128), device="cuda")
+"""
+GENERATE = ("out = model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, "
+            "cache_implementation={!r})")
+
+
+def test_generate_counts_its_key_value_cache_as_a_category(ip):
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    ip.run_cell(LLAMA)
+    dyn = ip.run_cell_magic("gpumem", "-o -q --no-chart", GENERATE.format("dynamic"))
+    # the peak is in the prefill (the 128-token MLP): the dynamic cache then holds K and V of
+    # 4 layers, each [batch 4, kv heads 2, 128 tokens, head dim 64] fp32 = 262,144 B
+    assert dyn.error is None and dyn.peak_phase == "forward"
+    assert dyn.breakdown["kv_cache"] == 4 * 2 * (4 * 2 * 128 * 64 * 4)      # 2,097,152 B
+    assert "kv_cache" in dyn.summary()
+    static = ip.run_cell_magic("gpumem", "-o -q --no-chart", GENERATE.format("static"))
+    # the static cache is allocated for the whole length first: 128 + 32 - 1 = 159 positions
+    # (the last token is never fed back), with each layer's small position counter
+    full = 4 * 2 * (4 * 2 * 159 * 64 * 4)                                   # 2,605,056 B
+    assert full <= static.breakdown["kv_cache"] <= full + 4 * 1024
+    assert static.breakdown["kv_cache"] > dyn.breakdown["kv_cache"]
+
+
+def test_a_report_without_a_cache_does_not_list_the_category(ip):
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    ip.run_cell("import torch\nm = torch.nn.Linear(64, 64).cuda()\nx = torch.randn(8, 64, device='cuda')")
+    r = ip.run_cell_magic("gpumem", "-o -q --no-chart", "m(x).sum().backward()")
+    assert r.breakdown["kv_cache"] == 0 and "kv_cache" not in r.summary()
