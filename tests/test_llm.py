@@ -94,3 +94,19 @@ def test_a_report_without_a_cache_does_not_list_the_category(ip):
     ip.run_cell("import torch\nm = torch.nn.Linear(64, 64).cuda()\nx = torch.randn(8, 64, device='cuda')")
     r = ip.run_cell_magic("gpumem", "-o -q --no-chart", "m(x).sum().backward()")
     assert r.breakdown["kv_cache"] == 0 and "kv_cache" not in r.summary()
+
+
+# -- quantized weights the simulation cannot make (issue 24, item 3: the one-line refusal) --
+def test_bitsandbytes_4bit_weights_are_refused_in_one_line_that_says_what(ip):
+    pytest.importorskip("bitsandbytes")
+    from memmagic.backends.sim.errors import SimulationUnsupported
+
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    result = ip.run_cell("import bitsandbytes as bnb\n"
+                         "lin = bnb.nn.Linear4bit(256, 256, quant_type='nf4').cuda()")
+    err = result.error_in_exec
+    assert isinstance(err, SimulationUnsupported)
+    text = str(err)
+    assert len(text.splitlines()) == 1
+    assert "`Params4bit` is a tensor subclass" in text and "not simulated" in text
+    assert "line 2" in text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import random
+import re
 import sys
 import traceback
 
@@ -578,6 +579,9 @@ def _restore_globals(saved: dict[str, Any]) -> None:
         sys.modules["numpy"].random.set_state(saved["np_rng"])
 
 
+# torch's error when a library's Parameter subclass wraps a simulated (fake) tensor
+_SUBCLASS = re.compile(r"Creating a new Tensor subclass (\w+) but the raw Tensor object is "
+                       r"already associated to a python object of type FakeTensor")
 _SMELLS = ("not compiled with CUDA", "NVIDIA driver", "CUDA driver", "Cannot access data pointer",
            "FakeTensor", "fake tensor", "data-dependent", "data dependent", "Cannot access storage",
            "accelerator", "CUDA", "cuda")
@@ -612,6 +616,11 @@ def _explain(exc: BaseException) -> BaseException:
         why = "an op whose output size depends on tensor values (nonzero, boolean-mask indexing, unique)"
     elif isinstance(exc, _priv.UnsupportedOperatorException):
         why = f"an op with no simulated implementation (a custom or CUDA-only kernel: {first})"
+    elif (sub := _SUBCLASS.search(msg)) is not None:
+        why = (f"`{sub.group(1)}` is a tensor subclass made with _make_subclass (a library's "
+               "own parameter type: bitsandbytes' 4-bit and 8-bit weights are), which the "
+               "simulation cannot make on its fake tensors: quantized weights of that kind "
+               "are not simulated")
     else:
         why = f"{type(exc).__name__}: {first}"
     new = SimulationUnsupported(f"{where}: cannot be simulated: {why}; {RERUN_HINT}")
