@@ -682,7 +682,7 @@ class OOMDescription:
 
     def left_text(self) -> str:
         names = ", ".join(f"`{n}`" for n in self.left)
-        return (f"{names}, bound by this cell, still hold{'s' if len(self.left) == 1 else ''} "
+        return (f"{names}, which this cell assigns, still hold{'s' if len(self.left) == 1 else ''} "
                 f"{format_bytes(self.left_bytes)} (tensors and the autograd graphs they keep): "
                 f"`{self.del_line}` frees it; re-running earlier cells does not")
 

@@ -494,12 +494,17 @@ def figure_png(fig: "Figure", dpi: int = RENDER_DPI) -> bytes:
     """``fig`` as PNG bytes with a transparent background; the same figure gives the same
     bytes (no software/date metadata), which widgets and tests rely on."""
     import io
+    import warnings
 
-    # constrained layout settles on the second pass: lay out first, so the first PNG of a
-    # figure is the same as every later one
-    fig.draw_without_rendering()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, transparent=True, metadata={"Software": None})
+    with warnings.catch_warnings():
+        # long labels (a transformers model's module paths) can leave constrained layout no
+        # room; matplotlib then keeps the plain layout, which is what the chart needs
+        warnings.filterwarnings("ignore", "constrained_layout not applied", UserWarning)
+        # constrained layout settles on the second pass: lay out first, so the first PNG of
+        # a figure is the same as every later one
+        fig.draw_without_rendering()
+        fig.savefig(buf, format="png", dpi=dpi, transparent=True, metadata={"Software": None})
     return buf.getvalue()
 
 

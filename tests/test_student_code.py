@@ -335,7 +335,7 @@ def test_the_oom_line_says_which_names_to_delete(ip, capsys):
     ip.run_cell_magic("gpumem", f"--gpu-memory {_backward_fails(ip)}MiB --no-raise --no-chart",
                       LSTM_STEP)
     err = " ".join(capsys.readouterr().err.split())
-    assert "bound by this cell, still hold" in err and "`del " in err, err
+    assert "which this cell assigns, still hold" in err and "`del " in err, err
 
 
 # -- a view of an earlier cell's small tensor (corpus case 04's `text[:, i:i + 32]`) -------
