@@ -51,6 +51,7 @@ class RunInfo:
     inplace_modules: int = 0
     optimizers_built: list[str] = field(default_factory=list)
     backward_calls: int = 0
+    generate_calls: int = 0                              # transformers generate() calls
     built: list[str] = field(default_factory=list)       # names bound to models/optimizers it made
     batch_names: tuple[str, ...] = ()                    # namespace batch tensors it resized
     seq_names: tuple[str, ...] = ()                      # namespace token tensors it resized
@@ -465,6 +466,7 @@ class Cell:
                 info.inplace_modules = applier.inplace_modules
                 info.optimizers_built = list(applier.optimizers_built)
                 info.backward_calls = applier.backward_calls
+                info.generate_calls = applier.generate_calls
                 try:
                     applier.close()
                 finally:

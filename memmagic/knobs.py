@@ -19,6 +19,8 @@ knob (variable)   values                        applied by memmagic as
 ``seq_len``       int (tokens per sample)       the token tensors of the namespace the cell
                                                 names (integer or bool, [batch, seq, ...]: input
                                                 ids, masks, labels) cut or repeated along dim 1
+``new_tokens``    int (``max_new_tokens``)      each ``generate()`` call's ``max_new_tokens`` (a
+                                                transformers model's)
 ``accum_steps``   int                           the cell repeated per micro-step on
                                                 batch_size / accum_steps, optimizer steps held
                                                 back and gradients kept until the last one
@@ -81,6 +83,7 @@ NEEDS: dict[str, Callable[[Any], bool]] = {
     "model": lambda info: bool(info.models),                  # a module was called
     "batch": lambda info: info.batch_known,                   # a batch size to start from
     "seq": lambda info: info.seq_known,                       # a sequence length to start from
+    "generate": lambda info: info.generate_calls > 0,         # a transformers generate() ran
     "accum": lambda info: info.batch_known and info.backward_calls > 0 and not info.built,
     "blocks": lambda info: info.blocks > 0,                   # repeated blocks to wrap
     "backward": lambda info: info.backward_calls > 0,
@@ -281,6 +284,7 @@ class Applier:
         self.inplace_modules = 0             # modules with an inplace flag
         self.optimizers_built: list[str] = []
         self.backward_calls = 0
+        self.generate_calls = 0              # transformers generate() calls
         self.steps_run = 0
         self.steps_skipped = 0
         # step gates: an optimizer step runs when every gate says so
@@ -589,6 +593,33 @@ def _apply_amp(a: Applier, value: str) -> None:
     a.note(f"amp {value}: autocast({a.device_type!r}, {str(dtype).replace('torch.', '')}) "
            "from each model call until its backward (the forward and the loss)"
            + ("; a GradScaler scales the loss and unscales before each step" if value == "fp16" else ""))
+
+
+def _apply_new_tokens(a: Applier, value: int | None) -> None:
+    """Count the run's transformers ``generate()`` calls (the knob applies to a run that
+    made some) and, with a value, give each call ``max_new_tokens=value`` (a simulation
+    reads no end-of-sequence token: every call makes all of them, the most a GPU would)."""
+    import functools
+    import sys
+
+    mixin = getattr(sys.modules.get("transformers"), "GenerationMixin", None)
+    if mixin is None:  # transformers not imported: no generate() to count
+        return
+    original = mixin.generate
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        a.generate_calls += 1
+        if value is not None:
+            kwargs["max_new_tokens"] = value
+            kwargs.pop("max_length", None)
+            if kwargs.get("min_new_tokens") is not None:
+                kwargs["min_new_tokens"] = min(kwargs["min_new_tokens"], value)
+        return original(self, *args, **kwargs)
+
+    a.patch(mixin, "generate", generate)
+    if value is not None:
+        a.note(f"new_tokens {value}: each generate() call ran with max_new_tokens={value}")
 
 
 def _apply_checkpointing(a: Applier, value: bool) -> None:
@@ -934,6 +965,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          help="What-if knob: the sequence length (tokens per sample); the cell reads seq_len, "
               "or memmagic cuts or repeats the token tensors of the namespace the cell names.",
          fixes=_seq_fixes),
+    Knob("new_tokens", "new tokens", "int", None, "each generate() call's max_new_tokens",
+         low=1, high=1 << 17, apply=_apply_new_tokens, variable="max_new_tokens",
+         needs="generate", short="new tokens", panel="slider", panel_range=(1, 1024),
+         panel_grow=True, metavar="N",
+         help="What-if knob: the new tokens each generate() call makes (max_new_tokens); the "
+              "cell reads max_new_tokens, or memmagic sets it on each call."),
     Knob("accum_steps", "accumulation steps", "int", 1, "the cell repeated per micro-step on "
          "batch_size / accum_steps, optimizer steps held back until the last", low=1, high=1024,
          needs="accum", panel="buttons", panel_range=(1, 16), metavar="K",

@@ -47,7 +47,7 @@ def test_label_says_effective_and_micro_batch():
 
 def test_every_knob_says_how_it_is_applied_and_what_it_needs():
     for k in KNOBS.values():
-        assert k.how and k.needs in {"model", "batch", "seq", "accum", "blocks", "backward",
+        assert k.how and k.needs in {"model", "batch", "seq", "generate", "accum", "blocks", "backward",
                                       "optimizer", "inplace", "sim"}
         assert Setting(**{k.name: k.default}) == Setting()
 

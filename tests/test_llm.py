@@ -110,3 +110,40 @@ def test_bitsandbytes_4bit_weights_are_refused_in_one_line_that_says_what(ip):
     assert len(text.splitlines()) == 1
     assert "`Params4bit` is a tensor subclass" in text and "not simulated" in text
     assert "line 2" in text
+
+
+# -- inference knobs: new tokens (issue 24, item 4) -----------------------------------------
+def test_new_tokens_sets_max_new_tokens_on_each_generate_call(ip):
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    ip.run_cell(LLAMA)
+    step = GENERATE.format("dynamic").replace(", min_new_tokens=32", "")
+    base = ip.run_cell_magic("gpumem", "-o -q --no-chart", step)
+    more = ip.run_cell_magic("gpumem", "--new-tokens 512 -o -q --no-chart", step)
+    assert more.error is None and more.peak > base.peak
+    assert any("new_tokens 512: each generate() call ran with max_new_tokens=512" in n
+               for n in more.notes)
+    # the peak is now at the last step: the cache holds 128 + 512 - 1 = 639 positions
+    assert more.breakdown["kv_cache"] == 4 * 2 * (4 * 2 * 639 * 64 * 4)   # 10,469,376 B
+
+
+def test_a_cell_that_reads_max_new_tokens_gets_a_slider(ip):
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    ip.run_cell(LLAMA + "max_new_tokens = 64")
+    step = ("out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, "
+            "cache_implementation='dynamic')")
+    panel = ip.run_cell_magic("gpumem", "--whatif -o -q", step)
+    assert panel.baseline.new_tokens == 64 and "new_tokens" in panel.controls
+    panel.set(new_tokens=256)
+    assert panel.error is None and panel.report.peak >= panel.baseline_report.peak
+    assert any("new tokens 256" in n for n in panel.report.notes)
+    assert ip.user_ns["max_new_tokens"] == 64
+
+
+def test_new_tokens_applies_to_a_cell_that_generates_only():
+    import torch
+
+    from memmagic import Cell
+
+    ns = {"torch": torch, "m": torch.nn.Linear(8, 8)}
+    cell = Cell("y = m(torch.randn(2, 8)).sum()", ns, backend="cpu")
+    assert "new_tokens" not in cell.applicable()
