@@ -35,7 +35,8 @@ from .failures import release_own_frames
 from .knobs import KNOBS, Applier, KnobError, Setting, knob_value, setting_of
 from .report import MemoryReport, Note
 
-__all__ = ["Cell", "RunInfo", "KnobError", "Setting", "EXTRA_VARIABLES", "source_names", "compile_cell"]
+__all__ = ["Cell", "RunInfo", "KnobError", "Setting", "EXTRA_VARIABLES", "source_names",
+           "assigned_names", "compile_cell"]
 
 # variables a cell may read beside the knobs' own
 EXTRA_VARIABLES = ("micro_batch_size",)
@@ -108,6 +109,29 @@ def source_names(source: str) -> tuple[set[str], set[str]]:
     return loads, stores
 
 
+def assigned_names(source: str) -> set[str]:
+    """The names the code binds in its own (module) scope: what is left in the namespace
+    after it ran, not a function's locals or a comprehension's variables; the regex guess
+    of :func:`source_names` where it does not parse."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return source_names(source)[1]
+    out: set[str] = set()
+    todo: list[ast.AST] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+            continue
+        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            continue
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            out.add(node.id)
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
 def _code_names(fn: Callable) -> set[str]:
     out: set[str] = set()
     todo = [getattr(inspect.unwrap(fn), "__code__", None)]
@@ -142,9 +166,12 @@ def _sized_tensors(value: Any, dim: int) -> list:
     every tensor, for the sequence (1) the token tensors (integer or bool, [batch, seq]:
     ids, masks, labels; float tensors and images are not tokens)."""
     ts = _batch_tensors(value)
-    if dim == 0:
-        return ts
-    return [t for t in ts if t.dim() == 2 and not t.is_floating_point() and not t.is_complex()]
+    return ts if dim == 0 else [t for t in ts if _is_tokens(t)]
+
+
+def _is_tokens(t: Any) -> bool:
+    """Whether ``t`` looks like token ids, a mask or labels: integer or bool, [batch, seq]."""
+    return t.dim() == 2 and not t.is_floating_point() and not t.is_complex()
 
 
 def _resize(value: Any, size: int, n: int, dim: int = 0) -> Any:
@@ -154,7 +181,7 @@ def _resize(value: Any, size: int, n: int, dim: int = 0) -> Any:
 
     def one(t):
         if (not isinstance(t, torch.Tensor) or t.dim() <= dim or t.shape[dim] != size
-                or n == size or (dim and t not in _sized_tensors(t, dim))):
+                or n == size or (dim and not _is_tokens(t))):
             return t
         idx = torch.arange(n, device=t.device) % size
         return t.index_select(dim, idx)

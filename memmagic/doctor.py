@@ -636,7 +636,7 @@ class OOMDescription:
     namespace holds (the model, the optimizer, the batch) and the failed cell's frames
     (the rest: its activations and temporaries); ``by_module``: (module, activation bytes);
     ``op``/``phase``/``module``/``line``: where it asked; ``left``/``left_bytes``: names
-    the failed cell bound that still hold memory no other name holds (a loss with its
+    the failed cell assigns that still hold memory no other name holds (a loss with its
     autograd graph, a batch), and its bytes: re-running earlier cells does not free it
     (on a GPU neither), ``del`` does."""
 

@@ -318,10 +318,11 @@ def _advise(request: CellRequest, report: MemoryReport, error: BaseException | N
 
 
 def _bound_names(request: CellRequest) -> list[str]:
-    """The names the cell's source assigns (none for a function run)."""
-    from .cell import source_names
+    """The names the cell's source binds in the notebook's namespace (none for a function
+    run)."""
+    from .cell import assigned_names
 
-    return sorted(source_names(request.source)[1]) if request.source else []
+    return sorted(assigned_names(request.source)) if request.source else []
 
 
 def _ranking_cell(request: CellRequest):

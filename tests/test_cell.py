@@ -179,3 +179,12 @@ def test_re_runs_leak_nothing():
 
 def _count_tensors() -> int:
     return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
+def test_assigned_names_are_the_module_scope_bindings_only():
+    from memmagic.cell import assigned_names
+
+    src = ("x = 1\nfor i in range(3):\n    y = i\nps = [p for p in range(3)]\n"
+           "def f(a):\n    z = a\nwith open('f') as fh:\n    pass\na, (b, c) = 1, (2, 3)\n")
+    assert assigned_names(src) == {"x", "i", "y", "ps", "f", "fh", "a", "b", "c"}
+    assert assigned_names("x = (") == {"x"}  # a regex guess where it does not parse
