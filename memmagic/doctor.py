@@ -28,7 +28,7 @@ import traceback
 import types
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from .failures import (is_machinery, is_out_of_memory, is_user_file, release_call_closures,
                        requested_bytes)
@@ -359,12 +359,14 @@ def _pin_graphs(rows: list[dict[str, Any]], counted: set[int], since: Snapshot |
     return graph_saved
 
 
-def freed_by_del(namespace: Mapping[str, Any], names: Iterable[str],
-                 report: MemoryReport) -> tuple[tuple[str, ...], int]:
-    """What ``del`` of these names would free: (the names, in the namespace's order, that
-    hold any storage no other name reaches, tensors or the autograd graphs they keep; the
-    bytes of those storages as ``report``'s device counts them). Modules and optimizers
-    are left out: they are what the next attempt needs."""
+def freed_by_del(namespace: Mapping[str, Any], names: Iterable[str], report: MemoryReport,
+                 on_device: Callable[[Any], bool] | None = None) -> tuple[tuple[str, ...], int]:
+    """What ``del`` of these names would free on the device: (the names, in the
+    namespace's order, that hold any device storage no other name reaches, tensors or the
+    autograd graphs they keep; the bytes of those storages as ``report``'s device counts
+    them). Modules and optimizers are left out: they are what the next attempt needs.
+    ``on_device(tensor)``: whether a tensor is on the device, where the tensor alone does
+    not tell (the simulated GPU's host tensors are fake too)."""
     import torch
 
     wanted = set(names)
@@ -376,7 +378,8 @@ def freed_by_del(namespace: Mapping[str, Any], names: Iterable[str],
     held: dict[int, Any] = {}
     holders = []
     for name, value in mine:
-        new = {k: t for k, t in _reach(_walk([(name, value)])).items() if k not in kept}
+        new = {k: t for k, t in _reach(_walk([(name, value)])).items()
+               if k not in kept and (on_device is None or on_device(t))}
         if new:
             holders.append(name)
             held.update(new)
@@ -707,11 +710,12 @@ def _live_holders(namespace: Mapping[str, Any], live: int) -> list[tuple[str, in
 
 
 def describe_oom(report: MemoryReport, error: BaseException | None = None,
-                 namespace: Mapping[str, Any] | None = None, bound: Iterable[str] = ()
-                 ) -> OOMDescription:
+                 namespace: Mapping[str, Any] | None = None, bound: Iterable[str] = (),
+                 on_device: Callable[[Any], bool] | None = None) -> OOMDescription:
     """What the out of memory of ``report``'s run was made of (call it before the failed
     cell's frames are cleared: their bytes are what the namespace does not explain);
-    ``bound``: the names the cell assigns (what of them still holds memory is named)."""
+    ``bound``: the names the cell assigns (what of them still holds memory is named, see
+    :func:`freed_by_del` for ``on_device``)."""
     requested = report.failed_request
     if requested is None and error is not None:
         requested = requested_bytes(error)
@@ -736,7 +740,7 @@ def describe_oom(report: MemoryReport, error: BaseException | None = None,
             line = f"line {uf[1]}" + (f" (`{uf[3]}`)" if uf[3] else "")
     left, left_bytes = (), 0
     if namespace is not None and bound:
-        left, left_bytes = freed_by_del(namespace, bound, report)
+        left, left_bytes = freed_by_del(namespace, bound, report, on_device)
     return OOMDescription(requested, live, report.gpu_memory, dict(by_category), tuple(holders),
                           by_module, op, phase, module, line, left, left_bytes)
 
@@ -880,8 +884,8 @@ def _html_table(caption: str, head: Sequence[str], rows: Sequence[Sequence[str]]
 def advise(namespace: Mapping[str, Any] | None = None, *, report: MemoryReport | None = None,
            error: BaseException | None = None, since: Snapshot | None = None,
            cell: Any = None, strategies: bool = False, world_sizes: Sequence[int] = (),
-           gpu: Any = None, gpu_memory: int | str | None = None, bound: Iterable[str] = ()
-           ) -> Advice:
+           gpu: Any = None, gpu_memory: int | str | None = None, bound: Iterable[str] = (),
+           on_device: Callable[[Any], bool] | None = None) -> Advice:
     """Everything the doctor can say about one cell, as data.
 
     ``report``/``error``: the measured run and its exception (an out of memory is
@@ -890,14 +894,15 @@ def advise(namespace: Mapping[str, Any] | None = None, *, report: MemoryReport |
     what the cell left); ``cell`` with ``strategies=True``: the cell to re-run with each
     knob (a :class:`memmagic.cell.Cell`, or source text) to rank the fixes;
     ``world_sizes``: also simulate FSDP2 over these GPU counts; ``bound``: the names the
-    cell assigns (after an out of memory, what of them still holds memory is named)."""
+    cell assigns (after an out of memory, what of them still holds memory is named;
+    ``on_device``: see :func:`freed_by_del`)."""
     notes: list[str] = []
     ret = retained(namespace, since=since, report=report) if namespace is not None else None
     oom = failure = None
     if error is not None:
         if is_out_of_memory(error):
             if report is not None:
-                oom = describe_oom(report, error, namespace, bound)
+                oom = describe_oom(report, error, namespace, bound, on_device)
         else:
             failure = traceback_holdings(error, namespace)
     baseline, ranked = None, ()

@@ -308,13 +308,28 @@ def _advise(request: CellRequest, report: MemoryReport, error: BaseException | N
         return doctor.advise(view, report=report, error=error, cell=cell,
                              strategies=cell is not None,
                              world_sizes=(2, 4, 8) if request.advise else (),
-                             bound=_bound_names(request))
+                             bound=_bound_names(request), on_device=_on_device(request))
     except RequestError:
         return None
     except Exception as exc:  # the doctor never hides the cell's own outcome
         print(f"memmagic: the memory doctor could not advise on this cell "
               f"({type(exc).__name__}: {exc})", file=sys.stderr)
         return None
+
+
+def _on_device(request: CellRequest) -> Callable[[Any], bool] | None:
+    """On the notebook's simulated GPU: whether a simulated tensor is on the card (the
+    card's tracker knows; the host's tensors are fake too). None elsewhere."""
+    card = getattr(request.session, "card", None) if request.backend == "sim" else None
+    tracker = getattr(card, "tracker", None)
+    if tracker is None:
+        return None
+
+    def on_device(t: Any) -> bool:
+        entry = tracker.entry_of(t)
+        return entry is None or entry.pool == "device"
+
+    return on_device
 
 
 def _bound_names(request: CellRequest) -> list[str]:

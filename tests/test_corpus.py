@@ -141,12 +141,15 @@ _corpus_result("advise", ok=True, retained=adv.retained, unnamed=_ret.unnamed,
 '''
 
 OOM_CARD = '''\
-# a card between what the notebook's card reserves now (its tensors in the allocator's
-# segments, the cache emptied) and the step's reserved peak in (a), at least 64 MiB
+# a card that takes what the notebook's card reserves now (its tensors in the allocator's
+# segments, the cache emptied) and not the step: below the step's allocated peak where
+# there is room for one, else below its reserved peak (a step that fits in the free parts
+# of the segments the setup left); at least 64 MiB
 import torch as _torch
 _torch.cuda.empty_cache()
 _now = _torch.cuda.memory_reserved()
-_card = max(64 * MiB, _now + 6 * (max(r.reserved_peak, _now) - _now) // 10) // MiB
+_high = r.peak if r.peak > _now + 2 * MiB else max(r.reserved_peak, _now)
+_card = max(64 * MiB, _now + 6 * (_high - _now) // 10) // MiB
 '''
 
 OOM_CHECK = '''\

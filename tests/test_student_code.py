@@ -355,3 +355,18 @@ def test_a_view_of_an_earlier_cells_tensor_takes_no_memory(ip):
     assert ip.user_ns["seen"] == 7
     ip.run_cell("del text, x, y, rows, flat")
     assert _allocated(ip) == 0
+
+
+def test_the_del_line_counts_the_cards_memory_not_the_hosts(ip):
+    # a batch still on the CPU is fake on the simulated GPU's host too: `del` of it frees
+    # nothing on the card, so it is neither named nor counted
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    oom = ip.run_cell_magic("gpumem", "--gpu-memory 64MiB --no-raise -o -q",
+                            "host = torch.randn(1024, 1024)\n"
+                            "x = torch.randn(1024, 1024, device='cuda')\n"
+                            "y = torch.randn(64, 1024, 1024, device='cuda')")
+    desc = oom.advice.oom
+    assert desc.left == ("x",) and desc.left_bytes == 4 * MiB
+    held = _allocated(ip)
+    ip.run_cell(desc.del_line)
+    assert held - _allocated(ip) == 4 * MiB
