@@ -113,30 +113,37 @@ def test_bitsandbytes_4bit_weights_are_refused_in_one_line_that_says_what(ip):
 
 
 # -- inference knobs: new tokens (issue 24, item 4) -----------------------------------------
+# a 2-layer model and an 8-token prompt, so that a few new tokens make the cache outgrow the
+# prefill's transients (and the test stays short: each new token is one simulated step)
+SHORT = (LLAMA.replace("num_hidden_layers=4", "num_hidden_layers=2")
+         .replace("(4, 128)", "(4, 8)"))
+
+
 def test_new_tokens_sets_max_new_tokens_on_each_generate_call(ip):
     ip.run_line_magic("gpusim", "on --gpu T4")
-    ip.run_cell(LLAMA)
+    ip.run_cell(SHORT)
     step = GENERATE.format("dynamic").replace(", min_new_tokens=32", "")
     base = ip.run_cell_magic("gpumem", "-o -q --no-chart", step)
-    more = ip.run_cell_magic("gpumem", "--new-tokens 512 -o -q --no-chart", step)
+    more = ip.run_cell_magic("gpumem", "--new-tokens 96 -o -q --no-chart", step)
     assert more.error is None and more.peak > base.peak
-    assert any("new_tokens 512: each generate() call ran with max_new_tokens=512" in n
+    assert any("new_tokens 96: each generate() call ran with max_new_tokens=96" in n
                for n in more.notes)
-    # the peak is now at the last step: the cache holds 128 + 512 - 1 = 639 positions
-    assert more.breakdown["kv_cache"] == 4 * 2 * (4 * 2 * 639 * 64 * 4)   # 10,469,376 B
+    # the peak is now at the last step: the cache holds 8 + 96 - 1 = 103 positions of
+    # 2 layers x K, V x [batch 4, kv heads 2, head dim 64] fp32
+    assert more.breakdown["kv_cache"] == 2 * 2 * (4 * 2 * 103 * 64 * 4)   # 843,776 B
 
 
 def test_a_cell_that_reads_max_new_tokens_gets_a_slider(ip):
     ip.run_line_magic("gpusim", "on --gpu T4")
-    ip.run_cell(LLAMA + "max_new_tokens = 64")
+    ip.run_cell(SHORT + "max_new_tokens = 16")
     step = ("out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, "
             "cache_implementation='dynamic')")
     panel = ip.run_cell_magic("gpumem", "--whatif -o -q", step)
-    assert panel.baseline.new_tokens == 64 and "new_tokens" in panel.controls
-    panel.set(new_tokens=256)
-    assert panel.error is None and panel.report.peak >= panel.baseline_report.peak
-    assert any("new tokens 256" in n for n in panel.report.notes)
-    assert ip.user_ns["max_new_tokens"] == 64
+    assert panel.baseline.new_tokens == 16 and "new_tokens" in panel.controls
+    panel.set(new_tokens=64)
+    assert panel.error is None and panel.report.peak > panel.baseline_report.peak
+    assert any("new tokens 64" in n for n in panel.report.notes)
+    assert ip.user_ns["max_new_tokens"] == 16
 
 
 def test_new_tokens_applies_to_a_cell_that_generates_only():
