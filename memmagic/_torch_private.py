@@ -210,7 +210,7 @@ no_dispatch = torch._C._DisableTorchDispatch
 
 __all__ += [
     "OpOverload", "DEFAULT_CONSTANT_NUMEL_LIMIT", "FAKE_DEVICE_ATTR", "PARSE_TO_FUNCTION",
-    "no_dispatch", "dispatch_keys", "bare_fake", "register_fake_constant", "fake_alias", "fake_debug_enabled",
+    "no_dispatch", "dispatch_keys", "bare_fake", "make_subclass_slot", "fake_as_subclass", "register_fake_constant", "fake_alias", "fake_debug_enabled",
     "fake_tensor_device_getter", "dataloader_iterator_slot", "destroy_library",
     "default_foreach_slots",
 ]
@@ -256,6 +256,60 @@ def fake_alias(base: FakeTensor, out: FakeTensor) -> FakeTensor:
     fake = FakeTensor(mode, meta, out.fake_device, constant=out.constant)
     register_fake_constant(mode, out.constant, fake)
     return fake
+
+
+def make_subclass_slot() -> tuple[type, str]:
+    """(class, attribute) of ``torch.Tensor._make_subclass``, with which a library makes its
+    own Parameter subclass over a tensor (bitsandbytes' ``Params4bit`` and ``Int8Params``).
+    Dynamo registers a polyfill for the function it finds there at import: import
+    ``torch._dynamo`` before replacing it."""
+    return torch.Tensor, "_make_subclass"
+
+
+_STAND_INS: dict[type, type] = {}
+
+
+def _detach_keeping_class(self: FakeTensor) -> FakeTensor:
+    """``detach()`` of a stand-in: the same class and attributes (``nn.Module._apply`` makes a
+    Parameter of a fake one through ``detach()`` and swaps it in, where a GPU's run assigns
+    ``param.data``: the library's attributes must survive the swap)."""
+    out = torch.Tensor.detach(self)
+    attrs = {k: v for k, v in self.__dict__.items() if k not in out.__dict__ and k != "_is_param"}
+    out.__class__ = type(self)
+    out.__dict__.update(attrs)
+    return out
+
+
+def _deepcopy_stand_in(self: FakeTensor, memo: dict) -> FakeTensor:
+    """``copy.deepcopy`` of a stand-in (a copy of the simulated card): the tensor copied as
+    any FakeTensor is, the library's attributes (a quantization state) deep-copied onto a
+    stand-in of the same class. The library's own ``__deepcopy__`` would make its instance
+    over a real empty tensor."""
+    import copy
+
+    data = copy.deepcopy(torch.Tensor.detach(self), memo)
+    out = fake_as_subclass(type(self).__mro__[1], data, self.requires_grad)
+    memo[id(self)] = out
+    for k, v in self.__dict__.items():
+        if k not in out.__dict__ and k != "_is_param":
+            out.__dict__[k] = copy.deepcopy(v, memo)
+    return out
+
+
+def fake_as_subclass(cls: type, fake: FakeTensor, requires_grad: bool) -> FakeTensor:
+    """What ``torch.Tensor._make_subclass(cls, fake, requires_grad)`` makes on a GPU, for a
+    FakeTensor ``fake`` (where torch refuses: the tensor already has a Python object): a
+    FakeTensor aliasing ``fake`` whose class derives from ``cls`` and FakeTensor, so that it
+    is an instance of ``cls`` (its methods and attributes) and dispatches as a FakeTensor."""
+    stand_in = _STAND_INS.get(cls)
+    if stand_in is None:
+        stand_in = _STAND_INS[cls] = type(cls.__name__, (cls, FakeTensor), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "detach": _detach_keeping_class, "__deepcopy__": _deepcopy_stand_in})
+    out = torch.Tensor.detach(fake)
+    out.requires_grad_(requires_grad)
+    out.__class__ = stand_in
+    return out
 
 
 def fake_debug_enabled() -> bool:

@@ -32,6 +32,14 @@ class Patches:
                 return getattr(type(obj), name, None) if old is _MISSING else old
         return getattr(obj, name)
 
+    def set_item(self, mapping: Any, key: Any, value: Any) -> None:
+        """``mapping[key] = value`` (``os.environ`` included), put back or deleted again on
+        restore."""
+        old = mapping.get(key, _MISSING)
+        mapping[key] = value
+        self.call_on_restore(lambda: mapping.__setitem__(key, old) if old is not _MISSING
+                             else mapping.pop(key, None))
+
     def call_on_restore(self, callback: Any) -> None:
         """Call ``callback()`` when :meth:`restore` reaches this point (undoing a change that
         is not an attribute: a cache filled while patched)."""

@@ -585,6 +585,18 @@ def innermost_tracker() -> "StorageTracker | None":
 
 
 # -- role hooks ---------------------------------------------------------------------------
+def _note_quantization_state(t: StorageTracker, p: torch.Tensor) -> None:
+    """The tensors a quantized weight keeps beside its packed data are parameters too (frozen):
+    bitsandbytes' ``quant_state`` (absmax, code, the nested state of double quantization)
+    and 8-bit weights' ``SCB`` scales, held as long as the weight is."""
+    attrs = getattr(p, "__dict__", None)
+    if not attrs:
+        return
+    held = [(None, attrs[a]) for a in ("quant_state", "SCB") if attrs.get(a) is not None]
+    if held:
+        objgraph.walk(held, lambda x, *_: t.note(x, Category.PARAMETERS), names=False)
+
+
 class RoleHooks:
     """Global module / optimizer / saved-tensor hooks that tell the tracker what storages are."""
 
@@ -678,6 +690,7 @@ class RoleHooks:
         for p in _priv.own_parameters(module).values():
             if p is not None:
                 t.note(p, Category.PARAMETERS)
+                _note_quantization_state(t, p)
                 self.params.setdefault(id(p), weakref.ref(p))
                 self.param_path.setdefault(id(p), path)
                 serial = t.serial_of(p)
@@ -789,6 +802,7 @@ class RoleHooks:
             if p is None:
                 continue
             self.t.note(p, Category.PARAMETERS)  # .to()/.half() gave it a new storage
+            _note_quantization_state(self.t, p)
             path = self.param_path.get(key)
             serial = self.t.serial_of(p)
             if path is not None and serial is not None:

@@ -5,6 +5,7 @@ optimizer state, the breakdown splits trainable from frozen parameters."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("peft")
 
@@ -96,20 +97,106 @@ def test_a_report_without_a_cache_does_not_list_the_category(ip):
     assert r.breakdown["kv_cache"] == 0 and "kv_cache" not in r.summary()
 
 
-# -- quantized weights the simulation cannot make (issue 24, item 3: the one-line refusal) --
-def test_bitsandbytes_4bit_weights_are_refused_in_one_line_that_says_what(ip):
-    pytest.importorskip("bitsandbytes")
-    from memmagic.backends.sim.errors import SimulationUnsupported
+# -- quantized weights as users load them (issue 24, item 3) ---------------------------------
+def _qstate(n: int) -> int:
+    """Bytes of the quantization state bitsandbytes keeps beside an nf4 weight of n elements
+    with double quantization (blocks of 64, their absmax quantized in blocks of 256): absmax
+    uint8 n/64, the nested absmax fp32 per 256 blocks, the nf4 code (16 fp32), the offset (one
+    fp32) and the nested state's copy of the 8-bit code (256 fp32), each a 512-byte block."""
+    return rnd(n // 64) + rnd(-(-n // 64 // 256) * 4) + rnd(16 * 4) + rnd(4) + rnd(256 * 4)
 
+
+def test_a_bitsandbytes_4bit_layer_holds_packed_weights_and_its_quantization_state(ip):
+    pytest.importorskip("bitsandbytes")
     ip.run_line_magic("gpusim", "on --gpu T4")
-    result = ip.run_cell("import bitsandbytes as bnb\n"
-                         "lin = bnb.nn.Linear4bit(256, 256, quant_type='nf4').cuda()")
-    err = result.error_in_exec
-    assert isinstance(err, SimulationUnsupported)
-    text = str(err)
-    assert len(text.splitlines()) == 1
-    assert "`Params4bit` is a tensor subclass" in text and "not simulated" in text
-    assert "line 2" in text
+    ip.run_cell("import torch\nimport bitsandbytes as bnb\n"
+                "lin = bnb.nn.Linear4bit(256, 256, bias=False, quant_type='nf4', "
+                "compute_dtype=torch.bfloat16).cuda()\n"
+                "w = (isinstance(lin.weight, bnb.nn.Params4bit), lin.weight.dtype, tuple(lin.weight.shape))")
+    assert ip.user_ns["w"] == (True, torch.uint8, (32768, 1))
+    r = ip.run_cell_magic("gpumem", "-o -q --no-chart",
+                          "x = torch.randn(8, 256, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+                          "lin(x).sum().backward()")
+    # 65,536 weights at 4 bits = 32,768 B, and 3,584 B of quantization state
+    assert r.frozen_parameters == r.breakdown["parameters"] == 32768 + _qstate(256 * 256)  # 36,352 B
+    assert any(n.startswith("bitsandbytes kernels ran (dequantize_4bit") and "not counted" in n
+               for n in r.notes)
+    # the what-if panel copies the card (a deep copy of the 4-bit weight) and re-runs
+    panel = ip.run_cell_magic("gpumem", "--whatif -o -q",
+                              "x = torch.randn(8, 256, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+                              "lin(x).sum().backward()")
+    panel.set(batch_size=64)
+    assert panel.error is None and panel.report.frozen_parameters == 32768 + _qstate(256 * 256)
+    assert panel.report.peak > panel.baseline_report.peak
+
+
+def test_qlora_from_pretrained_with_a_bitsandbytes_config(ip, tmp_path):
+    """The QLoRA recipe as users write it, on a checkpoint saved here (no download)."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1376,
+                                 num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                                 tie_word_embeddings=False)).save_pretrained(tmp_path)
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    result = ip.run_cell(f"""
+import torch
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+bnb_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True)
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, quantization_config=bnb_config,
+                                             device_map="cuda")
+model = prepare_model_for_kbit_training(model)
+model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+ids = torch.randint(0, 8000, (4, 128), device="cuda")
+""")
+    assert result.error_in_exec is None
+    r = ip.run_cell_magic("gpumem", "-o -q --no-chart", STEP)
+    # per layer: q k v o (262,144 weights) and gate up down (704,512) in nf4, two layers
+    packed = 2 * (4 * rnd(262144 // 2) + 3 * rnd(704512 // 2))                # 3,162,112 B
+    state = 2 * (4 * _qstate(262144) + 3 * _qstate(704512))                   # 136,192 B
+    # embeddings, lm_head and the RMSNorms stay fp32, frozen by prepare_model_for_kbit_training
+    plain = 2 * rnd(8000 * 512 * 4) + 5 * rnd(512 * 4)                        # 32,778,240 B
+    assert r.frozen_parameters == packed + state + plain
+    trainable = 2 * 2 * (rnd(8 * 512 * 4) + rnd(512 * 8 * 4))                 # 131,072 B
+    assert r.breakdown["parameters"] == packed + state + plain + trainable
+    assert r.error is None and any("bitsandbytes kernels ran" in n for n in r.notes)
+
+
+def test_8bit_weights_and_an_8bit_optimizer_count_at_their_real_sizes(ip):
+    pytest.importorskip("bitsandbytes")
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    ip.run_cell("import torch\nimport bitsandbytes as bnb\n"
+                "lin8 = bnb.nn.Linear8bitLt(256, 256, bias=False, has_fp16_weights=False).cuda()")
+    r = ip.run_cell_magic("gpumem", "-o -q --no-chart",
+                          "x = torch.randn(8, 256, device='cuda', dtype=torch.float16)\ny = lin8(x)")
+    # int8 weights (65,536 B) and one fp32 scale per row (SCB, 1,024 B)
+    assert r.frozen_parameters == 256 * 256 + 256 * 4
+    ip.run_cell("m = torch.nn.Linear(1024, 1024).cuda()\nopt = bnb.optim.AdamW8bit(m.parameters())")
+    r = ip.run_cell_magic("gpumem", "-o -q --no-chart",
+                          "m(torch.randn(8, 1024, device='cuda')).sum().backward()\nopt.step()")
+    # the weight's two moments in uint8 (1 MiB each) with an fp32 absmax per 256 values, the
+    # signed and unsigned 8-bit code maps (256 fp32 each); the bias (1,024 values, under
+    # bitsandbytes' 4,096-value minimum for 8 bits) keeps two fp32 moments
+    n = 1024 * 1024
+    assert r.breakdown["optimizer_state"] == (2 * n + 2 * (n // 256 * 4) + 2 * 256 * 4
+                                              + 2 * rnd(1024 * 4))           # 2,140,160 B
+
+
+def test_a_paged_optimizer_keeps_its_state_off_the_card_and_says_so(ip):
+    pytest.importorskip("bitsandbytes")
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    ip.run_cell("import torch\nimport bitsandbytes as bnb\n"
+                "m = torch.nn.Linear(1024, 1024).cuda()\nopt = bnb.optim.PagedAdamW(m.parameters())\n"
+                "m(torch.randn(8, 1024, device='cuda')).sum().backward()")
+    r = ip.run_cell_magic("gpumem", "-o -q --no-chart", "opt.step()")
+    # the weight's two fp32 moments (4 MiB each) are unified memory: on the host here; the
+    # bias's (1,024 values, under the 100,000-value paging threshold) are ordinary CUDA memory
+    assert r.error is None and r.breakdown["optimizer_state"] == 2 * rnd(1024 * 4)
+    assert r.host_peak >= 2 * 1024 * 1024 * 4
+    assert any(n.startswith("paged optimizer state (8.00 MiB) is CUDA unified memory") for n in r.notes)
 
 
 # -- inference knobs: new tokens (issue 24, item 4) -----------------------------------------

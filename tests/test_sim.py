@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import pytest
@@ -47,6 +48,8 @@ def sim_state() -> dict:
         "fake_mode_deepcopy": priv.FakeTensorMode.__dict__.get("__deepcopy__"),
         "foreach_default": adam._default_to_fused_or_foreach,
         "swap_tensors": torch.utils.swap_tensors,
+        "make_subclass": torch.Tensor.__dict__.get("_make_subclass"),  # inherited: absent
+        "hf_async_load": os.environ.get("HF_DEACTIVATE_ASYNC_LOAD"),
         "loader_iter": tud.DataLoader.__dict__["_get_iterator"],
         "dropout_backward": mask_grad_fn,
         "autocast_softmax": _cpu_autocast_softmax_dtype(),

@@ -47,13 +47,16 @@ def compat_state() -> dict:
     state = {"save": torch.save, "ser_save": ser.save, "load": torch.load, "ser_load": ser.load,
              "meta_path": list(sys.meta_path), "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled(),
              "sdp_order": priv.sdp_priority_order(),
+             "make_subclass": torch.Tensor.__dict__.get("_make_subclass"),
+             "hf_async_load": os.environ.get("HF_DEACTIVATE_ASYNC_LOAD"),
              "cuda": {k: getattr(torch.cuda, k) for k in (
                  "Event", "Stream", "CUDAGraph", "graph", "mem_get_info", "get_device_properties")}}
     for mod, names in (("transformers.utils.import_utils", ("is_fake_tensor", "is_tracing")),
                        ("transformers.modeling_utils", ("safe_save_file",)),
                        ("transformers.pytorch_utils", ("storage_ptr",)),
                        ("safetensors.torch", ("save_file", "save_model", "save", "storage_ptr")),
-                       ("huggingface_hub.serialization._torch", ("storage_ptr",))):
+                       ("huggingface_hub.serialization._torch", ("storage_ptr",)),
+                       ("bitsandbytes.functional", ("get_paged", "prefetch_tensor", "fill"))):
         m = sys.modules.get(mod)
         if m is not None:
             state[mod] = {n: m.__dict__.get(n) for n in names}
@@ -429,6 +432,7 @@ def test_compat_is_undone_after_an_exception():
     try:
         install_compat(patches, [])
         assert iu.is_fake_tensor is not before["transformers.utils.import_utils"]["is_fake_tensor"]
+        assert os.environ["HF_DEACTIVATE_ASYNC_LOAD"] == "1" and "_make_subclass" in torch.Tensor.__dict__
         assert safetensors.torch.save_file.__wrapped__ is before["safetensors.torch"]["save_file"]
         raise KeyboardInterrupt
     except KeyboardInterrupt:
@@ -453,3 +457,34 @@ def test_cached_cuda_probes_of_transformers_answer_per_side():
     assert out.error is None, out.error
     assert seen == {"cuda": True, "bf16": True}  # the simulated GPU's answers, not the cache's
     assert iu.is_torch_cuda_available() is False and iu.is_torch_bf16_gpu_available() is False
+
+
+def test_patches_set_item_puts_back_or_removes_an_environment_variable(monkeypatch):
+    monkeypatch.delenv("MEMMAGIC_TEST_VAR", raising=False)
+    monkeypatch.setenv("MEMMAGIC_TEST_OLD", "old")
+    patches = Patches()
+    patches.set_item(os.environ, "MEMMAGIC_TEST_VAR", "1")
+    patches.set_item(os.environ, "MEMMAGIC_TEST_OLD", "new")
+    assert os.environ["MEMMAGIC_TEST_VAR"] == "1" and os.environ["MEMMAGIC_TEST_OLD"] == "new"
+    patches.restore()
+    assert "MEMMAGIC_TEST_VAR" not in os.environ and os.environ["MEMMAGIC_TEST_OLD"] == "old"
+
+
+def test_from_pretrained_with_a_device_map_loads_a_checkpoint_onto_the_simulated_gpu(tmp_path):
+    """transformers copies weights on worker threads (outside the simulation) unless told not
+    to, and reads safetensors through torch.asarray over the file's storage."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=500, bos_token_id=0, eos_token_id=0,
+                               n_positions=64)).save_pretrained(tmp_path)
+    seen: dict = {}
+    out, _ = run(f"""
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, device_map="cuda")
+        seen["device"] = str(model.transformer.h[0].attn.c_attn.weight.device)
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["device"] == "cuda:0"
+    n = sum(p.numel() for p in GPT2LMHeadModel.from_pretrained(tmp_path).parameters())
+    assert out.report.after - out.report.before >= n * 4  # the weights, fp32, on the card

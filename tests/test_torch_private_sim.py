@@ -4,6 +4,7 @@ below '# --- simulated device ---'), and the op cache built on them
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from memmagic import _torch_private as priv
@@ -427,3 +428,48 @@ def test_data_parallel_stream_cache_is_the_scatter_cache():
     module, name = priv.data_parallel_stream_cache()
     assert module is parallel_functions and getattr(module, name) is None
     assert "_streams" in parallel_functions._get_stream.__code__.co_names
+
+
+class _LibParam(torch.nn.Parameter):
+    """A library's Parameter subclass made as bitsandbytes' Params4bit is."""
+
+    def __new__(cls, data=None, requires_grad=False, state=None):
+        self = torch.Tensor._make_subclass(cls, data, requires_grad)
+        self.state = state
+        return self
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")  # deepcopy's check
+def test_make_subclass_refuses_a_fake_tensor_and_the_stand_in_is_one():
+    import copy
+    import re
+
+    from memmagic.backends.sim.backend import _SUBCLASS
+
+    cls, attr = priv.make_subclass_slot()
+    assert getattr(cls, attr) is torch.Tensor._make_subclass
+    mode = priv.new_fake_mode()
+    with mode:
+        fake = torch.empty(4, 8)
+    # torch refuses (the message the simulation's refusal reads)
+    try:
+        _LibParam(fake, state="absmax")
+        raise AssertionError("torch made a subclass over a FakeTensor")
+    except RuntimeError as exc:
+        assert re.search(_SUBCLASS, str(exc).replace("_LibParam", "LibParam"))
+    p = priv.fake_as_subclass(_LibParam, fake, False)
+    assert isinstance(p, _LibParam) and isinstance(p, priv.FakeTensor) and isinstance(p, torch.nn.Parameter)
+    assert type(p) is not _LibParam and type(p).__mro__[1:3] == (_LibParam, torch.nn.Parameter)
+    assert priv.storage_key(p.untyped_storage()) == priv.storage_key(fake.untyped_storage())
+    assert not p.requires_grad and p.fake_mode is mode
+    p.state = "absmax"
+    with mode:
+        assert type(p * 2) is priv.FakeTensor  # ops dispatch as a FakeTensor's
+        # nn.Module._apply swaps in Parameter(detach()): the class and the library's
+        # attributes survive it
+        swapped = torch.nn.Parameter(p, requires_grad=False)
+        assert type(swapped) is type(p) and swapped.state == "absmax"
+        twin = copy.deepcopy(p)
+    assert type(twin) is type(p) and twin.state == "absmax" and twin.shape == (4, 8)
+    assert priv.storage_key(twin.untyped_storage()) != priv.storage_key(p.untyped_storage())
+    assert priv.fake_as_subclass(_LibParam, fake, True).__class__ is type(p)  # one class per class

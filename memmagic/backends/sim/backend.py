@@ -49,6 +49,9 @@ SIM_NOTES = (
 )
 _CUDA_NOTE = ("CUDA behaviour modeled: 512-byte rounding, flash/memory-efficient attention, "
               "bool dropout masks, foreach optimizers, the CUDA autocast op policy")
+_BNB_NOTE = ("bitsandbytes kernels ran ({}): their outputs count at the sizes of the fake "
+             "kernels bitsandbytes registers; buffers its CUDA kernels allocate inside "
+             "themselves are not known and not counted")
 _RNN_NOTE = "RNNs use the CPU kernels' memory (cuDNN's RNN buffers are not modeled)"
 _CPU_NOTE = ("kernels='cpu': CPU kernels and defaults, the simulated device behaves like the "
              "CPU (for checking the simulation against --backend cpu)")
@@ -321,6 +324,8 @@ class SimBackend(Backend):
         all_notes.append(_CUDA_NOTE if state.cuda else _CPU_NOTE)
         if state.cuda and state.rnn_ran:
             all_notes.append(_RNN_NOTE)
+        if state.library_kernels:
+            all_notes.append(_BNB_NOTE.format(", ".join(sorted(state.library_kernels))))
         if sdpa is not None and sdpa.counts:
             kinds = ", ".join(f"{k} {v}x" for k, v in sorted(sdpa.counts.items()))
             all_notes.append(f"scaled_dot_product_attention ran as CUDA would pick it: {kinds}")
@@ -617,10 +622,10 @@ def _explain(exc: BaseException) -> BaseException:
     elif isinstance(exc, _priv.UnsupportedOperatorException):
         why = f"an op with no simulated implementation (a custom or CUDA-only kernel: {first})"
     elif (sub := _SUBCLASS.search(msg)) is not None:
-        why = (f"`{sub.group(1)}` is a tensor subclass made with _make_subclass (a library's "
-               "own parameter type: bitsandbytes' 4-bit and 8-bit weights are), which the "
-               "simulation cannot make on its fake tensors: quantized weights of that kind "
-               "are not simulated")
+        why = (f"`{sub.group(1)}` is a tensor subclass made with _make_subclass in a way the "
+               "simulation does not follow (bitsandbytes' 4-bit and 8-bit weights are "
+               "simulated; this call passed options they do not): a library's own tensor "
+               "type of that kind is not simulated")
     else:
         why = f"{type(exc).__name__}: {first}"
     new = SimulationUnsupported(f"{where}: cannot be simulated: {why}; {RERUN_HINT}")

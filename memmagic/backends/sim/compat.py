@@ -28,6 +28,13 @@ Installed for one run and undone in ``finally`` (through :class:`.patching.Patch
   and friends for the life of the process. Their caches are cleared when a run starts
   (a real cell's "no CUDA" must not steer the simulation onto the CPU path) and when it
   ends (the simulation's "CUDA, bf16" must not outlive it).
+* **Libraries' Parameter subclasses** (bitsandbytes' 4-bit and 8-bit weights) are made
+  over simulated tensors: ``torch.Tensor._make_subclass`` refuses a FakeTensor, so a
+  stand-in that is both the library's class and a FakeTensor is made instead
+  (:func:`.._torch_private.fake_as_subclass`); the library's own code then quantizes on
+  ``.cuda()`` through its registered fake kernels, at the packed sizes a GPU holds.
+* **transformers loads on the calling thread** (``HF_DEACTIVATE_ASYNC_LOAD``): its worker
+  threads would run outside the simulation's modes, which are per thread.
 * **nn.DataParallel on the one simulated GPU**: its scatter of the inputs to cuda:0 is a
   move to the simulated GPU (the CPU build has no ``torch._C._scatter``); with one
   device DataParallel then calls the module itself, as it does on a one-GPU machine.
@@ -308,6 +315,8 @@ class _Run:
         self.skips = _Skips(notes)
         self.saved: dict[Any, tuple[Any, Any]] = {}  # file key -> (tree, the file object)
         self.loaded: list[str] = []
+        self.paged = 0  # bytes of bitsandbytes' paged (unified-memory) tensors made
+        self.paged_note = 0  # where in notes their note is
         self.replaced: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, replacement)
         self.originals: dict[int, Any] = {}  # id(replacement) -> original
         self.watch: _ImportWatch | None = None
@@ -516,6 +525,45 @@ def _torch_load(run: _Run, original: Callable) -> Callable:
     return load
 
 
+_PAGED_NOTE = ("paged optimizer state ({}) is CUDA unified memory that bitsandbytes allocates "
+               "outside PyTorch's allocator: it is not in memory_allocated(), a GPU moves it to "
+               "host RAM when the card fills, so it is counted on the host here, not on the card")
+
+
+def _get_paged(run: _Run, original: Callable) -> Callable:
+    def get_paged(*shape: int, dtype: torch.dtype = torch.float32, device: Any = None):
+        if not run.active:
+            return original(*shape, dtype=dtype, **({} if device is None else {"device": device}))
+        out = torch.empty(*shape, dtype=dtype)  # the host pool: see _PAGED_NOTE
+        out.is_paged = True
+        out.page_deviceid = 0
+        from ...report import format_bytes
+
+        if not run.paged:
+            run.paged_note = len(run.notes)
+            run.notes.append("")
+        run.paged += out.nbytes
+        run.notes[run.paged_note] = _PAGED_NOTE.format(format_bytes(run.paged))
+        return out
+    return get_paged
+
+
+def _fill(run: _Run, original: Callable) -> Callable:
+    def fill(A: torch.Tensor, value: Any, device: Any = None, prefetch: bool = True) -> None:
+        if not (run.active and getattr(A, "is_paged", False)):
+            return original(A, value, device, prefetch)
+        A.fill_(value)  # bitsandbytes' C kernel writes the unified memory
+    return fill
+
+
+def _prefetch_tensor(run: _Run, original: Callable) -> Callable:
+    def prefetch_tensor(A: torch.Tensor, to_cpu: bool = False) -> None:
+        if not run.active:
+            return original(A, to_cpu)
+        return None  # moving unified-memory pages: no memory of PyTorch's changes
+    return prefetch_tensor
+
+
 # (module, attribute, replacement factory): applied when the module is loaded
 _TARGETS: tuple[tuple[str, str, Callable[[_Run, Any], Any]], ...] = (
     ("transformers.utils.import_utils", "is_fake_tensor", _is_fake_tensor),
@@ -524,6 +572,9 @@ _TARGETS: tuple[tuple[str, str, Callable[[_Run, Any], Any]], ...] = (
     ("safetensors.torch", "save_model", _save_model),
     ("safetensors.torch", "save", _safetensors_save),
     ("huggingface_hub.serialization._torch", "storage_ptr", _storage_ptr),
+    ("bitsandbytes.functional", "get_paged", _get_paged),
+    ("bitsandbytes.functional", "prefetch_tensor", _prefetch_tensor),
+    ("bitsandbytes.functional", "fill", _fill),
 )
 
 
@@ -584,6 +635,35 @@ def clear_probe_caches() -> None:
                 clear()
 
 
+def _parameter_subclasses(patches: Patches) -> None:
+    """A library's Parameter subclass over a simulated tensor (bitsandbytes' ``Params4bit``,
+    ``Int8Params``): torch's ``_make_subclass`` refuses a FakeTensor, the stand-in of
+    :func:`.._torch_private.fake_as_subclass` is made instead, with the library's methods
+    (quantizing on ``.cuda()``) and attributes (the quantization state)."""
+    import torch._dynamo  # noqa: F401  (its polyfill registers the original function)
+
+    cls, attr = _priv.make_subclass_slot()
+    original = patches.original(cls, attr)
+
+    def _make_subclass(cls, data, requires_grad=False, **kwargs):  # torch's signature
+        if (_priv.is_fake(data) and not kwargs and isinstance(cls, type)
+                and not issubclass(cls, _priv.FakeTensor)):
+            return _priv.fake_as_subclass(cls, data, requires_grad)
+        return original(cls, data, requires_grad, **kwargs)
+
+    patches.set(cls, attr, staticmethod(_make_subclass))
+
+
+def _forget_simulated_code_maps() -> None:
+    """bitsandbytes caches its 8-bit code map in a module dict on the device of the first
+    tensor it quantizes: one made on the simulated GPU is dropped when the run ends, so that a
+    real run after it makes its own (a simulated run makes it again, 1 KiB)."""
+    qmap = getattr(sys.modules.get("bitsandbytes.functional"), "name2qmap", None)
+    if isinstance(qmap, dict):
+        for key in [k for k, v in qmap.items() if _priv.is_fake(v)]:
+            del qmap[key]
+
+
 def install_compat(patches: Patches, notes: list[str], target: GPUSpec | None = None) -> None:
     """Install the adjustments for one simulated run (see the module's docstring); every
     one is undone by ``patches.restore()``. ``notes`` is the report's list of notes;
@@ -608,6 +688,11 @@ def install_compat(patches: Patches, notes: list[str], target: GPUSpec | None = 
         patches.set(mod, attr, value)
     for cls, attr in _priv.profiler_entry_slots():
         patches.set(cls, attr, _refuse_profiler)
+    _parameter_subclasses(patches)
+    patches.call_on_restore(_forget_simulated_code_maps)
+    # transformers' from_pretrained copies weights to the device on worker threads, where the
+    # simulation's modes (per thread) are not: it loads on the calling thread when told so
+    patches.set_item(os.environ, "HF_DEACTIVATE_ASYNC_LOAD", "1")
     import torch.nn.parallel.comm as comm
 
     patches.set(comm, "scatter", _one_gpu_scatter(comm.scatter))

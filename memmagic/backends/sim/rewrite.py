@@ -40,6 +40,18 @@ def _int_device(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
+_STORAGES = (torch.UntypedStorage, torch.TypedStorage)
+
+
+def _over_storage(storage, kwargs: dict) -> int:
+    """How many elements ``torch.asarray(storage, dtype=...)`` views: a real storage's bytes
+    (safetensors reads a checkpoint so, transformers' ``from_pretrained`` through it) become a
+    simulated tensor of that size, with no data, like every tensor of the simulation."""
+    nbytes = storage.nbytes()
+    dtype = kwargs.get("dtype") or getattr(storage, "dtype", torch.uint8)
+    return nbytes // dtype.itemsize
+
+
 class DeviceRewriteMode(TorchFunctionMode):
     """See the module docstring. Cheap for ordinary calls: one dict lookup and a kwargs check."""
 
@@ -74,6 +86,10 @@ class DeviceRewriteMode(TorchFunctionMode):
         handler = self._handlers.get(func)
         if handler is not None:
             return handler(func, args, kwargs or {})
+        if func is torch.asarray and args and isinstance(args[0], _STORAGES):
+            args = (_over_storage(args[0], kwargs or {}),)  # then placed as any factory's
+            func, kwargs = torch.empty, {k: v for k, v in (kwargs or {}).items()
+                                         if k in ("dtype", "device")}
         if kwargs:
             dev = kwargs.get("device")
             if dev is not None:

@@ -326,6 +326,8 @@ class SimTracker(StorageTracker):
                 s.cuda_seen = True
                 if func in BLAS_OPS and self.workspaces is not None:
                     self._take_workspaces(func, args, kwargs)
+                elif func.namespace == "bitsandbytes":
+                    s.library_kernels.add(func._opname)
             s.pending = pool
             fast = self.fast
             out = func(*args, **kwargs) if fast is None else fast(func, args, kwargs)
