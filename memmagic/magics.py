@@ -60,7 +60,9 @@ class MemMagics(Magics):
         Reports the peak, the memory left allocated (retained) and a breakdown at the peak
         into parameters, buffers, gradients, optimizer state, activations (tensors saved for
         backward) and other (inputs, outputs, temporaries). Sizes are bytes of tensor memory
-        on the measured device; the CUDA context and other processes are never included.
+        on the measured device; the CUDA context and other processes are never included in
+        them (on a named simulated card the verdict "fits" adds a published figure for the
+        context, said in a note).
 
         Examples::
 

@@ -247,14 +247,17 @@ def _capacity_line(ax: "Axes", cap: int, name: str, scale: float) -> float:
 
 def plot_sweep(curves: Mapping[str, Sequence[tuple[int, MemoryReport | None]]], *,
                capacity: int | None = None, capacity_name: str | None = None,
-               knob: str = "batch_size", ax: "Axes | None" = None) -> "Axes":
+               knob: str = "batch_size", ax: "Axes | None" = None,
+               card: bool | None = None) -> "Axes":
     """Memory needed against a knob's value, one line per strategy.
 
     ``curves`` maps a strategy's name to (knob value, report) points; a report of None is
     a run that failed or ran out of memory, drawn as an x at the top of the chart. The
     value plotted is the reserved peak where the report has one (what must fit on the
     card), else the peak. ``capacity`` (bytes; default: the first report's target GPU) is
-    drawn as a line, and the largest knob value whose run fits it is ringed per strategy.
+    drawn as a line, and the largest knob value whose run fits it is ringed per strategy:
+    on the card (``card``; default: when ``capacity`` is the reports' card) with the CUDA
+    context the report counts, else within a budget for the allocator.
     Values spanning more than 8x are drawn on a log2 axis.
     """
     from matplotlib.transforms import blended_transform_factory
@@ -263,6 +266,8 @@ def plot_sweep(curves: Mapping[str, Sequence[tuple[int, MemoryReport | None]]], 
         ax = _new_axes((7, 3.6))
     _theme(ax)
     reports = [r for pts in curves.values() for _, r in pts if r is not None]
+    if card is None:
+        card = capacity is None
     if capacity is None:
         for r in reports:
             if r.gpu_memory is not None:
@@ -279,7 +284,7 @@ def plot_sweep(curves: Mapping[str, Sequence[tuple[int, MemoryReport | None]]], 
         pts = sorted(pts, key=lambda p: p[0])
         color = _sweep_line(ax, name, pts, f"C{i % 10}", scale, failed_y)
         if capacity is not None:
-            _ring_largest_fit(ax, pts, color, scale, capacity, knob, vals_all)
+            _ring_largest_fit(ax, pts, color, scale, capacity, knob, vals_all, card)
     if capacity is not None and cap_on_scale:
         _capacity_line_left(ax, capacity, capacity_name or "GPU", scale)
     _knob_axis(ax, vals_all)
@@ -316,10 +321,10 @@ def _sweep_line(ax: "Axes", name: str, pts: list[tuple[int, MemoryReport | None]
 
 def _ring_largest_fit(ax: "Axes", pts: list[tuple[int, MemoryReport | None]], color: str,
                       scale: float, capacity: int,
-                      knob: str, vals_all: list[int]) -> None:
+                      knob: str, vals_all: list[int], card: bool) -> None:
     """Ring (and name) the largest knob value whose run fits ``capacity``."""
     fit = [v for v, r in pts if r is not None and r.failed_request is None
-           and r.need <= capacity]
+           and (r.card_need if card else r.need) <= capacity]
     if not fit:
         return
     best = max(fit)

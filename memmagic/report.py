@@ -161,6 +161,9 @@ class MemoryReport:
     host_peak: int | None = None
     gpu_name: str | None = None
     gpu_memory: int | None = None
+    # the CUDA context the verdict counts on the card beside the allocator's figures (a
+    # published figure, named in a note; None where not counted)
+    context: int | None = None
     error: str | None = None
     notes: tuple[str, ...] = ()
     # (op index, live device bytes) through the run, thinned; empty where not tracked
@@ -226,7 +229,13 @@ class MemoryReport:
             return None
         if self.failed_request is not None:
             return False
-        return self.need <= self.gpu_memory
+        return self.card_need <= self.gpu_memory
+
+    @property
+    def card_need(self) -> int:
+        """What the run needs of the whole card, as ``nvidia-smi`` would show it: the
+        allocator's figure (:attr:`need`) and the CUDA context where it is counted."""
+        return self.need + (self.context or 0)
 
     @property
     def need(self) -> int:
@@ -248,7 +257,7 @@ class MemoryReport:
             "breakdown": dict(self.breakdown), "breakdown_before": dict(self.breakdown_before),
             "peak_op": self.peak_op,
             "peak_module": self.peak_module, "host_peak": self.host_peak,
-            "gpu_name": self.gpu_name, "gpu_memory": self.gpu_memory,
+            "gpu_name": self.gpu_name, "gpu_memory": self.gpu_memory, "context": self.context,
             "error": self.error, "notes": [str(n) for n in self.notes],
             "failed_request": self.failed_request, "live_at_failure": self.live_at_failure,
             "peak_phase": self.peak_phase, "peak_label": self.peak_label,
@@ -297,7 +306,8 @@ class MemoryReport:
             rows.append(("host (CPU) peak", format_bytes(self.host_peak)))
         if self.gpu_memory is not None:
             verdict = "fits" if self.fits else "does NOT fit"
-            rows.append(("target GPU", f"{self.gpu_name} {format_bytes(self.gpu_memory)}: {verdict}"))
+            ctx = f" (with the CUDA context, {format_bytes(self.context)})" if self.context else ""
+            rows.append(("target GPU", f"{self.gpu_name} {format_bytes(self.gpu_memory)}: {verdict}{ctx}"))
         if self.failed_request is not None:
             rows.append(("out of memory", f"a request of {format_bytes(self.failed_request)} failed "
                                           f"with {format_bytes(self.live_at_failure)} live"))

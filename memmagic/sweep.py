@@ -26,10 +26,12 @@ __all__ = ["Sweep", "sweep", "default_strategies", "parse_values", "BatchSearch"
            "find_batch_size", "find_seq_len", "run_sweep_option"]
 
 
-def _fits(report: MemoryReport, limit: int | None) -> bool:
+def _fits(report: MemoryReport, limit: int | None, card: bool) -> bool:
+    """Whether the run fits ``limit`` bytes: the card's size (``card``: what it needs of the
+    whole card, the CUDA context with it) or a budget given for PyTorch's allocator."""
     if report.error is not None or report.failed_request is not None:
         return False
-    return limit is None or report.need <= limit
+    return limit is None or (report.card_need if card else report.need) <= limit
 
 
 def parse_values(text: str, knob: str = "batch_size") -> tuple[int, ...]:
@@ -101,13 +103,14 @@ class Sweep:
     capacity_name: str | None = None
     wall_s: float = 0.0
     strategies: Mapping[str, Setting] = field(default_factory=dict, repr=False)
+    card: bool = False  # capacity is the runs' card (the CUDA context counts), not a budget
 
     def largest_fitting(self) -> dict[str, int | None]:
         """Per strategy, the largest value whose run fits the card (None: none fits); without
         a capacity, the largest value that ran without error."""
         out: dict[str, int | None] = {}
         for name, pts in self.curves.items():
-            ok = [v for v, r in pts if _fits(r, self.capacity)]
+            ok = [v for v, r in pts if _fits(r, self.capacity, self.card)]
             out[name] = max(ok) if ok else None
         return out
 
@@ -130,7 +133,7 @@ class Sweep:
         curves = {name: [(v, r if r.error is None else None) for v, r in pts]
                   for name, pts in self.curves.items()}
         ax = plot_sweep(curves, capacity=self.capacity, capacity_name=self.capacity_name,
-                        knob=self.knob)
+                        knob=self.knob, card=self.card)
         return ax.figure
 
     def chart(self):
@@ -177,7 +180,8 @@ def sweep(cell: "Cell", knob: str = "batch_size", values: Sequence[int] | str = 
             if stop_after_failure and (r.error is not None or r.failed_request is not None):
                 break
         curves[name] = tuple(pts)
-    return Sweep(knob, vals, curves, cap, cap_name, time.perf_counter() - t0, strats)
+    return Sweep(knob, vals, curves, cap, cap_name, time.perf_counter() - t0, strats,
+                 card=capacity is None)
 
 
 def run_sweep_option(cell: "Cell", option: str) -> Sweep:
@@ -209,6 +213,7 @@ class BatchSearch:
     device: str = ""
     report: MemoryReport | None = field(default=None, repr=False)
     knob: str = "batch_size"
+    card: bool = False  # budget is the card's size: the CUDA context counts in each run
 
     @property
     def value(self) -> int | None:
@@ -233,7 +238,8 @@ class BatchSearch:
         one, what = _WORDS[self.knob]
         verdict = (f"{self.value} is the largest {one}" if self.value is not None
                    else f"no {what} tried")
-        return (f"{verdict} whose {'reserved ' if self.method == 'simulation' else ''}peak stays "
+        context = " with the CUDA context" if self.card and self.report and self.report.context else ""
+        return (f"{verdict} whose {'reserved ' if self.method == 'simulation' else ''}peak{context} stays "
                 f"under {format_bytes(self.limit)} ({1 - self.margin:.0%} of "
                 f"{format_bytes(self.budget)}); {len(self.trials)} runs {where} "
                 f"({self.device}), doubling then bisecting: " + ", ".join(ups))
@@ -249,7 +255,8 @@ def find_batch_size(cell: "Cell", *, budget: int | str | None = None, margin: fl
                     setting: Setting | Mapping[str, Any] | None = None, low: int = 1,
                     high: int = 1 << 16, method: str = "simulation") -> BatchSearch:
     """The largest batch size (a multiple of the setting's accumulation steps) whose run
-    needs at most ``budget * (1 - margin)`` bytes (the reserved peak on the simulated GPU).
+    needs at most ``budget * (1 - margin)`` bytes (the reserved peak on the simulated GPU,
+    with the CUDA context where the card counts one: ``MemoryReport.card_need``).
 
     ``budget`` defaults to the target card's memory (``gpu=`` of the cell or setting; on a
     real GPU, ``torch.cuda.get_device_properties().total_memory``). ``method``:
@@ -283,6 +290,7 @@ def _find_largest(cell: "Cell", knob: str, budget: int | str | None, margin: flo
         budget = parse_bytes(budget)
     trials: list[tuple[int, int | None, bool]] = []
     reports: dict[int, MemoryReport] = {}
+    card = budget is None  # the card's own size: what a run needs of the whole card
 
     def trial(b: int) -> bool:
         r = cell.run(base.replace(**{knob: b}), strict=True)
@@ -293,8 +301,8 @@ def _find_largest(cell: "Cell", knob: str, budget: int | str | None, margin: flo
                 raise ValueError(f"find_{'batch_size' if knob == 'batch_size' else 'seq_len'} "
                                  "needs a budget: pass budget= (bytes or '10GiB') or give the "
                                  "cell a target GPU (gpu='T4')")
-        ok = _fits(r, int(budget * (1 - margin)))
-        trials.append((b, None if r.error else r.need, ok))
+        ok = _fits(r, int(budget * (1 - margin)), card)
+        trials.append((b, None if r.error else (r.card_need if card else r.need), ok))
         reports[b] = r
         if method == "trials":
             _clean_cuda()
@@ -304,7 +312,7 @@ def _find_largest(cell: "Cell", knob: str, budget: int | str | None, margin: flo
     assert budget is not None
     device = next(iter(reports.values())).device if reports else ""
     return BatchSearch(lo_ok, int(budget), margin, tuple(trials), method, device,
-                       reports.get(lo_ok) if lo_ok is not None else None, knob)
+                       reports.get(lo_ok) if lo_ok is not None else None, knob, card)
 
 
 def _check_search(cell: "Cell", method: str, margin: float) -> None:

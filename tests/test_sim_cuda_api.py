@@ -189,7 +189,10 @@ def test_the_tutorials_accelerator_snippet_takes_the_gpu_path():
     weights = (1024 * 1024 + 1024) * 4
     assert seen["allocated"] == out.report.after >= weights
     free, total = seen["free_total"]
-    assert total == GPUS["t4"].total_memory and free == total - out.report.reserved_after
+    # cudaMemGetInfo's free: the card less the CUDA context (400 MB, a published figure)
+    # and what the allocator reserved
+    assert total == GPUS["t4"].total_memory
+    assert free == total - 400_000_000 - out.report.reserved_after and out.report.context == 400_000_000
 
 
 def test_data_parallel_on_the_one_simulated_gpu():
@@ -283,3 +286,36 @@ def test_a_memory_fraction_follows_the_card_to_another_card():
     assert f"total capacity of {format_bytes(v100)} " in seen["error"]
     assert f"{format_bytes(int(0.25 * v100))} allowed; " in seen["error"]
     nb.session.reset()
+
+
+# -- the CUDA context: the verdict counts the whole card (issue 24, item 5) -------------------
+def test_the_cuda_context_takes_room_the_allocator_cannot_reserve(monkeypatch):
+    from memmagic.backends.sim.gpus import cuda_context, resolve_target
+
+    t4 = GPUS["t4"]
+    assert cuda_context(t4, {}).nbytes == 400_000_000
+    assert "pytorch/pytorch#109888" in cuda_context(t4, {}).basis
+    assert cuda_context(t4, {"CUDA_MODULE_LOADING": "EAGER"}).nbytes == 1_000_000_000
+    # a bare size is a budget for the allocator: no context is taken from it
+    assert cuda_context(resolve_target(gpu_memory="6GiB"), {}) is None
+    assert cuda_context(resolve_target("T4", gpu_memory="6GiB"), {}) is None
+    assert cuda_context(None, {}) is None
+    room = t4.total_memory - 400_000_000
+    # a tensor that fits the card but not beside the context runs out, as on a T4
+    big = (room // 2**20 + 1) * 2**20
+    out, _ = run(f"import torch\nx = torch.empty({big}, dtype=torch.uint8, device='cuda')", gpu="T4")
+    assert out.report.failed_request == big and out.report.fits is False
+    assert "GPU 0 has a total capacity of 14.74 GiB of which 14.37 GiB is free" in str(out.error)
+    out, _ = run(f"import torch\nx = torch.empty({big - 64 * 2**20}, dtype=torch.uint8, device='cuda')", gpu="T4")
+    r = out.report
+    assert out.error is None and r.fits is True and r.card_need == r.reserved_peak + 400_000_000
+    assert "target GPU       T4 14.74 GiB: fits (with the CUDA context, 381.47 MiB)" in r.summary()
+    assert any(str(n).startswith("the verdict counts the CUDA context, 381.47 MiB") for n in r.notes)
+    # a memory fraction still leaves the context out
+    out, _ = run(f"import torch\ntorch.cuda.set_per_process_memory_fraction(1.0)\n"
+                 f"x = torch.empty({big}, dtype=torch.uint8, device='cuda')", gpu="T4")
+    assert out.report.failed_request == big
+    # with every kernel loaded at start the context is larger
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    out, _ = run(f"import torch\nx = torch.empty({big - 64 * 2**20}, dtype=torch.uint8, device='cuda')", gpu="T4")
+    assert out.report.failed_request is not None and out.report.context == 1_000_000_000

@@ -65,10 +65,11 @@ result.chart()
 #
 # ## The largest batch, with a safety margin
 #
-# A batch whose simulated peak is exactly the card's size will not fit in practice:
-# the CUDA context (several hundred MiB), other processes and fragmentation that
-# grows over a long run take their share. `find_batch_size` keeps a margin (10% by
-# default) and says how it searched.
+# A batch whose simulated peak is exactly the card's size will not fit in practice.
+# The CUDA context (a published figure of about 400 MB, named in the report's notes)
+# is already counted: each run must fit beside it. Other processes and fragmentation
+# that grows over a long run take their share too, so `find_batch_size` keeps a margin
+# (10% by default) and says how it searched.
 
 # %%
 found = find_batch_size(cell, margin=0.10)

@@ -85,7 +85,8 @@ for what, knobs in [("as written", {}), ("AMP fp16", {"amp": "fp16"}),
 # %% [markdown]
 # ## 4. The largest batch that fits
 #
-# With a 10% margin for the CUDA context and fragmentation:
+# Each run counts the CUDA context beside its reserved peak; a 10% margin on top is for
+# fragmentation and other processes:
 
 # %%
 from memmagic.sweep import find_batch_size

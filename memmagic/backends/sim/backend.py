@@ -346,9 +346,15 @@ class SimBackend(Backend):
             all_notes.append(Note(f"card size overridden: the {card.name}'s kernels with "
                                   f"{format_bytes(target.total_memory)} instead of its "
                                   f"{format_bytes(card.total_memory)}", "card"))
-        if target is not None:
-            all_notes.append("the CUDA context (about 0.3-0.5 GiB) also takes room on the "
-                             "card; a peak within that of the limit may still not fit")
+        if target is not None and state.cuda and tracker.context_bytes:
+            all_notes.append(f"the verdict counts the CUDA context, "
+                             f"{format_bytes(tracker.context_bytes)}, beside the allocator's figures "
+                             f"(which leave it out) and the allocator can only reserve what it "
+                             f"leaves: {tracker.context_basis}")
+        elif target is not None:
+            all_notes.append("the card's size is a budget for PyTorch's allocator (a bare "
+                             "size): the CUDA context, hundreds of MiB on a real card, is not "
+                             "taken from it")
         conf = _alloc_conf(tracker.allocator) if state.cuda else None
         if conf:
             all_notes.append(conf)
@@ -358,7 +364,8 @@ class SimBackend(Backend):
             extra.update(reserved_peak=a.reserved_peak, reserved_after=a.reserved,
                          host_peak=tracker.peak["host"])
         if target is not None:
-            extra.update(gpu_name=target.name, gpu_memory=target.total_memory)
+            extra.update(gpu_name=target.name, gpu_memory=target.total_memory,
+                         context=(tracker.context_bytes or None) if state.cuda else None)
         if isinstance(error, SimulatedOutOfMemoryError):
             extra.update(failed_request=error.size, live_at_failure=tracker.oom_live)
         return report_from_tracking(tracking, "sim", self.device_name, tuple(all_notes),

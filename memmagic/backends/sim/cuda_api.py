@@ -521,11 +521,11 @@ class SimulatedCuda:
         return head + "\n" + _TORCH_MEMORY_SUMMARY(device=0, abbreviated=abbreviated)
 
     def mem_get_info(self, device=None) -> tuple[int, int]:
-        """(free, total) bytes of the card: total less what the allocator model reserved
-        (the CUDA context, which also takes room on a real card, is not counted)."""
+        """(free, total) bytes of the card: total less the CUDA context (a published
+        figure, see gpus.cuda_context) and what the allocator model reserved."""
         check_device(device)
         total = self.props.total_memory
-        return (max(total - self.memory_reserved(), 0), total)
+        return (max(total - self.tracker.context_bytes - self.memory_reserved(), 0), total)
 
     def set_per_process_memory_fraction(self, fraction: float, device=None) -> None:
         """As torch: the allocator refuses to reserve more than ``fraction`` of the card
@@ -538,7 +538,7 @@ class SimulatedCuda:
             raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
         tracker = self.tracker
         if tracker.allocator is not None:
-            tracker.allocator.capacity = int(fraction * self.props.total_memory)
+            tracker.allocator.capacity = tracker.allowed(self.props.total_memory, fraction)
         tracker.memory_fraction = None if fraction == 1.0 else fraction
         tracker.card_memory = self.props.total_memory
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import operator
+import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 from ...report import format_bytes, parse_bytes
 
 __all__ = ["GPUSpec", "GPUS", "resolve_target", "DEFAULT_CAPABILITY", "MIN_GPU_MEMORY",
-           "api_spelling", "option_spelling"]
+           "api_spelling", "option_spelling", "CudaContext", "cuda_context"]
 
 _GiB = 1 << 30
 _MiB = 1 << 20
@@ -137,3 +138,36 @@ def _size(gpu_memory: int | str, spell: Callable[[str, object], str]) -> int:
                          f"smallest card simulated ({format_bytes(MIN_GPU_MEMORY)}): give the "
                          f"size with a unit, like {example}")
     return int(size)
+
+
+@dataclass(frozen=True)
+class CudaContext:
+    """What the CUDA context takes on a card, outside PyTorch's caching allocator (the
+    driver's structures and the kernels loaded): ``nvidia-smi`` shows it, ``memory_reserved``
+    never does, and the allocator can only reserve what it leaves. ``basis`` says where the
+    figure comes from."""
+
+    nbytes: int
+    basis: str
+
+
+# Published figures (no measurement per GPU generation was found: the GPU check of issue 21
+# measures it with torch.cuda.mem_get_info before and after the first CUDA call).
+_LAZY = CudaContext(400_000_000, (
+    "about 400 MB after the first CUDA op with CUDA's lazy module loading (CUDA 11.7 and "
+    "later, PyTorch's default): pytorch/pytorch#109888; 256 MiB was measured on an RTX 3090 "
+    "with torch 2.7.1+cu128 (invoke-ai/InvokeAI#9413); kernels libraries load later "
+    "(cuBLAS, cuDNN) add to it"))
+_EAGER = CudaContext(1_000_000_000, (
+    "over 1000 MB with every kernel loaded when CUDA starts (CUDA_MODULE_LOADING=EAGER, as "
+    "before CUDA 11.7): pytorch/pytorch#107667"))
+
+
+def cuda_context(target: GPUSpec | None, env: Mapping[str, str] | None = None) -> CudaContext | None:
+    """The CUDA context on ``target``, read from the environment as CUDA does when it starts
+    (``CUDA_MODULE_LOADING``). None for no target and for a bare size (``gpu_memory``): that
+    is the memory PyTorch may reserve, a budget the context is not taken from."""
+    if target is None or target.resized_from is not None or target.name.lower() not in GPUS:
+        return None
+    env = os.environ if env is None else env
+    return _EAGER if env.get("CUDA_MODULE_LOADING", "").strip().upper() == "EAGER" else _LAZY

@@ -32,7 +32,7 @@ from ... import _torch_private as _priv
 from ...report import Category, format_bytes
 from .allocator import AllocatorConfig, AllocatorFull, CachingAllocatorModel, alloc_conf_from_env
 from .errors import AllocatorConfigError, SimulationUnsupported
-from .gpus import GPUSpec
+from .gpus import CudaContext, GPUSpec, cuda_context
 from .op_cache import FakeOutputCache
 from ...patching import Patches
 from .frames import release_tracebacks
@@ -69,10 +69,14 @@ class Card:
                     f"{exc}; torch would refuse it at the first CUDA call: fix or unset the "
                     "variable, then run the cell again") from None
         self.alloc_config = alloc_config
-        allocator = CachingAllocatorModel(target.total_memory if target else None,
-                                          alloc_config) if cuda else None
-        self.tracker = SimTracker(self.state, allocator=allocator, max_ops=max_ops,
+        # the CUDA context a GPU holds beside the allocator, read once as CUDA does
+        self.context = cuda_context(target) if cuda else None
+        self.tracker = SimTracker(self.state, allocator=None, max_ops=max_ops,
                                   max_seconds=max_seconds)
+        if cuda:
+            self._hold_context(self.context, target)
+            self.tracker.allocator = CachingAllocatorModel(
+                self.tracker.allowed(target.total_memory) if target else None, alloc_config)
         if cuda:
             self.tracker.workspaces = Workspaces(capability)
         self.fake_mode = _priv.new_fake_mode()
@@ -90,6 +94,14 @@ class Card:
             self.fast = FakeOutputCache(self.fake_mode, self._entries if self._entries is not None else {})
         return self.fast
 
+    def _hold_context(self, context: CudaContext | None, target: GPUSpec | None) -> None:
+        """The card holds ``context`` (None: none counted) beside the allocator."""
+        self.context = context
+        tr = self.tracker
+        tr.context_bytes = context.nbytes if context else 0
+        tr.context_basis = context.basis if context else ""
+        tr.card_memory = target.total_memory if target else 0
+
     def retarget(self, target: GPUSpec | None) -> str | None:
         """Put the card's live blocks into a model of another card; a note, or None."""
         if target == self.target:
@@ -98,24 +110,24 @@ class Card:
         tr = self.tracker
         if tr.allocator is None:
             return None
-        new = CachingAllocatorModel(target.total_memory if target else None, tr.allocator.config)
-        if tr.memory_fraction is not None and target is not None:  # set_per_process_memory_fraction
-            new.capacity = int(tr.memory_fraction * target.total_memory)
-        elif tr.allocator.fraction_set and target is not None:  # a fraction of 1.0
-            new.capacity = target.total_memory
+        context, was = cuda_context(target), (self.context, old)
+        self._hold_context(context, target)
+        new = CachingAllocatorModel(tr.allowed(target.total_memory) if target else None,
+                                    tr.allocator.config)
+        if tr.allocator.fraction_set and target is not None:  # set_per_process_memory_fraction
+            new.capacity = tr.allowed(target.total_memory, tr.memory_fraction)
         try:
             for serial in sorted(tr.alloc_bytes):
                 new.malloc(serial, tr.alloc_bytes[serial])
         except AllocatorFull:
             self.target = old
+            self._hold_context(*was)
             raise SimulationUnsupported(
                 f"the simulated GPU holds {format_bytes(tr.current['device'])} of tensors from "
                 f"earlier cells ({format_bytes(tr.allocator.reserved)} reserved in the "
                 f"allocator's segments), more than {target.name if target else 'the new card'} "
                 "can take: run %gpusim reset (or memmagic.reset_simulated_gpu()) first") from None
         tr.allocator = new
-        if tr.memory_fraction is not None and target is not None:
-            tr.card_memory = target.total_memory  # what the OOM message calls the capacity
         if tr.workspaces is not None and target is not None:
             fresh = Workspaces(target.capability)  # sizes for workspaces taken from now on
             tr.workspaces.cublas, tr.workspaces.cublaslt = fresh.cublas, fresh.cublaslt
@@ -348,6 +360,7 @@ def _copy_allocator(old: SimTracker, tr: SimTracker, allocator: CachingAllocator
     # a memory fraction the cells set
     tr.allocator.set_capacity(old.allocator.capacity, fraction=old.allocator.fraction_set)
     tr.memory_fraction, tr.card_memory = old.memory_fraction, old.card_memory
+    tr.context_bytes, tr.context_basis = old.context_bytes, old.context_basis
 
 
 class SimSession:

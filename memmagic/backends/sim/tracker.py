@@ -95,7 +95,9 @@ class SimTracker(StorageTracker):
         # torch.cuda.set_per_process_memory_fraction: the share of the card the process may
         # reserve (None: all of it)
         self.memory_fraction: float | None = None
-        self.card_memory = 0  # the card's bytes, when a fraction is set
+        self.card_memory = 0  # the card's bytes (what the OOM message calls its capacity)
+        self.context_bytes = 0  # the CUDA context's bytes on the card (gpus.cuda_context)
+        self.context_basis = ""  # where that figure comes from
         # serials of storages whose device the simulation guessed (factories called from
         # C++ code, and what is computed from them): never used to report a device mismatch
         self._unsure: set[int] = set()
@@ -258,16 +260,22 @@ class SimTracker(StorageTracker):
         if a.reserved > self.cuda_reserved_peak:
             self.cuda_reserved_peak = a.reserved
 
+    def allowed(self, total: int, fraction: float | None = None) -> int:
+        """What the allocator may reserve on a card of ``total`` bytes: what the CUDA context
+        leaves, and no more than ``fraction`` of the card once one is set (torch's
+        ``set_per_process_memory_fraction``; cudaMalloc still fails past the free memory)."""
+        room = total - self.context_bytes
+        return room if fraction is None else min(int(fraction * total), room)
+
     def _oom_error(self, full: AllocatorFull) -> SimulatedOutOfMemoryError:
         phase, where, label = self.context()
         live = self.current["device"]  # what the report counts live at the failure
         cached = max(full.reserved - live, 0)
         # torch's words (CUDACachingAllocator.cpp's OutOfMemoryError), then where it ran out
-        total, allowed = full.capacity, ""
+        total, allowed = self.card_memory or full.capacity, ""
         if self.memory_fraction is not None and self.card_memory:
-            total = self.card_memory
             allowed = f"{format_bytes(full.capacity)} allowed; "
-        free = max(total - full.reserved, 0)
+        free = max(total - self.context_bytes - full.reserved, 0)  # what cudaMemGetInfo says
         msg = (f"CUDA out of memory (simulated). Tried to allocate {format_bytes(full.size)}. "
                f"GPU 0 has a total capacity of {format_bytes(total)} of which "
                f"{format_bytes(free)} is free. {allowed}Of the allocated memory "
