@@ -19,6 +19,7 @@ __all__ = [
     "Category", "MemoryReport", "format_bytes", "parse_bytes", "measure", "track",
     "run_cell", "CellRequest",
     "Cell", "Setting", "KNOBS", "find_batch_size", "find_seq_len", "WhatIfPanel",
+    "check_budget", "BudgetExceeded",
     "load_ipython_extension", "unload_ipython_extension", "__version__",
 ]
 __version__ = "0.1.0"
@@ -42,6 +43,10 @@ def __getattr__(name: str):
         import importlib
 
         return getattr(importlib.import_module(f"{__name__}.sweep"), name)
+    if name in ("check_budget", "BudgetExceeded"):  # memory budgets as tests
+        from . import budget
+
+        return getattr(budget, name)
     if name == "WhatIfPanel":
         from .widgets import WhatIfPanel
 

@@ -261,8 +261,11 @@ def fake_alias(base: FakeTensor, out: FakeTensor) -> FakeTensor:
 def make_subclass_slot() -> tuple[type, str]:
     """(class, attribute) of ``torch.Tensor._make_subclass``, with which a library makes its
     own Parameter subclass over a tensor (bitsandbytes' ``Params4bit`` and ``Int8Params``).
-    Dynamo registers a polyfill for the function it finds there at import: import
-    ``torch._dynamo`` before replacing it."""
+    Dynamo registers a polyfill for the function it finds there when it is imported: it is
+    imported here, so that a replacement installed after this call is never the one it
+    registers."""
+    import torch._dynamo  # noqa: F401
+
     return torch.Tensor, "_make_subclass"
 
 

@@ -640,8 +640,6 @@ def _parameter_subclasses(patches: Patches) -> None:
     ``Int8Params``): torch's ``_make_subclass`` refuses a FakeTensor, the stand-in of
     :func:`.._torch_private.fake_as_subclass` is made instead, with the library's methods
     (quantizing on ``.cuda()``) and attributes (the quantization state)."""
-    import torch._dynamo  # noqa: F401  (its polyfill registers the original function)
-
     cls, attr = _priv.make_subclass_slot()
     original = patches.original(cls, attr)
 

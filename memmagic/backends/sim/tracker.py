@@ -335,7 +335,7 @@ class SimTracker(StorageTracker):
                 if func in BLAS_OPS and self.workspaces is not None:
                     self._take_workspaces(func, args, kwargs)
                 elif func.namespace == "bitsandbytes":
-                    s.library_kernels.add(func._opname)
+                    s.library_kernels.add(func.__name__.partition(".")[0])
             s.pending = pool
             fast = self.fast
             out = func(*args, **kwargs) if fast is None else fast(func, args, kwargs)
