@@ -1,0 +1,166 @@
+"""The command line (issue 26, item 1): ``python -m memmagic run train.py [script args]
+--gpu A100-80GB [--steps N]`` runs a training script on the simulated GPU (its ``__main__``,
+its argparse, its loop cut after N optimizer steps) through the same pipeline as a
+``%%gpumem`` cell, prints the report (and the doctor's ranked fixes after an out of
+memory) and can write the JSON report, the timeline PNG and a memory_viz snapshot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main"]
+
+
+class _StepsDone(BaseException):
+    """Raised after the last optimizer step asked for (``--steps``): a BaseException, so the
+    script's own ``except Exception`` does not catch it."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m memmagic",
+                                description="memmagic from the command line")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a training script on the simulated GPU",
+                         description="Run SCRIPT as __main__ (with its own arguments after "
+                                     "it) on memmagic's simulated GPU and print the report.")
+    run.add_argument("--gpu", default=None, help="the card to simulate (T4, A100-80GB, ...)")
+    run.add_argument("--gpu-memory", default=None, help="a card's size instead (e.g. 10GiB)")
+    run.add_argument("--backend", default="sim", choices=("sim", "cpu", "cuda", "auto"),
+                     help="where to run (default: the simulated GPU)")
+    run.add_argument("--steps", type=int, default=None,
+                     help="stop the script after this many optimizer steps")
+    run.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
+    run.add_argument("--timeline", type=Path, default=None, help="write the timeline PNG here")
+    run.add_argument("--snapshot", type=Path, default=None,
+                     help="write a memory_viz snapshot (pickle) here")
+    run.add_argument("script", type=Path, help="the Python script")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    return p
+
+
+def _script_runner(path: Path, argv: list[str], steps: int | None):
+    """``run(namespace)``: the script as ``__main__`` with its argv and folder on sys.path
+    (as ``python script.py`` sets them), cut after ``steps`` optimizer steps; everything
+    it changes here is put back in ``finally``."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    code = compile(path.read_text(), str(path), "exec")
+
+    def run(ns: dict) -> None:
+        done = 0
+
+        def count(*_: Any) -> None:
+            nonlocal done
+            done += 1
+            if steps is not None and done >= steps:
+                raise _StepsDone
+
+        old_argv, old_path0 = sys.argv, sys.path[0] if sys.path else None
+        sys.argv = [str(path), *argv]
+        sys.path.insert(0, str(path.parent))
+        handle = register_optimizer_step_post_hook(count)
+        try:
+            exec(code, ns)
+        except _StepsDone:
+            pass
+        except SystemExit as exc:  # the script's own sys.exit() / argparse's
+            if exc.code not in (None, 0):
+                raise
+        finally:
+            handle.remove()
+            sys.argv = old_argv
+            if sys.path and sys.path[0] == str(path.parent):
+                del sys.path[0]
+            if old_path0 is not None and (not sys.path or sys.path[0] != old_path0):
+                sys.path.insert(0, old_path0)
+        ns["__memmagic_steps__"] = done
+
+    return run
+
+
+def _write(report: Any, args: argparse.Namespace) -> list[str]:
+    lines = []
+    if args.json is not None:
+        args.json.write_text(json.dumps(report.to_dict(), indent=1, default=str))
+        lines.append(f"report written to {args.json}")
+    if args.timeline is not None:
+        from .plots import figure_png, timeline_figure
+
+        args.timeline.write_bytes(figure_png(timeline_figure(report)))
+        lines.append(f"timeline written to {args.timeline}")
+    if args.snapshot is not None:
+        from .snapshot import write_snapshot
+
+        write_snapshot(report, args.snapshot)
+        lines.append(f"memory_viz snapshot written to {args.snapshot} (open it at "
+                     "https://pytorch.org/memory_viz)")
+    return lines
+
+
+def run_script(args: argparse.Namespace) -> int:
+    """``python -m memmagic run``: 0 when the script ran (and fits the card), 1 when it
+    failed or ran out of memory, 2 for bad input."""
+    from .pipeline import CellRequest, RequestError, run_cell
+
+    path = args.script
+    if not path.is_file():
+        print(f"memmagic: no script at {path}: give the path of a Python file", file=sys.stderr)
+        return 2
+    if args.steps is not None and args.steps < 1:
+        print("memmagic: --steps needs a positive number of optimizer steps", file=sys.stderr)
+        return 2
+    args_after = [a for a in args.args if a != "--"] if args.args[:1] == ["--"] else list(args.args)
+    ns: dict[str, Any] = {"__name__": "__main__", "__file__": str(path), "__builtins__": __builtins__}
+    request = CellRequest(path.read_text(), ns, backend=args.backend, gpu=args.gpu,
+                          gpu_memory=args.gpu_memory,
+                          run=_script_runner(path, args_after, args.steps))
+    try:
+        result = run_cell(request)
+    except RequestError as exc:
+        print(f"memmagic: {exc}", file=sys.stderr)
+        return 2
+    report, error = result.report, result.error
+    print(report.summary())
+    ran = ns.get("__memmagic_steps__")
+    if args.steps is not None and ran is not None and error is None:
+        print(f"  note: stopped after {ran} optimizer step(s) (--steps {args.steps})"
+              if ran >= args.steps else
+              f"  note: the script ended after {ran} optimizer step(s), before --steps {args.steps}")
+    for line in _write(report, args):
+        print(line)
+    if error is not None:
+        if result.out_of_memory:
+            print(result.oom_message(), file=sys.stderr)
+        else:
+            print(f"memmagic: the script failed: {type(error).__name__}: {error}"
+                  + _data_hint(error), file=sys.stderr)
+        if report.advice is not None:
+            print(str(report.advice))
+        return 1
+    return 0 if report.fits is not False else 1
+
+
+def _data_hint(error: BaseException) -> str:
+    """What to stub when the script reads data that is not here."""
+    if isinstance(error, FileNotFoundError) and error.filename:
+        return (f" (the script reads {error.filename}, which is not here: run it where its data "
+                "is, or give it a small stand-in file of the same shape; on the simulated GPU "
+                "only shapes matter)")
+    if isinstance(error, OSError) and "huggingface" in str(error).lower():
+        return (" (the script downloads from the Hugging Face hub: build the model from its "
+                "config instead, e.g. AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(...)), "
+                "or run where the hub is reachable)")
+    return ""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    if args.command == "run":
+        return run_script(args)
+    return 2

@@ -1,0 +1,82 @@
+"""The command line (issue 26, item 1): ``python -m memmagic run train.py`` on a
+nanoGPT-like script (its argparse, its loop cut after N optimizer steps)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from memmagic import cli
+
+TRAIN = textwrap.dedent('''
+    import argparse
+    import torch
+    from memmagic import zoo
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--iters", type=int, default=1000)
+    args = p.parse_args()
+    model, _ = zoo.build("nanogpt", device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    for it in range(args.iters):
+        xb = torch.randint(0, 1000, (args.batch_size, 128), device="cuda")
+        loss = model.loss(xb, xb)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    print("trained", it + 1, "steps")
+''')
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(TRAIN)
+    return path
+
+
+def test_a_script_runs_on_the_simulated_gpu_cut_after_its_steps(script, tmp_path, capsys, clean_state):
+    argv, path = list(sys.argv), list(sys.path)
+    out = tmp_path / "r.json"
+    rc = cli.main(["run", "--gpu", "T4", "--steps", "2", "--json", str(out), "--timeline",
+                   str(tmp_path / "t.png"), "--snapshot", str(tmp_path / "s.pickle"),
+                   str(script), "--batch_size", "16"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert sys.argv == argv and sys.path == path  # put back
+    assert "trained" not in text  # the loop of 1000 iterations was cut
+    assert "note: stopped after 2 optimizer step(s) (--steps 2)" in text
+    assert "target GPU       T4 14.74 GiB: fits" in text and "peak reached     during loss.backward()" in text
+    report = json.loads(out.read_text())
+    assert report["backend"] == "sim" and report["gpu_name"] == "T4"
+    assert report["breakdown"]["optimizer_state"] > 0  # AdamW's state: a step ran
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    assert "segments" in pickle.loads((tmp_path / "s.pickle").read_bytes())
+    # the script's own arguments reach its argparse: a larger batch needs more
+    cli.main(["run", "--gpu", "T4", "--steps", "1", "--json", str(out), str(script), "--batch_size", "64"])
+    assert json.loads(out.read_text())["peak"] > report["peak"]
+    capsys.readouterr()
+
+
+def test_python_dash_m_memmagic_and_its_failures(script, tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "memmagic", "run", *args], capture_output=True,
+                              text=True, cwd=tmp_path)
+    oom = run("--gpu", "T4", "--steps", "1", str(script), "--batch_size", "8192")
+    assert oom.returncode == 1 and "memmagic: out of memory on simulated cuda:0 (T4)" in oom.stderr
+    assert "does not fit" in oom.stdout  # the doctor's ranked fixes
+    (tmp_path / "reads.py").write_text("import numpy as np\n"
+                                       "data = np.memmap('data/train.bin', dtype=np.uint16, mode='r')\n")
+    data = run("--gpu", "T4", "reads.py")
+    assert data.returncode == 1
+    assert "the script reads data/train.bin, which is not here" in data.stderr
+    missing = run("nothere.py")
+    assert missing.returncode == 2 and missing.stderr.startswith("memmagic: no script at nothere.py")
+    steps = run("--steps", "0", str(script))
+    assert steps.returncode == 2 and "--steps needs a positive number" in steps.stderr
