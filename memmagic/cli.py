@@ -43,29 +43,31 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _script_runner(path: Path, argv: list[str], steps: int | None):
+class _ScriptRun:
     """``run(namespace)``: the script as ``__main__`` with its argv and folder on sys.path
-    (as ``python script.py`` sets them), cut after ``steps`` optimizer steps; everything
-    it changes here is put back in ``finally``."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+    (as ``python script.py`` sets them), cut after ``steps`` optimizer steps; ``done``: the
+    steps it ran. sys.argv and sys.path are put back as they were in ``finally``."""
 
-    code = compile(path.read_text(), str(path), "exec")
+    def __init__(self, source: str, path: Path, argv: list[str], steps: int | None) -> None:
+        self.code = compile(source, str(path), "exec")
+        self.path, self.argv, self.steps = path, argv, steps
+        self.done = 0
 
-    def run(ns: dict) -> None:
-        done = 0
+    def _count(self, *_: Any) -> None:
+        self.done += 1
+        if self.steps is not None and self.done >= self.steps:
+            raise _StepsDone
 
-        def count(*_: Any) -> None:
-            nonlocal done
-            done += 1
-            if steps is not None and done >= steps:
-                raise _StepsDone
+    def __call__(self, ns: dict) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        old_argv, old_path0 = sys.argv, sys.path[0] if sys.path else None
-        sys.argv = [str(path), *argv]
-        sys.path.insert(0, str(path.parent))
-        handle = register_optimizer_step_post_hook(count)
+        self.done = 0
+        saved_argv, saved_path = sys.argv, list(sys.path)
+        sys.argv = [str(self.path), *self.argv]
+        sys.path.insert(0, str(self.path.parent))
+        handle = register_optimizer_step_post_hook(self._count)
         try:
-            exec(code, ns)
+            exec(self.code, ns)
         except _StepsDone:
             pass
         except SystemExit as exc:  # the script's own sys.exit() / argparse's
@@ -73,14 +75,8 @@ def _script_runner(path: Path, argv: list[str], steps: int | None):
                 raise
         finally:
             handle.remove()
-            sys.argv = old_argv
-            if sys.path and sys.path[0] == str(path.parent):
-                del sys.path[0]
-            if old_path0 is not None and (not sys.path or sys.path[0] != old_path0):
-                sys.path.insert(0, old_path0)
-        ns["__memmagic_steps__"] = done
-
-    return run
+            sys.argv = saved_argv
+            sys.path[:] = saved_path
 
 
 def _write(report: Any, args: argparse.Namespace) -> list[str]:
@@ -114,11 +110,12 @@ def run_script(args: argparse.Namespace) -> int:
     if args.steps is not None and args.steps < 1:
         print("memmagic: --steps needs a positive number of optimizer steps", file=sys.stderr)
         return 2
-    args_after = [a for a in args.args if a != "--"] if args.args[:1] == ["--"] else list(args.args)
+    script_args = args.args[1:] if args.args[:1] == ["--"] else list(args.args)
+    source = path.read_text()
     ns: dict[str, Any] = {"__name__": "__main__", "__file__": str(path), "__builtins__": __builtins__}
-    request = CellRequest(path.read_text(), ns, backend=args.backend, gpu=args.gpu,
-                          gpu_memory=args.gpu_memory,
-                          run=_script_runner(path, args_after, args.steps))
+    runner = _ScriptRun(source, path, script_args, args.steps)
+    request = CellRequest(source, ns, backend=args.backend, gpu=args.gpu,
+                          gpu_memory=args.gpu_memory, run=runner)
     try:
         result = run_cell(request)
     except RequestError as exc:
@@ -126,8 +123,8 @@ def run_script(args: argparse.Namespace) -> int:
         return 2
     report, error = result.report, result.error
     print(report.summary())
-    ran = ns.get("__memmagic_steps__")
-    if args.steps is not None and ran is not None and error is None:
+    if args.steps is not None and error is None:
+        ran = runner.done
         print(f"  note: stopped after {ran} optimizer step(s) (--steps {args.steps})"
               if ran >= args.steps else
               f"  note: the script ended after {ran} optimizer step(s), before --steps {args.steps}")

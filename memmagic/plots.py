@@ -324,7 +324,7 @@ def _ring_largest_fit(ax: "Axes", pts: list[tuple[int, MemoryReport | None]], co
                       knob: str, vals_all: list[int], card: bool) -> None:
     """Ring (and name) the largest knob value whose run fits ``capacity``."""
     fit = [v for v, r in pts if r is not None and r.failed_request is None
-           and (r.card_need if card else r.need) <= capacity]
+           and r.need_of(card) <= capacity]
     if not fit:
         return
     best = max(fit)

@@ -237,6 +237,12 @@ class MemoryReport:
         allocator's figure (:attr:`need`) and the CUDA context where it is counted."""
         return self.need + (self.context or 0)
 
+    def need_of(self, card: bool) -> int:
+        """What the run needs of a limit: of the whole card (:attr:`card_need`) where the
+        limit is the card's size, else the allocator's figure (:attr:`need`), where it is a
+        budget for PyTorch's allocator."""
+        return self.card_need if card else self.need
+
     @property
     def need(self) -> int:
         """What the run needs of a card: the reserved peak where known, else the peak."""

@@ -31,7 +31,7 @@ def _fits(report: MemoryReport, limit: int | None, card: bool) -> bool:
     whole card, the CUDA context with it) or a budget given for PyTorch's allocator."""
     if report.error is not None or report.failed_request is not None:
         return False
-    return limit is None or (report.card_need if card else report.need) <= limit
+    return limit is None or report.need_of(card) <= limit
 
 
 def parse_values(text: str, knob: str = "batch_size") -> tuple[int, ...]:
@@ -302,7 +302,7 @@ def _find_largest(cell: "Cell", knob: str, budget: int | str | None, margin: flo
                                  "needs a budget: pass budget= (bytes or '10GiB') or give the "
                                  "cell a target GPU (gpu='T4')")
         ok = _fits(r, int(budget * (1 - margin)), card)
-        trials.append((b, None if r.error else (r.card_need if card else r.need), ok))
+        trials.append((b, None if r.error else r.need_of(card), ok))
         reports[b] = r
         if method == "trials":
             _clean_cuda()

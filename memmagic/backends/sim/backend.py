@@ -350,7 +350,7 @@ class SimBackend(Backend):
             all_notes.append(f"the verdict counts the CUDA context, "
                              f"{format_bytes(tracker.context_bytes)}, beside the allocator's figures "
                              f"(which leave it out) and the allocator can only reserve what it "
-                             f"leaves: {tracker.context_basis}")
+                             f"leaves: {tracker.cuda_context.basis}")
         elif target is not None:
             all_notes.append("the card's size is a budget for PyTorch's allocator (a bare "
                              "size): the CUDA context, hundreds of MiB on a real card, is not "

@@ -69,15 +69,13 @@ class Card:
                     f"{exc}; torch would refuse it at the first CUDA call: fix or unset the "
                     "variable, then run the cell again") from None
         self.alloc_config = alloc_config
-        # the CUDA context a GPU holds beside the allocator, read once as CUDA does
-        self.context = cuda_context(target) if cuda else None
         self.tracker = SimTracker(self.state, allocator=None, max_ops=max_ops,
                                   max_seconds=max_seconds)
         if cuda:
-            self._hold_context(self.context, target)
+            # the CUDA context a GPU holds beside the allocator, read once as CUDA does
+            self._hold_context(cuda_context(target), target)
             self.tracker.allocator = CachingAllocatorModel(
                 self.tracker.allowed(target.total_memory) if target else None, alloc_config)
-        if cuda:
             self.tracker.workspaces = Workspaces(capability)
         self.fake_mode = _priv.new_fake_mode()
         self._entries = entries
@@ -96,11 +94,8 @@ class Card:
 
     def _hold_context(self, context: CudaContext | None, target: GPUSpec | None) -> None:
         """The card holds ``context`` (None: none counted) beside the allocator."""
-        self.context = context
-        tr = self.tracker
-        tr.context_bytes = context.nbytes if context else 0
-        tr.context_basis = context.basis if context else ""
-        tr.card_memory = target.total_memory if target else 0
+        self.tracker.cuda_context = context
+        self.tracker.card_memory = target.total_memory if target else 0
 
     def retarget(self, target: GPUSpec | None) -> str | None:
         """Put the card's live blocks into a model of another card; a note, or None."""
@@ -110,8 +105,8 @@ class Card:
         tr = self.tracker
         if tr.allocator is None:
             return None
-        context, was = cuda_context(target), (self.context, old)
-        self._hold_context(context, target)
+        was = (tr.cuda_context, old)
+        self._hold_context(cuda_context(target), target)
         new = CachingAllocatorModel(tr.allowed(target.total_memory) if target else None,
                                     tr.allocator.config)
         if tr.allocator.fraction_set and target is not None:  # set_per_process_memory_fraction
@@ -360,7 +355,7 @@ def _copy_allocator(old: SimTracker, tr: SimTracker, allocator: CachingAllocator
     # a memory fraction the cells set
     tr.allocator.set_capacity(old.allocator.capacity, fraction=old.allocator.fraction_set)
     tr.memory_fraction, tr.card_memory = old.memory_fraction, old.card_memory
-    tr.context_bytes, tr.context_basis = old.context_bytes, old.context_basis
+    tr.cuda_context = old.cuda_context
 
 
 class SimSession:

@@ -29,6 +29,7 @@ from ...snapshot import allocator_history, allocator_segments
 from ...tracking import Entry, StorageTracker
 from .allocator import AllocatorFull, CachingAllocatorModel, round_request
 from .constants import drop_unfounded_in_place, propagate
+from .gpus import CudaContext
 from .errors import (
     RERUN_HINT,
     SimulatedOutOfMemoryError,
@@ -96,8 +97,7 @@ class SimTracker(StorageTracker):
         # reserve (None: all of it)
         self.memory_fraction: float | None = None
         self.card_memory = 0  # the card's bytes (what the OOM message calls its capacity)
-        self.context_bytes = 0  # the CUDA context's bytes on the card (gpus.cuda_context)
-        self.context_basis = ""  # where that figure comes from
+        self.cuda_context: CudaContext | None = None  # held beside the allocator (gpus.cuda_context)
         # serials of storages whose device the simulation guessed (factories called from
         # C++ code, and what is computed from them): never used to report a device mismatch
         self._unsure: set[int] = set()
@@ -259,6 +259,11 @@ class SimTracker(StorageTracker):
             self.alloc_bytes[serial] = new
         if a.reserved > self.cuda_reserved_peak:
             self.cuda_reserved_peak = a.reserved
+
+    @property
+    def context_bytes(self) -> int:
+        """The CUDA context's bytes on the card (0: none counted)."""
+        return self.cuda_context.nbytes if self.cuda_context is not None else 0
 
     def allowed(self, total: int, fraction: float | None = None) -> int:
         """What the allocator may reserve on a card of ``total`` bytes: what the CUDA context
