@@ -210,7 +210,7 @@ no_dispatch = torch._C._DisableTorchDispatch
 
 __all__ += [
     "OpOverload", "DEFAULT_CONSTANT_NUMEL_LIMIT", "FAKE_DEVICE_ATTR", "PARSE_TO_FUNCTION",
-    "no_dispatch", "dispatch_keys", "bare_fake", "make_subclass_slot", "fake_as_subclass", "register_fake_constant", "fake_alias", "fake_debug_enabled",
+    "no_dispatch", "dispatch_keys", "bare_fake", "make_subclass_slot", "make_wrapper_subclass_slot", "fake_as_subclass", "register_fake_constant", "fake_alias", "fake_debug_enabled",
     "fake_tensor_device_getter", "dataloader_iterator_slot", "destroy_library",
     "default_foreach_slots",
 ]
@@ -267,6 +267,13 @@ def make_subclass_slot() -> tuple[type, str]:
     import torch._dynamo  # noqa: F401
 
     return torch.Tensor, "_make_subclass"
+
+
+def make_wrapper_subclass_slot() -> tuple[type, str]:
+    """(class, attribute) of ``torch.Tensor._make_wrapper_subclass``, with which a wrapper
+    tensor subclass (DTensor, torchao's quantized tensors) makes its storage-less outer
+    tensor with the device it is given."""
+    return torch.Tensor, "_make_wrapper_subclass"
 
 
 _STAND_INS: dict[type, type] = {}

@@ -71,69 +71,12 @@ class ShardResult:
 
 # -- the tracker and wrapper subclasses (DTensor) -----------------------------------------
 @contextmanager
-def _wrapper_aware_tracking() -> Iterator[None]:
-    """While active, memmagic's trackers count a wrapper tensor subclass (FSDP2's DTensor
-    parameters, gradients and optimizer state) by its inner tensors (the local shard), and
-    the simulation takes an op's device from them; FSDP2's storage resizes of unsharded
-    parameters (which bypass the dispatcher) are counted.
-
-    Stand-in until tracking.py / backends/sim/tracker.py do this themselves (requested):
-    a wrapper subclass has no memory of its own, and its ops dispatch their inner ops
-    below the tracker's dispatch mode, so the tracker must look through it."""
-    # One piece: the patched methods are closures over the originals they wrap and are
-    # installed and put back together (issue 26 moves this into the tracker itself).
+def _fsdp_tracking() -> Iterator[None]:
+    """While active, FSDP2's storage resizes of unsharded parameters (which bypass the
+    dispatcher) are counted, and FSDP2 runs on one stream. (The trackers themselves count a
+    wrapper subclass, FSDP2's DTensor parameters, by its inner tensors.)"""
     from . import _torch_private as dist_priv
     from . import tracking
-    from .backends.sim.tracker import SimTracker
-
-    inner, is_wrapper = dist_priv.wrapper_inner_tensors, dist_priv.is_wrapper_subclass
-    st = tracking.StorageTracker
-    sim = SimTracker
-    orig = {name: getattr(st, name) for name in ("track", "note", "serial_of", "recheck_size")}
-    orig_pool = getattr(sim, "pool_from_inputs", None)
-
-    def track(self, t, role=tracking.Category.OTHER):
-        if is_wrapper(t):
-            serial = None
-            for i in inner(t):
-                s = track(self, i, role)
-                serial = serial if serial is not None else s
-            return serial
-        return orig["track"](self, t, role)
-
-    def note(self, t, role):
-        if is_wrapper(t):
-            for i in inner(t):
-                note(self, i, role)
-            return None
-        return orig["note"](self, t, role)
-
-    def serial_of(self, t):
-        if is_wrapper(t):
-            for i in inner(t):
-                s = serial_of(self, i)
-                if s is not None:
-                    return s
-            return None
-        return orig["serial_of"](self, t)
-
-    def recheck(self, t):
-        if is_wrapper(t):
-            for i in inner(t):
-                recheck(self, i)
-            return None
-        return orig["recheck_size"](self, t)
-
-    def unwrap(a):
-        if is_wrapper(a):
-            return inner(a)[0] if inner(a) else a
-        if type(a) in (list, tuple):
-            return type(a)(unwrap(x) for x in a)
-        return a
-
-    def pool_from_inputs(self, func, args, kwargs):
-        return orig_pool(self, func, tuple(unwrap(a) for a in args),
-                         {k: unwrap(v) for k, v in kwargs.items()} if kwargs else kwargs)
 
     def resized(t) -> None:
         tr = tracking.innermost_tracker()
@@ -152,19 +95,9 @@ def _wrapper_aware_tracking() -> Iterator[None]:
             if s is not None:
                 s.pending = old
 
-    with ExitStack() as stack:
-        try:
-            st.track, st.note, st.serial_of, st.recheck_size = track, note, serial_of, recheck
-            if orig_pool is not None:
-                sim.pool_from_inputs = pool_from_inputs
-            stack.enter_context(dist_priv.fsdp_storage_resize_hook(resized))
-            stack.enter_context(dist_priv.fsdp_device_handle_without_streams())
-            yield
-        finally:
-            for name, fn in orig.items():
-                setattr(st, name, fn)
-            if orig_pool is not None:
-                sim.pool_from_inputs = orig_pool
+    with dist_priv.fsdp_storage_resize_hook(resized), \
+            dist_priv.fsdp_device_handle_without_streams():
+        yield
 
 
 # -- sharding the cell's model when it makes its optimizer -----------------------------------
@@ -401,7 +334,7 @@ def simulate_fsdp(cell: str | RunFn, namespace: Mapping[str, Any] | None = None,
     try:
         with ExitStack() as stack:
             stack.enter_context(dist_priv.fake_process_group(world_size))
-            stack.enter_context(_wrapper_aware_tracking())
+            stack.enter_context(_fsdp_tracking())
             auto = _AutoShard(dist_priv.device_mesh("cuda", world_size), ns)
             stack.enter_context(auto.installed())
             if session is not None:

@@ -50,6 +50,21 @@ def _identity(n: int) -> int:
     return n
 
 
+_WRAPPER_TYPES: dict[type, bool] = {}
+
+
+def held_by(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """The inner tensors holding the memory of a wrapper tensor subclass (a DTensor's local
+    shard, torchao's quantized data and scales), None for a tensor that holds its own.
+    A wrapper has no memory of its own and its ops dispatch their inner ops, so trackers
+    count it by these. (Whether a class wraps is asked once per class.)"""
+    tp = type(t)
+    wraps = _WRAPPER_TYPES.get(tp)
+    if wraps is None:
+        wraps = _WRAPPER_TYPES[tp] = _priv.is_wrapper_subclass(t)
+    return _priv.wrapper_inner_tensors(t) if wraps else None
+
+
 @dataclass
 class Entry:
     serial: int
@@ -220,7 +235,12 @@ class StorageTracker(_priv.TorchDispatchMode):
         self.op_log.append((name, module, phase, label))
 
     def track(self, t: torch.Tensor, role: Category = Category.OTHER) -> int | None:
-        """Start tracking ``t``'s storage (if not yet tracked); return its serial or None."""
+        """Start tracking ``t``'s storage (if not yet tracked); return its serial or None.
+        A wrapper subclass: its inner tensors' storages, the first one's serial."""
+        inner = held_by(t)
+        if inner is not None:
+            serials = [self.track(i, role) for i in inner]
+            return next((s for s in serials if s is not None), None)
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
@@ -249,6 +269,11 @@ class StorageTracker(_priv.TorchDispatchMode):
 
     def recheck_size(self, t: torch.Tensor) -> None:
         """After a mutating op: an existing storage may have been resized (resize_, out=)."""
+        inner = held_by(t)
+        if inner is not None:
+            for i in inner:
+                self.recheck_size(i)
+            return
         try:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
@@ -264,7 +289,11 @@ class StorageTracker(_priv.TorchDispatchMode):
             self._add(entry, delta)
 
     def entry_of(self, t: torch.Tensor) -> Entry | None:
-        """The live entry of ``t``'s storage (None when it is not tracked)."""
+        """The live entry of ``t``'s storage (None when it is not tracked); of a wrapper
+        subclass, its first tracked inner tensor's."""
+        inner = held_by(t)
+        if inner is not None:
+            return next((e for e in map(self.entry_of, inner) if e is not None), None)
         try:
             return self._live.get(_priv.storage_key(t.untyped_storage()))
         except (RuntimeError, NotImplementedError, TypeError):
@@ -286,9 +315,18 @@ class StorageTracker(_priv.TorchDispatchMode):
         if _PRIORITY[role] > _PRIORITY[old]:
             self.roles[serial] = role
 
-    def note(self, t: object, role: Category) -> None:
-        """Record that ``t``'s storage plays ``role`` (only for storages already tracked)."""
+    def note(self, t: object, role: Category, trainable: bool | None = None) -> None:
+        """Record that ``t``'s storage plays ``role`` (only for storages already tracked).
+        A parameter is trainable when it requires grad (a wrapper's inner tensors take
+        the wrapper's ``trainable``)."""
         if not isinstance(t, torch.Tensor):
+            return
+        if trainable is None:
+            trainable = t.requires_grad
+        inner = held_by(t)
+        if inner is not None:
+            for i in inner:  # a quantized weight's scales are part of the parameter
+                self.note(i, role, trainable)
             return
         try:
             key = _priv.storage_key(t.untyped_storage())
@@ -298,7 +336,7 @@ class StorageTracker(_priv.TorchDispatchMode):
         if entry is not None:
             self.note_serial(entry.serial, role)
             if role is Category.PARAMETERS:
-                (self.frozen.discard if t.requires_grad else self.frozen.add)(entry.serial)
+                (self.frozen.discard if trainable else self.frozen.add)(entry.serial)
 
     def seed(self, tensors: Iterable[tuple[torch.Tensor, Category]]) -> None:
         """Register tensors that exist before the run: they count in ``before``."""

@@ -1,9 +1,20 @@
 from __future__ import annotations
 
 import gc
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# Packages installed for the tests' own process only (.ci/run: pip install --target), on the
+# path before any test imports transformers. torchao is one: when it can be imported,
+# transformers imports it with every model, and on a machine without CUDA its import logs
+# warnings to stderr, which nbval would compare in the course notebooks' transformers cells
+# (their kernels run without this directory, as on a student's machine without torchao).
+_TEST_ONLY = Path(sys.prefix) / "test-only"
+if _TEST_ONLY.is_dir() and str(_TEST_ONLY) not in sys.path:
+    sys.path.append(str(_TEST_ONLY))
 
 
 @pytest.fixture(scope="session")

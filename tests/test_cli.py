@@ -80,3 +80,55 @@ def test_python_dash_m_memmagic_and_its_failures(script, tmp_path):
     assert missing.returncode == 2 and missing.stderr.startswith("memmagic: no script at nothere.py")
     steps = run("--steps", "0", str(script))
     assert steps.returncode == 2 and "--steps needs a positive number" in steps.stderr
+
+
+TRAINER = textwrap.dedent('''
+    import argparse
+    import torch
+    from torch.utils.data import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch_size", type=int, default=4)
+    a = p.parse_args()
+
+
+    class RandomTokens(Dataset):
+        def __len__(self):
+            return 1000
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, 8000, (128,))
+            return {"input_ids": ids, "labels": ids}
+
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1376,
+                                         num_hidden_layers=2, num_attention_heads=8,
+                                         num_key_value_heads=8))
+    args = TrainingArguments(output_dir="hf_out", per_device_train_batch_size=a.batch_size,
+                             max_steps=1000, report_to=[], save_strategy="no",
+                             logging_steps=10**6)
+    Trainer(model=model, args=args, train_dataset=RandomTokens()).train()
+    print("trained")
+''')
+
+
+def test_a_transformers_trainer_script_built_from_a_config(tmp_path, monkeypatch, capsys, clean_state):
+    pytest.importorskip("transformers")
+    (tmp_path / "train_hf.py").write_text(TRAINER)
+    monkeypatch.chdir(tmp_path)  # Trainer makes its output_dir where the script runs
+    out = tmp_path / "r.json"
+    rc = cli.main(["run", "--gpu", "T4", "--steps", "2", "--json", str(out), "train_hf.py",
+                   "--batch_size", "8"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "trained" not in text and "note: stopped after 2 optimizer step(s) (--steps 2)" in text
+    report = json.loads(out.read_text())
+    # fp32: embeddings and lm_head 8000 x 512, per layer q k v o 512 x 512, gate up down
+    # 1376 x 512 and two RMSNorms, the final RMSNorm: 58,075,136 B in 21 tensors
+    params = 2 * 8000 * 512 * 4 + 2 * (4 * 512 * 512 + 3 * 1376 * 512 + 2 * 512) * 4 + 512 * 4
+    assert report["breakdown"]["parameters"] == params
+    # Trainer's default optimizer is torch's fused AdamW: two moments per parameter and a
+    # step counter per tensor on the GPU (one 512-byte block each)
+    assert report["breakdown"]["optimizer_state"] == 2 * params + 21 * 512
+    assert report["breakdown"]["activations"] > 0 and "fits" in text

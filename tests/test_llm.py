@@ -241,3 +241,89 @@ def test_new_tokens_applies_to_a_cell_that_generates_only():
     ns = {"torch": torch, "m": torch.nn.Linear(8, 8)}
     cell = Cell("y = m(torch.randn(2, 8)).sum()", ns, backend="cpu")
     assert "new_tokens" not in cell.applicable()
+
+
+# -- torchao's weight-only int8 and int4 (issue 24, item 3) ------------------------------------
+TORCHAO = """
+import torch
+from torchao.quantization import quantize_, Int8WeightOnlyConfig, Int4WeightOnlyConfig
+m = torch.nn.Sequential(torch.nn.Linear(1024, 4096, bias=False),
+                        torch.nn.Linear(4096, 1024, bias=False)).cuda().to(torch.bfloat16)
+quantize_(m[0], Int8WeightOnlyConfig())
+quantize_(m[1], Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
+batch_size = 8
+"""
+# int8, per output row: 4096 x 1024 int8 values, a fp32 scale and an int8 zero point per row
+INT8 = rnd(4096 * 1024) + rnd(4096 * 4) + rnd(4096)                    # 4,214,784 B
+# int4 (tinygemm's tile-packed layout): 1024 x 4096 values at 4 bits, and per group of 128
+# inputs and output row a bf16 scale and zero point: 32 groups x 1024 rows x 2 x 2 B
+INT4 = rnd(1024 * 4096 // 2) + rnd(4096 // 128 * 1024 * 2 * 2)          # 2,228,224 B
+
+
+def test_torchao_int8_and_int4_weights_count_at_their_real_sizes(ip):
+    pytest.importorskip("torchao")
+    ip.run_line_magic("gpusim", "on --gpu A100-80GB")
+    assert ip.run_cell(TORCHAO).error_in_exec is None
+    ip.run_cell("kinds = [type(l.weight).__name__ for l in m]\nheld = torch.cuda.memory_allocated()")
+    assert ip.user_ns["kinds"] == ["Int8Tensor", "Int4TilePackedTo4dTensor"]
+    assert ip.user_ns["held"] == INT8 + INT4                              # 6,443,008 B
+    step = "x = torch.randn(batch_size, 1024, device='cuda', dtype=torch.bfloat16)\ny = m(x)"
+    r = ip.run_cell_magic("gpumem", "-o -q --no-chart", step)
+    assert r.before == INT8 + INT4 and r.frozen_parameters == r.breakdown["parameters"] == INT8 + INT4
+    # int8 weight-only dequantizes the weight for its matmul (torchao's eager code, the same
+    # on a GPU): 4096 x 1024 bf16 = 8 MiB at the peak beside the inputs and the weights
+    assert r.peak_module == "m.0" and r.breakdown["other"] >= 4096 * 1024 * 2
+    assert any(n.startswith("torch's packed-weight kernels ran (_weight_int4pack_mm)")
+               and "not counted" in n for n in r.notes)
+    # the quantized weights stay the same objects on the card from cell to cell
+    ip.run_cell("w0 = m[0].weight")
+    ip.run_cell("same = w0 is m[0].weight\nheld = torch.cuda.memory_allocated()")
+    assert ip.user_ns["same"] is True
+    # the what-if panel re-runs on a copy of the card, quantized weights included
+    panel = ip.run_cell_magic("gpumem", "--whatif -o -q", step)
+    assert panel.baseline_report.before >= INT8 + INT4
+    assert panel.baseline_report.frozen_parameters == INT8 + INT4
+    panel.set(batch_size=64)
+    assert panel.error is None and panel.report.peak > panel.baseline_report.peak
+    assert panel.report.frozen_parameters == INT8 + INT4
+
+
+def test_torchao_refuses_tinygemm_int4_on_a_t4_as_on_the_card_itself(ip):
+    """torchao checks the card's compute capability (tinygemm needs 8.0): on a simulated
+    T4 (7.5) the cell fails with torchao's own error, as on a T4."""
+    pytest.importorskip("torchao")
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    result = ip.run_cell(TORCHAO)
+    assert isinstance(result.error_in_exec, ValueError)
+    assert "compute capability (7, 5)" in str(result.error_in_exec)
+
+
+def test_torchao_config_through_transformers_from_pretrained(ip, tmp_path):
+    pytest.importorskip("torchao")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1376,
+                                 num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                                 tie_word_embeddings=False)).save_pretrained(tmp_path)
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    result = ip.run_cell(f"""
+import torch
+from transformers import AutoModelForCausalLM, TorchAoConfig
+from torchao.quantization import Int8WeightOnlyConfig
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, dtype=torch.bfloat16, device_map="cuda",
+                                             quantization_config=TorchAoConfig(Int8WeightOnlyConfig()))
+ids = torch.randint(0, 8000, (4, 128), device="cuda")
+""")
+    assert result.error_in_exec is None
+    r = ip.run_cell_magic("gpumem", "-o -q --no-chart",
+                          "out = model.generate(ids, max_new_tokens=8, do_sample=False)")
+    # int8 rows (values, fp32 scale, int8 zero point): q k v o 512 x 512, gate up 1376 x 512,
+    # down 512 x 1376; transformers leaves lm_head in bf16
+    def int8(rows, cols):
+        return rnd(rows * cols) + rnd(rows * 4) + rnd(rows)
+    frozen = 2 * (4 * int8(512, 512) + 2 * int8(1376, 512) + int8(512, 1376))  # 6,378,496 B
+    # embeddings, lm_head and the five RMSNorms: bf16, and still trainable
+    trainable = 2 * rnd(8000 * 512 * 2) + 5 * rnd(512 * 2)                      # 16,389,120 B
+    assert r.error is None and r.frozen_parameters == frozen
+    assert r.breakdown["parameters"] == frozen + trainable
+    assert r.breakdown["kv_cache"] > 0

@@ -73,3 +73,30 @@ def test_8bit_adam_takes_a_quarter_of_adams_state(ip):
     assert states["32bit"] == 2 * 4096 * 4096 * 4
     saving = 1 - states["8bit"] / states["32bit"]                                # 74.61%
     assert abs(saving - 0.75) < 0.01, f"saving {saving:.2%} against 75%"
+
+
+def test_lora_on_mt0_large_trains_the_parameters_peft_publishes(ip):
+    """Published: peft's README quick tour, LoRA r=8 on bigscience/mt0-large:
+    "trainable params: 2359296 || all params: 1231940608 || trainable%: 0.1915"
+    (https://github.com/huggingface/peft#quickstart).
+    Simulated: the model built from mt0-large's config on the simulated GPU; every fp32
+    tensor's size is a multiple of 512 B, so the bytes are 4 x the parameters exactly."""
+    pytest.importorskip("peft")
+    ip.run_line_magic("gpusim", "on --gpu A100-80GB")
+    ip.run_cell("""
+import torch
+from transformers import MT5Config, MT5ForConditionalGeneration
+from peft import LoraConfig, TaskType, get_peft_model
+cfg = MT5Config(vocab_size=250112, d_model=1024, d_kv=64, d_ff=2816, num_layers=24,
+                num_decoder_layers=24, num_heads=16, feed_forward_proj="gated-gelu")
+model = get_peft_model(MT5ForConditionalGeneration(cfg),
+                       LoraConfig(task_type=TaskType.SEQ_2_SEQ_LM, inference_mode=False, r=8,
+                                  lora_alpha=32, lora_dropout=0.1)).cuda()
+""")
+    r = ip.run_cell_magic("gpumem", "-o -q --no-chart", "n = sum(1 for p in model.parameters())")
+    trainable = r.breakdown["parameters"] - r.frozen_parameters
+    assert trainable == 4 * 2_359_296, f"error {trainable / (4 * 2_359_296) - 1:+.2%}"  # exact
+    # the published total counts an lm_head of its own (250,112 x 1,024); transformers 5
+    # ties mT5's lm_head to the shared embedding whatever the config says
+    # (MT5Config.__post_init__), so this model holds one fewer
+    assert r.breakdown["parameters"] == 4 * (1_231_940_608 - 250_112 * 1024)       # exact

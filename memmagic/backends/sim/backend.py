@@ -49,9 +49,9 @@ SIM_NOTES = (
 )
 _CUDA_NOTE = ("CUDA behaviour modeled: 512-byte rounding, flash/memory-efficient attention, "
               "bool dropout masks, foreach optimizers, the CUDA autocast op policy")
-_BNB_NOTE = ("bitsandbytes kernels ran ({}): their outputs count at the sizes of the fake "
-             "kernels bitsandbytes registers; buffers its CUDA kernels allocate inside "
-             "themselves are not known and not counted")
+_LIBRARY_NOTE = ("{lib} kernels ran ({ops}): their outputs count at the sizes of their fake "
+                 "(meta) kernels; buffers the CUDA kernels allocate inside themselves are not "
+                 "known and not counted")
 _RNN_NOTE = "RNNs use the CPU kernels' memory (cuDNN's RNN buffers are not modeled)"
 _CPU_NOTE = ("kernels='cpu': CPU kernels and defaults, the simulated device behaves like the "
              "CPU (for checking the simulation against --backend cpu)")
@@ -324,8 +324,8 @@ class SimBackend(Backend):
         all_notes.append(_CUDA_NOTE if state.cuda else _CPU_NOTE)
         if state.cuda and state.rnn_ran:
             all_notes.append(_RNN_NOTE)
-        if state.library_kernels:
-            all_notes.append(_BNB_NOTE.format(", ".join(sorted(state.library_kernels))))
+        for lib, ops in sorted(state.library_kernels.items()):
+            all_notes.append(_LIBRARY_NOTE.format(lib=lib, ops=", ".join(sorted(ops))))
         if sdpa is not None and sdpa.counts:
             kinds = ", ".join(f"{k} {v}x" for k, v in sorted(sdpa.counts.items()))
             all_notes.append(f"scaled_dot_product_attention ran as CUDA would pick it: {kinds}")
@@ -417,6 +417,21 @@ def _install_devices(patches: Patches, state: SimState) -> None:
         return state.fake_device(t, real)
 
     patches.set(_priv.FakeTensor, "device", property(device))
+
+    owner, attr = _priv.make_wrapper_subclass_slot()
+    make_wrapper = getattr(owner, attr)
+
+    def make_wrapper_subclass(cls, size, *args, **kwargs):
+        # a wrapper subclass takes its device from an inner tensor's: cuda:0 when user code
+        # asks one on the simulated GPU, the real CPU when torch's dispatch code does (a
+        # wrapper's own op); both are the simulated GPU when the op runs there
+        dev = kwargs.get("device")
+        if (dev is not None and state.cuda and state.in_dispatch and state.pending == "device"
+                and torch.device(dev).type == "cpu"):
+            kwargs["device"] = CUDA0
+        return make_wrapper(cls, size, *args, **kwargs)
+
+    patches.set(owner, attr, staticmethod(make_wrapper_subclass))
     # deepcopy of a fake tensor (nn.TransformerEncoder's layer clones) keeps its fake
     # mode: a copied mode frees torch's storage weakrefs twice and crashes the process
     patches.set(_priv.FakeTensorMode, "__deepcopy__", _priv.fake_mode_deepcopy)

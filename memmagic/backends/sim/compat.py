@@ -60,6 +60,7 @@ from .cuda_api import install_default_card_note
 from .errors import RERUN_HINT, SimulationUnsupported
 from .gpus import GPUSpec
 from ...patching import Patches
+from ...tracking import held_by
 
 __all__ = ["install_compat", "holds_simulated_tensors"]
 
@@ -88,17 +89,7 @@ def _none() -> None:
 
 
 def _reaches_fake(t: torch.Tensor) -> bool:
-    if _priv.is_fake(t):
-        return True
-    flatten = getattr(t, "__tensor_flatten__", None)  # wrapper subclasses (DTensor)
-    if flatten is not None:
-        try:
-            attrs, _ = flatten()
-        except Exception:
-            return False
-        return any(isinstance(getattr(t, a, None), torch.Tensor) and _reaches_fake(getattr(t, a))
-                   for a in attrs)
-    return False
+    return _priv.is_fake(t) or any(map(_priv.is_fake, held_by(t) or ()))
 
 
 def holds_simulated_tensors(obj: Any, pickle_module: Any = pickle) -> bool:

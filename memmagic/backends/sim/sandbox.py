@@ -32,6 +32,7 @@ import torch
 
 from ... import _torch_private as _priv
 from ...patching import Patches
+from ...tracking import held_by
 from .constants import CONSTANT_NUMEL
 from .values import SimulatedValue
 
@@ -72,6 +73,9 @@ def _reachable_tensors(value: Any, limit: int = 10_000) -> Iterator[torch.Tensor
         seen.add(id(v))
         if isinstance(v, torch.Tensor):
             yield v
+            inner = held_by(v)  # a wrapper subclass (DTensor, a torchao weight)
+            if inner is not None:
+                stack.extend(inner)
         elif isinstance(v, dict):
             stack.extend(v.keys())
             stack.extend(v.values())
@@ -89,6 +93,12 @@ reachable_tensors = _reachable_tensors
 def contains_tensor(value: Any, limit: int = 10_000) -> bool:
     """Whether ``value`` reaches a tensor."""
     return any(True for _ in _reachable_tensors(value, limit))
+
+
+def is_simulated(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a simulated tensor: a FakeTensor, or a wrapper subclass over them."""
+    inner = held_by(t)
+    return _priv.is_fake(t) if inner is None else bool(inner) and all(map(_priv.is_fake, inner))
 
 
 def contains_fake(value: Any, limit: int = 10_000) -> bool:
@@ -140,7 +150,7 @@ class Sandbox:
         key = id(t)
         if key in memo:
             return memo[key]
-        if _priv.is_fake(t):
+        if is_simulated(t):
             memo[key] = t
             return t
         f = _priv.fake_copy(self.fake_mode, t, CONSTANT_NUMEL)
@@ -308,6 +318,6 @@ def _paired_tensors(real: Any, fake: Any) -> Iterator[tuple[torch.Tensor, torch.
 
 def contains_real_tensor(value: Any, limit: int = 10_000) -> bool:
     """Whether ``value`` reaches a real (not fake) tensor."""
-    return any(not _priv.is_fake(t) for t in _reachable_tensors(value, limit))
+    return any(not is_simulated(t) for t in _reachable_tensors(value, limit))
 
 

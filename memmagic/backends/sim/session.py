@@ -39,6 +39,7 @@ from .frames import release_tracebacks
 from .sandbox import Shadow, reachable_tensors
 from .state import SimState
 from .tracker import SimTracker
+from ...tracking import held_by
 from .values import SimulatedValue, forget
 from .workspaces import Workspaces
 
@@ -208,6 +209,9 @@ def _copy_objects(src: Card, dst: Card, names: dict[str, Any]
     def copy_tensor(t: torch.Tensor, memo: dict) -> torch.Tensor:
         if id(t) in memo:
             return memo[id(t)]
+        if held_by(t) is not None:  # a wrapper subclass (a torchao weight): over copies
+            out = memo[id(t)] = _copy_wrapper(t, lambda inner: copy_tensor(inner, memo))
+            return out
         if not _priv.is_fake(t):  # a real tensor a simulated object holds: as torch does
             with torch.no_grad():
                 out = t.clone()
@@ -249,6 +253,30 @@ def _copy_objects(src: Card, dst: Card, names: dict[str, Any]
         state.pending = "host"
         bases.clear()  # copy_tensor is in a reference cycle: it must not hold tensors
     return copies, rekey, skipped
+
+
+def _copy_wrapper(t: torch.Tensor, copy_inner: Callable[[torch.Tensor], torch.Tensor]
+                  ) -> torch.Tensor:
+    """A copy of the wrapper subclass ``t`` over ``copy_inner`` of each of its inner
+    tensors, made by its class from them (``__tensor_unflatten__``) with ``t``'s device
+    (as every wrapper its ops make meanwhile: a Parameter's detach), a Parameter if ``t`` is."""
+    names, ctx = t.__tensor_flatten__()
+    inner = {name: copy_inner(getattr(t, name)) for name in names}
+    owner, attr = _priv.make_wrapper_subclass_slot()
+    make, device = getattr(owner, attr), t.device
+
+    def same_device(cls, size, *args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = device
+        return make(cls, size, *args, **kwargs)
+
+    patches = Patches()
+    try:
+        patches.set(owner, attr, staticmethod(same_device))
+        out = type(t).__tensor_unflatten__(inner, ctx, t.shape, t.stride())
+        return torch.nn.Parameter(out, t.requires_grad) if isinstance(t, torch.nn.Parameter) else out
+    finally:
+        patches.restore()
 
 
 def _copy_names(names: dict[str, Any], copy_tensor: Callable[[torch.Tensor, dict], torch.Tensor]

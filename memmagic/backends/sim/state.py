@@ -89,7 +89,8 @@ class SimState:
         self.tracker: StorageTracker | None = None  # the run's SimTracker (its pools)
         self.in_dispatch = 0              # >0 while torch's own dispatch code runs
         self.rnn_ran = False              # an RNN layer ran in this cell
-        self.library_kernels: set[str] = set()  # bitsandbytes ops that ran on the device
+        # quantized-weight kernels that ran on the device: library -> op names
+        self.library_kernels: dict[str, set[str]] = {}
 
     def begin_run(self) -> None:
         """Per-cell counters back to zero (the state of a persistent simulated GPU lasts
@@ -101,7 +102,7 @@ class SimState:
         self.read_ops = {}
         self.in_dispatch = 0
         self.rnn_ran = False
-        self.library_kernels = set()
+        self.library_kernels = {}
 
     def fake_device(self, t: torch.Tensor, real: torch.device) -> torch.device:
         """``FakeTensor.device`` during a run: cuda:0 for tensors on the simulated GPU, as

@@ -26,7 +26,7 @@ import torch
 from ... import _torch_private as _priv
 from ...report import Category, format_bytes
 from ...snapshot import allocator_history, allocator_segments
-from ...tracking import Entry, StorageTracker
+from ...tracking import Entry, StorageTracker, held_by
 from .allocator import AllocatorFull, CachingAllocatorModel, round_request
 from .constants import drop_unfounded_in_place, propagate
 from .gpus import CudaContext
@@ -53,6 +53,15 @@ _LOCAL_SCALAR = _aten._local_scalar_dense.default
 # decomposed into _local_scalar_dense only below it): the same read
 _ITEM = _aten.item.default
 _PRIM_DEVICE = torch.ops.prim.device.default
+# kernels of quantized weights (a library's namespace, or aten's packed-weight ops) -> the
+# library named in the report's note: their outputs count at the sizes of their fake (meta)
+# kernels; buffers the CUDA kernels allocate inside themselves are not known
+_QUANTIZED_KERNELS: dict[object, str] = {
+    "bitsandbytes": "bitsandbytes", "torchao": "torchao",
+    **{op.default: "torch's packed-weight" for op in (
+        _aten._weight_int4pack_mm, _aten._weight_int8pack_mm, _aten._convert_weight_to_int4pack,
+        _aten._weight_int4pack_mm_with_scales_and_zeros)},
+}
 _FOUND_INF_OPS = {_aten._amp_foreach_non_finite_check_and_unscale_.default}
 _PHASE_WORDS = {"forward": " during forward", "backward": " during backward (loss.backward())",
                 "recompute": " while backward recomputed a checkpointed forward",
@@ -339,8 +348,10 @@ class SimTracker(StorageTracker):
                 s.cuda_seen = True
                 if func in BLAS_OPS and self.workspaces is not None:
                     self._take_workspaces(func, args, kwargs)
-                elif func.namespace == "bitsandbytes":
-                    s.library_kernels.add(func.__name__.partition(".")[0])
+                else:
+                    lib = _QUANTIZED_KERNELS.get(func.namespace) or _QUANTIZED_KERNELS.get(func)
+                    if lib is not None:
+                        s.library_kernels.setdefault(lib, set()).add(func.__name__.partition(".")[0])
             s.pending = pool
             fast = self.fast
             out = func(*args, **kwargs) if fast is None else fast(func, args, kwargs)
@@ -456,7 +467,11 @@ class SimTracker(StorageTracker):
                 if not isinstance(t, torch.Tensor):
                     continue
                 seen = True
-                e = live.get(key(t.untyped_storage()))
+                inner = held_by(t)
+                if inner is not None:  # a wrapper subclass: where its inner tensors are
+                    e = next((x for x in map(self.entry_of, inner) if x is not None), None)
+                else:
+                    e = live.get(key(t.untyped_storage()))
                 if e is None:
                     host_unsure = True  # made where the simulation did not see: device unknown
                 elif e.pool == "device":
