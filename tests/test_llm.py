@@ -327,3 +327,34 @@ ids = torch.randint(0, 8000, (4, 128), device="cuda")
     assert r.error is None and r.frozen_parameters == frozen
     assert r.breakdown["parameters"] == frozen + trainable
     assert r.breakdown["kv_cache"] > 0
+
+
+PEFT_METHODS = {
+    "lora+dora": "peft.LoraConfig(r=8, target_modules=['q_proj', 'v_proj'], use_dora=True)",
+    "ia3": "peft.IA3Config(target_modules=['k_proj', 'v_proj', 'down_proj'], "
+           "feedforward_modules=['down_proj'])",
+    "prefix": "peft.PrefixTuningConfig(task_type='CAUSAL_LM', num_virtual_tokens=16)",
+    # adds its adapter when torch.rand(1) > module_dropout: a draw the simulation makes for real
+    "loha": "peft.LoHaConfig(r=8, target_modules=['q_proj', 'v_proj'])",
+}
+
+
+@pytest.mark.parametrize("method", sorted(PEFT_METHODS))
+def test_peft_methods_train_their_adapters_only(ip, method):
+    """Each method's first step leaves exactly AdamW's two moments of the trainable
+    parameters on the card (besides the first matmuls' cuBLAS workspaces and the loss):
+    the adapters got gradients, the frozen base none."""
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    ip.run_cell(f"""
+import torch, peft
+from transformers import LlamaConfig, LlamaForCausalLM
+cfg = LlamaConfig(vocab_size=8000, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4)
+model = peft.get_peft_model(LlamaForCausalLM(cfg), {PEFT_METHODS[method]}).cuda()
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+ids = torch.randint(0, 8000, (2, 64), device="cuda")
+""")
+    r = ip.run_cell_magic("gpumem", "-o -q --no-chart", STEP)
+    trainable = r.breakdown["parameters"] - r.frozen_parameters
+    assert r.error is None and 0 < trainable < r.frozen_parameters
+    assert r.after - r.before == 2 * trainable + 2 * CUBLAS + 512

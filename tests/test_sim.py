@@ -49,6 +49,7 @@ def sim_state() -> dict:
         "foreach_default": adam._default_to_fused_or_foreach,
         "swap_tensors": torch.utils.swap_tensors,
         "make_subclass": torch.Tensor.__dict__.get("_make_subclass"),  # inherited: absent
+        "make_wrapper_subclass": torch.Tensor.__dict__.get("_make_wrapper_subclass"),  # ditto
         "hf_async_load": os.environ.get("HF_DEACTIVATE_ASYNC_LOAD"),
         "loader_iter": tud.DataLoader.__dict__["_get_iterator"],
         "dropout_backward": mask_grad_fn,

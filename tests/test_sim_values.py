@@ -250,3 +250,23 @@ def test_adopt_constant_contract():
     assert priv.fake_constant(a) is priv.fake_constant(b)
     priv.adopt_constant(a, c)  # no values: none kept
     assert priv.fake_constant(a) is None
+
+
+def test_one_random_draw_decides_a_path_for_real_and_gpu_draws_leave_the_host_generator():
+    """``torch.rand(1) > p`` (peft's LoHa adapters, LayerDrop) is drawn for real: a
+    placeholder (False) would skip the adapter a GPU run adds. A draw on the GPU takes the
+    simulation's own generator, so the host's draws that follow are the GPU run's."""
+    seen = {}
+    out, _ = run("""
+        import torch
+        torch.manual_seed(0)
+        seen["add"] = bool(torch.rand(1, device="cuda") > 0.0)
+        seen["scalar"] = 0.0 <= torch.rand([], device="cuda").item() < 1.0
+        i = torch.randint(0, 10, (4,), device="cuda")
+        seen["host"] = torch.randint(0, 100, (4,)).tolist()
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["add"] is True and seen["scalar"] is True
+    torch.manual_seed(0)
+    assert seen["host"] == torch.randint(0, 100, (4,)).tolist()
+    assert "depend on data were read" not in " ".join(out.report.notes)

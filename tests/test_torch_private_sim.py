@@ -473,3 +473,54 @@ def test_make_subclass_refuses_a_fake_tensor_and_the_stand_in_is_one():
     assert type(twin) is type(p) and twin.state == "absmax" and twin.shape == (4, 8)
     assert priv.storage_key(twin.untyped_storage()) != priv.storage_key(p.untyped_storage())
     assert priv.fake_as_subclass(_LibParam, fake, True).__class__ is type(p)  # one class per class
+
+
+class _Wrapped(torch.Tensor):
+    """A minimal traceable wrapper subclass (torchao's and DTensor's shape): no memory of its
+    own, its data in an inner tensor, its device taken from it."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype,
+                                                   device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        return _Wrapped(inner_tensors["inner"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError
+
+
+def test_make_wrapper_subclass_slot_is_where_wrapper_subclasses_make_their_tensor():
+    """What the simulation patches so that a wrapper made inside dispatch takes the simulated
+    device, and what a copy of the card patches to keep a wrapper's device: the attribute a
+    wrapper subclass's ``__new__`` calls, with the device as a keyword."""
+    from memmagic.patching import Patches
+
+    owner, attr = priv.make_wrapper_subclass_slot()
+    assert getattr(owner, attr) is torch.Tensor._make_wrapper_subclass
+    seen = []
+    make = getattr(owner, attr)
+
+    def spy(cls, size, *args, **kwargs):
+        seen.append(kwargs.get("device"))
+        kwargs["device"] = torch.device("meta")
+        return make(cls, size, *args, **kwargs)
+
+    patches = Patches()
+    try:
+        patches.set(owner, attr, staticmethod(spy))
+        w = _Wrapped(torch.zeros(3, 2))
+    finally:
+        patches.restore()
+    assert seen == [torch.device("cpu")] and w.device == torch.device("meta")
+    assert getattr(owner, attr) is torch.Tensor._make_wrapper_subclass  # put back
+    assert priv.is_wrapper_subclass(w) and priv.wrapper_inner_tensors(w)[0] is w.inner

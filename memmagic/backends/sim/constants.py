@@ -48,6 +48,18 @@ _RANDOM_INDICES = {_aten.randint.default, _aten.randint.low, _aten.randint.gener
                    _aten.randint.low_generator, _aten.randperm.default,
                    _aten.randperm.generator}
 _VALUE_FACTORIES = _VALUE_FACTORIES | _RANDOM_INDICES
+_WITH_GENERATOR = {_aten.randint.default: _aten.randint.generator,
+                   _aten.randint.low: _aten.randint.low_generator,
+                   _aten.randperm.default: _aten.randperm.generator}
+# a draw of one random value decides a path (peft's LoHa adds its adapter when
+# ``torch.rand(1) > module_dropout``, LayerDrop skips a layer when ``torch.rand([]) <
+# layerdrop``): drawn for real, from the same generators as random indices; larger random
+# tensors are data, whose values a simulation does not have
+_RANDOM_DRAWS = {_aten.rand.default: torch.rand, _aten.rand.generator: torch.rand,
+                 _aten.rand_like.default: torch.rand, _aten.randn.default: torch.randn,
+                 _aten.randn.generator: torch.randn, _aten.randn_like.default: torch.randn}
+_DRAW_NUMEL = 1
+_VALUE_FACTORIES = _VALUE_FACTORIES | set(_RANDOM_DRAWS)
 _GPU_DRAWS = torch.Generator().manual_seed(0)
 # ops whose result a known operand decides alone: x | True, x & False, x * 0 (a GPU's
 # stopping criteria: ``unfinished & ~(max_len_done | eos_hit)``)
@@ -59,12 +71,13 @@ _UNINITIALIZED = {_aten.empty.memory_format, _aten.empty_like.default, _aten.new
 _AND_OPS = {_aten.bitwise_and.Tensor, _aten.logical_and.default, _aten.mul.Tensor}
 
 
-def propagate(func, args: tuple, kwargs: dict, out):
+def propagate(func, args: tuple, kwargs: dict, out, on_gpu: bool = False):
     """``out`` of ``func`` with the values it may carry: real values for a small value
     factory's output or where one known operand decides them, none for uninitialized
-    memory or where an input had none."""
+    memory or where an input had none. ``on_gpu``: the op runs on the simulated GPU (its
+    random draws leave the host's generator alone)."""
     if func in _VALUE_FACTORIES:
-        return _with_values(func, args, kwargs, out)
+        return _with_values(func, args, kwargs, out, on_gpu)
     if func in _OR_OPS or func in _AND_OPS:
         return _absorbed(func, args, out)
     if func in _UNINITIALIZED and isinstance(out, torch.Tensor):
@@ -111,7 +124,7 @@ def _realias(args: tuple, out):
     return type(out)(fixed)
 
 
-def _with_values(func, args, kwargs, out):
+def _with_values(func, args, kwargs, out, on_gpu: bool):
     """``out`` (a fake factory output) with its real values as its constant, when small."""
     if (not isinstance(out, torch.Tensor) or out.numel() > CONSTANT_NUMEL
             or out.dtype.is_complex or _priv.fake_constant(out) is not None):
@@ -120,10 +133,17 @@ def _with_values(func, args, kwargs, out):
     if mode is None:
         return out
     fill = _FILL_FACTORIES.get(func)
+    draw = _RANDOM_DRAWS.get(func)
+    if draw is not None and (out.numel() > _DRAW_NUMEL or not out.dtype.is_floating_point):
+        return out
     with _priv.no_python_modes():
-        if fill is not None:
+        if draw is not None:
+            gen = kwargs.get("generator") or (_GPU_DRAWS if on_gpu else None)
+            real = draw(tuple(out.shape), dtype=out.dtype, generator=gen)
+        elif fill is not None:
             real = torch.full(tuple(out.shape), fill(args, kwargs), dtype=out.dtype)
-        elif func in _RANDOM_INDICES and out.device.type != "cpu" and kwargs.get("generator") is None:
+        elif func in _RANDOM_INDICES and on_gpu and kwargs.get("generator") is None:
+            func = _WITH_GENERATOR.get(func, func)
             real = func(*args, **{**kwargs, "device": CPU, "generator": _GPU_DRAWS})
         else:
             real = func(*args, **{**kwargs, "device": CPU})

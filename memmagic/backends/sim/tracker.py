@@ -355,7 +355,7 @@ class SimTracker(StorageTracker):
             s.pending = pool
             fast = self.fast
             out = func(*args, **kwargs) if fast is None else fast(func, args, kwargs)
-            out = propagate(func, args, kwargs, out)
+            out = propagate(func, args, kwargs, out, pool == "device" and s.cuda)
             info = self._op_info.get(func)
             if info is None:
                 info = self._op_info[func] = _op_info(func)
