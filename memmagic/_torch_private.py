@@ -210,7 +210,7 @@ no_dispatch = torch._C._DisableTorchDispatch
 
 __all__ += [
     "OpOverload", "DEFAULT_CONSTANT_NUMEL_LIMIT", "FAKE_DEVICE_ATTR", "PARSE_TO_FUNCTION",
-    "no_dispatch", "dispatch_keys", "bare_fake", "make_subclass_slot", "make_wrapper_subclass_slot", "fake_as_subclass", "register_fake_constant", "fake_alias", "fake_debug_enabled",
+    "no_dispatch", "dispatch_keys", "bare_fake", "make_subclass_slot", "make_wrapper_subclass_slot", "accelerator_slot", "fake_as_subclass", "register_fake_constant", "fake_alias", "fake_debug_enabled",
     "fake_tensor_device_getter", "dataloader_iterator_slot", "destroy_library",
     "default_foreach_slots",
 ]
@@ -267,6 +267,13 @@ def make_subclass_slot() -> tuple[type, str]:
     import torch._dynamo  # noqa: F401
 
     return torch.Tensor, "_make_subclass"
+
+
+def accelerator_slot() -> tuple[Any, str]:
+    """(module, attribute) of ``torch._C._get_accelerator(check=False)``, the accelerator
+    torch's own Python code asks for (FSDP2's default mesh, c10d's default device): the
+    simulation answers "cuda" there, as ``torch.accelerator`` does."""
+    return torch._C, "_get_accelerator"
 
 
 def make_wrapper_subclass_slot() -> tuple[type, str]:

@@ -137,7 +137,7 @@ class MemMagics(Magics):
         backend, gpu, gpu_memory = args.backend, args.gpu, args.gpu_memory
         if backend is None:  # re-runs are simulated unless asked otherwise
             whatif = args.whatif or args.sweep is not None
-            backend = "sim" if mode.on or whatif else "auto"
+            backend = "sim" if mode.on or whatif or args.world_size is not None else "auto"
             if mode.on and not (gpu or gpu_memory):  # the notebook's card
                 gpu, gpu_memory = mode.gpu, mode.gpu_memory
         session = None
@@ -150,7 +150,7 @@ class MemMagics(Magics):
                            gpu_memory=gpu_memory, device=args.device,
                            breakdown=not args.no_breakdown, session=session,
                            knobs={k: v for k, v in knobs.items() if v is not None},
-                           advise=args.advise, run=run)
+                           advise=args.advise, run=run, world_size=args.world_size)
 
     def _compile(self, source: str):
         """The cell as a function of the namespace, with IPython's transforms; a syntax

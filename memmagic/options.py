@@ -29,6 +29,12 @@ OPTIONS = [
              "64 MiB). With --gpu it replaces the card's memory: --gpu T4 --gpu-memory 6GiB "
              "simulates a T4 (its kernels) with 6 GiB, named 'T4 with 6.00 GiB' in the report, "
              "with a note.")),
+    (("--world-size",), dict(
+        type=int, default=None, metavar="N",
+        help="--backend sim: the simulated GPU is rank 0 of N GPUs on a fake process group, so "
+             "the cell's init_device_mesh, parallelize_module (tensor parallel) and fully_shard "
+             "(FSDP2, 2-D with TP) run as on one GPU of the job; the report is per GPU. The "
+             "cell runs on a copy of the notebook's simulated GPU (its names stay as they were).")),
     (("--no-breakdown",), dict(action="store_true",
                                help="cuda only: skip the per-category breakdown (lowest overhead).")),
     (("--no-chart",), dict(action="store_true", help="Do not draw the breakdown chart.")),

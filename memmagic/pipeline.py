@@ -44,7 +44,9 @@ class CellRequest:
     the simulated card; ``device``/``breakdown`` the CUDA backend's options; ``session``
     the notebook's simulated GPU that sim cells run on (None: a fresh card per run).
     ``knobs``: knob name -> value or option text (``{"amp": "fp16"}``); ``advise``: the
-    memory doctor's full advice, also after a cell that ran."""
+    memory doctor's full advice, also after a cell that ran; ``world_size``: the simulated
+    GPU is rank 0 of that many (the cell's tensor parallel, FSDP2, DTensors), the cell runs
+    on a copy of the notebook's simulated GPU."""
 
     source: str
     namespace: dict = field(default_factory=dict, repr=False)
@@ -57,6 +59,7 @@ class CellRequest:
     knobs: Mapping[str, Any] = field(default_factory=dict)
     advise: bool = False
     run: Callable[[dict], Any] | None = field(default=None, repr=False)
+    world_size: int | None = None
 
 
 @dataclass
@@ -136,6 +139,15 @@ def backend_spec(request: CellRequest, *, persistent: bool = True) -> tuple[str,
             options["gpu"] = resolve_target(request.gpu, request.gpu_memory, spell=option_spelling)
         except (ValueError, TypeError) as exc:
             raise RequestError(str(exc)) from None
+    if request.world_size is not None:
+        if name != "sim":
+            raise RequestError("--world-size makes the simulated GPU one rank of a job: "
+                               "add --backend sim")
+        if request.world_size < 2:
+            raise RequestError(f"--world-size is a number of GPUs, 2 or more, not "
+                               f"{request.world_size}")
+        options["world_size"] = request.world_size
+        persistent = False  # its process group ends with the run: on a copy of the card
     if name == "sim" and request.session is not None:
         options["session" if persistent else "start_from"] = request.session
     if real_cuda:
@@ -201,11 +213,15 @@ def run_cell(request: CellRequest) -> CellResult:
     values, cell_options = knob_values(request.knobs)
     backend = _backend(request)
     before = _doctor_snapshot(request)
+    # a rank of a job runs on a copy of the notebook's card: its names do not land (they
+    # would name objects of a card and a process group that end with the run)
+    isolated = request.world_size is not None
     try:
         if values or cell_options:
-            outcome = make_cell(request, isolated=False).execute()
+            outcome = make_cell(request, isolated=isolated).execute()
         else:
-            outcome = backend.execute(_runner(request), request.namespace)
+            ns = dict(request.namespace) if isolated else request.namespace
+            outcome = backend.execute(_runner(request), ns)
     except (KnobError, SimulationError) as exc:  # refused before the cell ran
         raise RequestError(str(exc)) from None
     if isinstance(outcome.error, KnobError):  # memmagic's, in the run: a knob that cannot

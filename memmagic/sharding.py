@@ -100,6 +100,19 @@ def _fsdp_tracking() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def rank_zero_of(world_size: int) -> Iterator[None]:
+    """While active, this process is rank 0 of ``world_size`` ranks on a fake process group
+    (collectives return at once with outputs of the right shape): a simulated cell's
+    ``init_device_mesh``, ``parallelize_module`` (tensor parallel), ``fully_shard`` (FSDP2)
+    and DTensors run as on one GPU of the job, FSDP2's storage resizes counted. Raises
+    RuntimeError when a process group exists already."""
+    from . import _torch_private as dist_priv
+
+    with dist_priv.fake_process_group(world_size), _fsdp_tracking():
+        yield
+
+
 # -- sharding the cell's model when it makes its optimizer -----------------------------------
 class _AutoShard:
     """Applies ``fully_shard`` to the modules owning an optimizer's parameters when the
@@ -333,8 +346,7 @@ def simulate_fsdp(cell: str | RunFn, namespace: Mapping[str, Any] | None = None,
         session = None
     try:
         with ExitStack() as stack:
-            stack.enter_context(dist_priv.fake_process_group(world_size))
-            stack.enter_context(_fsdp_tracking())
+            stack.enter_context(rank_zero_of(world_size))
             auto = _AutoShard(dist_priv.device_mesh("cuda", world_size), ns)
             stack.enter_context(auto.installed())
             if session is not None:

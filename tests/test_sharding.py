@@ -91,3 +91,153 @@ def test_the_namespace_given_is_not_changed():
     ns = {"keep": 1}
     sharding.simulate_fsdp(STEP, ns, world_size=2)
     assert ns == {"keep": 1}
+
+
+# -- the cell's own parallelism: --world-size (issue 26, item 3) -------------------------------
+MLP = """
+import torch
+from torch import nn
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Linear(1024, 4096, bias=False)
+        self.w2 = nn.Linear(4096, 1024, bias=False)
+    def forward(self, x):
+        return self.w2(torch.relu(self.w1(x)))
+
+model = nn.Sequential(MLP(), MLP()).cuda()
+"""
+W = 2 * 2 * 4096 * 1024 * 4  # the two MLPs' four fp32 weights: 64 MiB
+TP = """
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module, ColwiseParallel, RowwiseParallel
+mesh = init_device_mesh("cuda", (4,))
+for m in model:
+    parallelize_module(m, mesh, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+opt = torch.optim.AdamW(model.parameters())
+x = torch.randn(8, 1024, device="cuda")
+y = model(x)
+shapes = [tuple(y.shape), tuple(model[0].w1.weight.to_local().shape)]
+y.sum().backward()
+opt.step()
+"""
+
+
+def test_tensor_parallel_holds_a_quarter_of_the_weights_on_each_of_four_gpus(ip, clean_state):
+    """ColwiseParallel shards w1 by its output rows, RowwiseParallel w2 by its input
+    columns: each rank holds 1/4 of every weight, its gradient and AdamW's two moments;
+    the MLP's output is replicated (RowwiseParallel all-reduces it)."""
+    ip.run_line_magic("gpusim", "on --gpu A100-80GB")
+    ip.run_cell(MLP)
+    r = ip.run_cell_magic("gpumem", "--world-size 4 -o -q --no-chart", TP + "\nseen = shapes")
+    assert r.error is None
+    end = _at_end(r)
+    assert end["parameters"] == W // 4                                  # 16,777,216 B
+    assert end["gradients"] == W // 4
+    assert end["optimizer_state"] == 2 * W // 4  # exp_avg, exp_avg_sq (steps on the host)
+    assert r.breakdown["parameters"] == W // 4   # at the peak too: never the whole model
+    assert "rank 0 of 4 GPUs" in r.device and any("NCCL" in n for n in r.notes)
+    # the cell ran on a copy of the notebook's card: its names are as they were
+    ip.run_cell("kind = type(model[0].w1.weight).__name__\nheld = torch.cuda.memory_allocated()")
+    assert ip.user_ns["kind"] == "FakeTensor" and ip.user_ns["held"] == W
+    assert "seen" not in ip.user_ns and not dist.is_initialized()
+
+
+def test_tensor_parallel_activations_are_sharded_between_the_layers_and_replicated_after():
+    """Rank 0 holds a quarter of w1's rows (1024 of 4096) and the output [8, 1024] whole
+    (RowwiseParallel all-reduces it); the pipeline's run, without a notebook."""
+    from memmagic.pipeline import CellRequest, run_cell
+    from test_sim import Recorder
+
+    seen: dict = {}
+    hook = ("\nmodel[0].w1.register_forward_hook("
+            "lambda m, i, o: seen.__setitem__('hidden', tuple(o.shape)))\n")
+    src = MLP + TP.replace("y = model(x)", hook + "y = model(x)") + "\nseen['shapes'] = shapes"
+    res = run_cell(CellRequest(src, {"seen": Recorder(seen)}, backend="sim", gpu="A100-80GB",
+                               world_size=4))
+    assert res.error is None
+    assert seen["hidden"] == (8, 4096 // 4)                # between the layers: split
+    assert seen["shapes"] == [(8, 1024), (1024, 1024)]     # the output whole, w1's rows split
+    assert res.report.device == "simulated cuda:0 (A100-80GB, rank 0 of 4 GPUs)"
+    assert not dist.is_initialized()
+
+
+def test_2d_parallel_fsdp2_over_tensor_parallel_shards_by_both(ip, clean_state):
+    """A (2, 2) mesh: tensor parallel over "tp", FSDP2 over "dp" (each MLP, then the
+    model): every weight is split 4 ways, by TP and then by FSDP2."""
+    ip.run_line_magic("gpusim", "on --gpu A100-80GB")
+    ip.run_cell(MLP)
+    r = ip.run_cell_magic("gpumem", "--world-size 4 -o -q --no-chart", """
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module, ColwiseParallel, RowwiseParallel
+from torch.distributed.fsdp import fully_shard
+mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
+for m in model:
+    parallelize_module(m, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+    fully_shard(m, mesh=mesh["dp"])
+fully_shard(model, mesh=mesh["dp"])
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(8, 1024, device="cuda")).sum().backward()
+opt.step()
+""")
+    assert r.error is None
+    end = _at_end(r)
+    assert end["parameters"] == W // 4 and end["gradients"] == W // 4
+    assert end["optimizer_state"] == 2 * W // 4
+
+
+def test_fsdp2_on_any_module_the_cell_names(ip, clean_state):
+    """fully_shard on the cell's own choice of modules (here the whole Sequential, no
+    ModuleList): each of 8 ranks keeps 1/8 of the parameters, gradients and moments."""
+    ip.run_line_magic("gpusim", "on --gpu A100-80GB")
+    ip.run_cell(MLP)
+    r = ip.run_cell_magic("gpumem", "--world-size 8 -o -q --no-chart", """
+from torch.distributed.fsdp import fully_shard
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(8, 1024, device="cuda")).sum().backward()
+opt.step()
+""")
+    assert r.error is None
+    end = _at_end(r)
+    assert end["parameters"] == W // 8 and end["gradients"] == W // 8
+    assert end["optimizer_state"] == 2 * W // 8
+    # during forward and backward the whole model was gathered once (one FSDP2 unit)
+    assert r.breakdown["parameters"] <= W // 8 + W
+
+
+def test_world_size_needs_the_simulated_gpu_and_two_gpus_or_more(ip):
+    from IPython.core.error import UsageError
+    import pytest
+
+    with pytest.raises(UsageError, match="add --backend sim"):
+        ip.run_cell_magic("gpumem", "--backend cpu --world-size 4 -q", "x = 1")
+    with pytest.raises(UsageError, match="2 or more"):
+        ip.run_cell_magic("gpumem", "--world-size 1 -q", "x = 1")
+    assert not dist.is_initialized()
+
+
+def test_reshard_after_forward_false_keeps_the_gathered_parameters_like_zero2(ip):
+    """FSDP2's ``reshard_after_forward=False`` keeps each unit's all-gathered parameters
+    from forward to backward (ZeRO-2-like), the default frees them after forward (ZeRO-3):
+    the peak holds more parameters."""
+    ip.run_line_magic("gpusim", "on --gpu A100-80GB")
+    ip.run_cell(MLP)
+    step = """
+from torch.distributed.fsdp import fully_shard
+for m in model:
+    fully_shard(m, reshard_after_forward={})
+fully_shard(model, reshard_after_forward={})
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(8, 1024, device="cuda")).sum().backward()
+opt.step()
+"""
+    zero3 = ip.run_cell_magic("gpumem", "--world-size 4 -o -q --no-chart", step.format(True, True))
+    zero2 = ip.run_cell_magic("gpumem", "--world-size 4 -o -q --no-chart", step.format(False, False))
+    assert zero3.error is None and zero2.error is None
+    # at the end both hold their shards only
+    assert _at_end(zero3)["parameters"] == _at_end(zero2)["parameters"] == W // 4
+    # ZeRO-2-like: both MLPs' gathered weights (W) stay from forward into backward
+    assert zero2.breakdown["parameters"] >= W // 4 + W
+    assert zero3.breakdown["parameters"] < zero2.breakdown["parameters"]

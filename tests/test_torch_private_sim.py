@@ -524,3 +524,16 @@ def test_make_wrapper_subclass_slot_is_where_wrapper_subclasses_make_their_tenso
     assert seen == [torch.device("cpu")] and w.device == torch.device("meta")
     assert getattr(owner, attr) is torch.Tensor._make_wrapper_subclass  # put back
     assert priv.is_wrapper_subclass(w) and priv.wrapper_inner_tensors(w)[0] is w.inner
+
+
+def test_accelerator_slot_is_what_torchs_own_code_asks():
+    """FSDP2's default mesh and c10d take the accelerator from ``torch._C._get_accelerator``:
+    a device (the CPU's on a machine without one)."""
+    owner, attr = priv.accelerator_slot()
+    assert getattr(owner, attr) is torch._C._get_accelerator
+    assert isinstance(getattr(owner, attr)(), torch.device)
+    import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+    assert "_get_accelerator()" in inspect.getsource(_fsdp_init._init_default_mesh)

@@ -8,6 +8,7 @@ import random
 import re
 import sys
 import traceback
+from contextlib import ExitStack
 
 from typing import Any, Callable, Iterable
 
@@ -56,6 +57,10 @@ _RNN_NOTE = "RNNs use the CPU kernels' memory (cuDNN's RNN buffers are not model
 _CPU_NOTE = ("kernels='cpu': CPU kernels and defaults, the simulated device behaves like the "
              "CPU (for checking the simulation against --backend cpu)")
 _FAST_ENTRIES: dict[tuple, dict] = {}  # FakeOutputCache entries per kernel configuration
+_RANKS_NOTE = ("rank 0 of {n} GPUs: the figures are one GPU's; the cell ran on a fake "
+               "process group (init_device_mesh, parallelize_module, fully_shard and DTensors "
+               "as on a GPU of the job; collectives return at once), so NCCL's own buffers "
+               "(hundreds of MiB a GPU, outside PyTorch's allocator) are not counted")
 _WORKERS_NOTE = "DataLoader workers ran in-process (num_workers=0) in the simulation"
 _ACTIVE: list = []  # the simulated run in progress (they do not nest)
 
@@ -131,11 +136,11 @@ class SimBackend(Backend):
                  kernels: str = "cuda", max_ops: int = 2_000_000, max_seconds: float = 120.0,
                  op_cache: bool = True, session: SimSession | None = None,
                  start_from: SimSession | None = None, leave_out: Iterable[str] = (),
-                 **options: Any) -> None:
+                 world_size: int | None = None, **options: Any) -> None:
         if options:
             raise TypeError(f"the sim backend takes gpu=, gpu_memory=, kernels=, max_ops=, "
-                            f"max_seconds=, op_cache=, session=, start_from=, leave_out=; "
-                            f"got {sorted(options)}")
+                            f"max_seconds=, op_cache=, session=, start_from=, leave_out=, "
+                            f"world_size=; got {sorted(options)}")
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, not {kernels!r}")
         if int(max_ops) <= 0 or float(max_seconds) <= 0:
@@ -152,6 +157,13 @@ class SimBackend(Backend):
         if session is not None and start_from is not None:
             raise TypeError("give session= (run on the notebook's simulated GPU) or start_from= "
                             "(run on a copy of it), not both")
+        if world_size is not None:
+            if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+                raise ValueError(f"world_size must be a number of GPUs, 2 or more, not {world_size!r}")
+            if session is not None:
+                raise TypeError("a world_size run cannot stay on the notebook's simulated GPU "
+                                "(its process group ends with the run): give start_from=")
+        self.world_size = world_size
         self.session = session
         self.start_from = start_from
         self.leave_out = frozenset(leave_out)
@@ -160,7 +172,8 @@ class SimBackend(Backend):
 
     @property
     def device_name(self) -> str:
-        return f"simulated cuda:0 ({self.target.name if self.target else 'no target'})"
+        rank = f", rank 0 of {self.world_size} GPUs" if self.world_size else ""
+        return f"simulated cuda:0 ({self.target.name if self.target else 'no target'}{rank})"
 
     def measure(self, fn: Callable[[], Any]) -> Outcome:
         """Measure a zero-argument callable; the globals of a plain function are sandboxed
@@ -203,7 +216,18 @@ class SimBackend(Backend):
         # frames link back here): it must not hold the card
         box = [card]
         del card
-        return self._execute_on(box, run, namespace, notes, copied)
+        if self.world_size is None:
+            return self._execute_on(box, run, namespace, notes, copied)
+        from ...sharding import rank_zero_of
+
+        notes.append(_RANKS_NOTE.format(n=self.world_size))
+        with ExitStack() as stack:
+            try:
+                stack.enter_context(rank_zero_of(self.world_size))
+            except RuntimeError as exc:  # a process group exists already
+                box.clear()
+                raise SimulationUnsupported(f"world_size={self.world_size}: {exc}") from None
+            return self._execute_on(box, run, namespace, notes, copied)
 
     @staticmethod
     def _copy_card(card: Card, target: GPUSpec | None,

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from ... import _torch_private as _priv
 from ...report import format_bytes
 from ...snapshot import PICKLE_PROTOCOL
 from .values import SimulatedFloat
@@ -373,6 +374,8 @@ class SimulatedCuda:
             for mod in (acc, mem):
                 if mod is not None and hasattr(mod, attr):
                     patches.set(mod, attr, value)
+        owner, attr = _priv.accelerator_slot()  # what torch's own code asks (FSDP2's mesh)
+        patches.set(owner, attr, lambda check=False: torch.device("cuda"))
 
     # -- the device --------------------------------------------------------------------------
     def is_available(self) -> bool:

@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from ... import _torch_private as _priv
 from .errors import RERUN_HINT, SimulationUnsupported
+from ...tracking import held_by
 from .state import CPU, CUDA0, SimState, is_cuda_device
 from .values import marked, tensor_numpy, tensor_repr, tensor_tolist
 
@@ -76,6 +77,7 @@ class DeviceRewriteMode(TorchFunctionMode):
             h.update({
                 torch.device: self._device,
                 T.is_cuda.__get__: self._is_cuda,
+                T.device.__get__: self._wrapper_device,
                 T.is_cpu.__get__: lambda f, a, k: self.s.pool_of(a[0]) != "device",
                 T.get_device: lambda f, a, k: 0 if self.s.pool_of(a[0]) == "device" else -1,
             })
@@ -120,6 +122,16 @@ class DeviceRewriteMode(TorchFunctionMode):
     # -- properties --------------------------------------------------------------------
     def _is_cuda(self, func, args, kwargs):
         return self.s.pool_of(args[0]) == "device"
+
+    def _wrapper_device(self, func, args, kwargs):
+        """``t.device`` of a wrapper subclass (a FakeTensor answers from its own property):
+        where its inner tensors are, as user and torch Python code see it (DTensor takes
+        its device from its local tensor's real one in C++: the CPU's); the real device
+        inside dispatch, as a FakeTensor's."""
+        t = args[0]
+        if self.s.in_dispatch or held_by(t) is None:
+            return func(*args)
+        return CUDA0 if self.s.pool_of(t) == "device" else CPU
 
     # -- moves ------------------------------------------------------------------------
     def _move(self, t: torch.Tensor, dst: str, dtype=None, non_blocking=False, copy=False,
