@@ -1051,7 +1051,7 @@ def _ranking(cell: Any, namespace: Mapping[str, Any] | None, *, strategies: bool
 
 
 # What the FSDP2 rows leave out: the simulation runs them on a fake process group (no NCCL)
-_NCCL_NOTE = ("FSDP2 rows leave out NCCL's own buffers on each GPU (outside PyTorch's "
+_NCCL_NOTE = ("FSDP2 and tensor-parallel rows leave out NCCL's own buffers on each GPU (outside PyTorch's "
               "allocator, they grow with channels and peers: about 1.06 GB per GPU on 8 H100s "
               "before an all-to-all, NVIDIA/nccl#1685; about 1.6 GB with one communicator after "
               "an all-reduce, NVIDIA/nccl#864): leave that room beside the rows' figures")
@@ -1059,12 +1059,37 @@ _NCCL_NOTE = ("FSDP2 rows leave out NCCL's own buffers on each GPU (outside PyTo
 
 def _shard_rows(cell: Any, namespace: Mapping[str, Any] | None, world_sizes: Sequence[int],
                 gpu: Any, gpu_memory: Any) -> list[Strategy]:
+    """FSDP2 rows for each of ``world_sizes``, and tensor-parallel rows where the notebook's
+    model carries its own TP plan (a transformers model's ``tp_plan``)."""
     from . import sharding
 
     source = getattr(cell, "source", cell)
+    runs = [sharding.simulate_fsdp]
+    if _has_tp_plan(namespace):
+        runs.append(sharding.simulate_tp)
     out = []
-    for n in world_sizes:
-        r = sharding.simulate_fsdp(source, namespace, world_size=n, gpu=gpu, gpu_memory=gpu_memory)
-        out.append(Strategy(r.label(), {"fsdp_world_size": n}, r.peak, r.reserved_peak,
-                            r.fits, r.reason))
+    for simulate in runs:
+        for n in world_sizes:
+            r = simulate(source, namespace, world_size=n, gpu=gpu, gpu_memory=gpu_memory)
+            out.append(Strategy(r.label(), {f"{r.style}_world_size": n}, r.peak,
+                                r.reserved_peak, r.fits, r.reason))
     return out
+
+
+def _has_tp_plan(namespace: Mapping[str, Any] | None) -> bool:
+    """Whether a model the namespace names (on the notebook's simulated GPU too) carries a
+    tensor-parallel plan."""
+    import torch
+
+    from .backends.sim.session import session_of
+
+    ns = dict(namespace or {})
+    session = session_of(ns)
+    shadow = session.card.shadow if session is not None and session.card is not None else {}
+    for key, value in ns.items():
+        sh = shadow.get(key)
+        if sh is not None and sh.shown is value:
+            value = sh.value
+        if isinstance(value, torch.nn.Module) and getattr(value, "tp_plan", None):
+            return True
+    return False

@@ -24,8 +24,8 @@ from .failures import is_out_of_memory
 from .report import MemoryReport, format_bytes
 from . import _torch_private as _priv
 
-__all__ = ["ShardResult", "simulate_fsdp", "shard_memory", "ShardingUnsupported",
-           "WORLD_SIZES"]
+__all__ = ["ShardResult", "simulate_fsdp", "simulate_tp", "shard_memory", "ShardingUnsupported",
+           "WORLD_SIZES", "rank_zero_of", "tp_plan", "parallelize"]
 
 WORLD_SIZES = (2, 4, 8)
 
@@ -45,6 +45,7 @@ class ShardResult:
     report: MemoryReport | None
     sharded: tuple[str, ...] = ()
     reason: str | None = None
+    style: str = "fsdp"  # or "tp": tensor parallel by the model's own plan
 
     @property
     def peak(self) -> int | None:
@@ -61,6 +62,8 @@ class ShardResult:
         return None if self.report is None else self.report.fits
 
     def label(self) -> str:
+        if self.style == "tp":
+            return f"tensor parallel over {self.world_size} GPUs (the model's TP plan)"
         return f"shard over {self.world_size} GPUs (FSDP2)"
 
     def __str__(self) -> str:
@@ -118,9 +121,10 @@ class _AutoShard:
     """Applies ``fully_shard`` to the modules owning an optimizer's parameters when the
     optimizer is made (``Optimizer.__init__``), and hands it the sharded parameters."""
 
-    def __init__(self, mesh: Any, namespace: Mapping[str, Any]) -> None:
+    def __init__(self, mesh: Any, namespace: Mapping[str, Any], style: str = "fsdp") -> None:
         self.mesh = mesh
         self.namespace = namespace
+        self.style = style
         self.modules: list[weakref.ref] = []  # made during the run, in order
         self.children: set[int] = set()
         self.sharded: list[str] = []
@@ -219,6 +223,11 @@ class _AutoShard:
         import torch
         from torch.distributed.fsdp import fully_shard
 
+        if self.style == "tp":
+            parallelize(root, self.mesh)
+            self.sharded.append(name)
+            return
+
         blocks: list[tuple[str, Any]] = []
         taken: set[int] = set()
         for path, m in root.named_modules():
@@ -235,6 +244,74 @@ class _AutoShard:
             self.sharded.append(label)
         fully_shard(root, mesh=self.mesh)
         self.sharded.append(name)
+
+
+# transformers' tensor-parallel styles (``model.tp_plan``) as torch's ParallelStyles
+_TP_STYLES = {
+    "colwise": lambda t: t.ColwiseParallel(),
+    "rowwise": lambda t: t.RowwiseParallel(),
+    "colwise_gather_output": lambda t: t.ColwiseParallel(output_layouts=t.Replicate()),
+    "embedding_rowwise": lambda t: t.RowwiseParallel(input_layouts=t.Replicate()),
+}
+
+
+def tp_plan(model: Any) -> dict[str, Any]:
+    """The tensor-parallel plan a transformers model carries (``model.tp_plan``: module
+    paths with ``*`` for a layer index -> "colwise", "rowwise"...), as torch's
+    ``parallelize_module`` takes it. Raises ShardingUnsupported for a model without one, or
+    a style that is not simulated."""
+    from torch.distributed import tensor as dtensor
+    from torch.distributed.tensor import parallel
+
+    plan = getattr(model, "tp_plan", None)
+    if not isinstance(plan, Mapping) or not plan:
+        raise ShardingUnsupported(
+            f"{type(model).__name__} carries no tensor-parallel plan (transformers models "
+            "do: model.tp_plan); parallelize it in the cell with %%gpumem --world-size N")
+    unknown = sorted({v for v in plan.values() if v not in _TP_STYLES})
+    if unknown:
+        raise ShardingUnsupported(f"the model's TP plan uses {', '.join(unknown)}, not simulated "
+                                  f"(simulated: {', '.join(_TP_STYLES)})")
+
+    class Styles:  # the names the table's makers use
+        ColwiseParallel, RowwiseParallel = parallel.ColwiseParallel, parallel.RowwiseParallel
+        Replicate = dtensor.Replicate
+
+    return {path: _TP_STYLES[style](Styles) for path, style in plan.items()}
+
+
+def parallelize(model: Any, mesh: Any) -> Any:
+    """Tensor parallelism for a transformers model by its own plan (:func:`tp_plan`), with
+    torch's ``parallelize_module`` on ``mesh`` (a 1-D mesh, or one dimension of a 2-D
+    one); the parameters the plan leaves (norms) replicated, so that one optimizer takes
+    them all. Returns ``model``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, mesh, tp_plan(model))
+    _replicate_the_rest(model, mesh)
+    return model
+
+
+def _replicate_the_rest(root: Any, mesh: Any) -> None:
+    """The modules whose parameters a TP plan leaves (norms): their parameters replicated
+    on every rank as DTensors (a foreach optimizer takes no mix of DTensors and plain
+    tensors), their inputs made replicated DTensors and their outputs local again, as
+    transformers' and torchtitan's replicated styles do."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def inputs(module, args, mesh):
+        return tuple(DTensor.from_local(a, mesh, [Replicate()])
+                     if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a
+                     for a in args)
+
+    def outputs(module, out, mesh):
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    for m in list(root.modules()):
+        own = [p for p in _priv.own_parameters(m).values() if p is not None]
+        if own and not any(isinstance(p, DTensor) for p in own):
+            distribute_module(m, mesh, input_fn=inputs, output_fn=outputs)
 
 
 def _ancestors(root: Any, module: Any) -> list[Any]:
@@ -330,6 +407,22 @@ def simulate_fsdp(cell: str | RunFn, namespace: Mapping[str, Any] | None = None,
     optimizer built in earlier simulated cells; ``session``, by default the one they live
     on), the run starts from a copy of that GPU, left as it was: the models its
     optimizers hold are sharded first, then the cell runs."""
+    return _simulate(cell, namespace, world_size, "fsdp", gpu, gpu_memory, session)
+
+
+def simulate_tp(cell: str | RunFn, namespace: Mapping[str, Any] | None = None, *,
+                world_size: int, gpu: Any = None, gpu_memory: int | str | None = None,
+                session: Any = None) -> ShardResult:
+    """:func:`simulate_fsdp` with tensor parallelism instead: the cell's model is
+    parallelized by its own plan (a transformers model's ``tp_plan``: attention and MLP
+    projections split by columns and rows, the embedding by rows) with torch's
+    ``parallelize_module`` when it makes its optimizer. A model without a plan gets a
+    ShardResult whose reason says so."""
+    return _simulate(cell, namespace, world_size, "tp", gpu, gpu_memory, session)
+
+
+def _simulate(cell: str | RunFn, namespace: Mapping[str, Any] | None, world_size: int,
+              style: str, gpu: Any, gpu_memory: Any, session: Any) -> ShardResult:
     from . import _torch_private as dist_priv
     from .backends.sim import SimBackend
     from .backends.sim.errors import SimulationUnsupported
@@ -338,6 +431,7 @@ def simulate_fsdp(cell: str | RunFn, namespace: Mapping[str, Any] | None = None,
     world_size = int(world_size)
     if world_size < 2:
         raise ValueError(f"world_size must be 2 or more (1 GPU is the plain run), not {world_size}")
+    what = "FSDP2" if style == "fsdp" else "tensor parallelism"
     run = _as_run(cell)
     ns = dict(namespace or {})
     if session is None:
@@ -347,28 +441,31 @@ def simulate_fsdp(cell: str | RunFn, namespace: Mapping[str, Any] | None = None,
     try:
         with ExitStack() as stack:
             stack.enter_context(rank_zero_of(world_size))
-            auto = _AutoShard(dist_priv.device_mesh("cuda", world_size), ns)
+            auto = _AutoShard(dist_priv.device_mesh("cuda", world_size), ns, style)
             stack.enter_context(auto.installed())
             if session is not None:
                 outcome = _notebook_run(SimBackend, session, gpu, gpu_memory, auto, run, ns)
             else:
                 outcome = SimBackend(gpu=gpu, gpu_memory=gpu_memory).execute(run, ns)
     except SimulationUnsupported as exc:  # the notebook's objects do not fit that card
-        return ShardResult(world_size, None, reason=str(exc))
+        return ShardResult(world_size, None, reason=str(exc), style=style)
     except RuntimeError as exc:  # a process group exists already
-        return ShardResult(world_size, None, reason=str(exc))
+        return ShardResult(world_size, None, reason=str(exc), style=style)
     error = outcome.error
     report = outcome.report
+    if isinstance(error, ShardingUnsupported):  # the model has no plan this can follow
+        return ShardResult(world_size, None, reason=str(error), style=style)
     if not auto.sharded:
-        why = ("the cell made no optimizer over a model's parameters: FSDP2 shards a model "
+        why = (f"the cell made no optimizer over a model's parameters: {what} splits a model "
                "before its optimizer is made, so simulate the cell that builds both")
         if error is not None:
             why = f"the cell failed before sharding: {report.error}"
-        return ShardResult(world_size, None, reason=why)
+        return ShardResult(world_size, None, reason=why, style=style)
     if error is not None and not is_out_of_memory(error):
         return ShardResult(world_size, None, tuple(auto.sharded),
-                           reason=f"FSDP2 could not run this model in the simulation: {report.error}")
-    return ShardResult(world_size, report, tuple(auto.sharded))
+                           reason=f"{what} could not run this model in the simulation: {report.error}",
+                           style=style)
+    return ShardResult(world_size, report, tuple(auto.sharded), style=style)
 
 
 def shard_memory(cell: str | RunFn, namespace: Mapping[str, Any] | None = None, *,

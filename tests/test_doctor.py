@@ -234,7 +234,7 @@ def test_fsdp_rows_join_the_ranking_with_the_sharding_numbers():
     from tests.test_sharding import STEP
 
     base, rows, notes = doctor.rank(STEP, {}, knobs=(), world_sizes=(2, 4))
-    assert any(n.startswith("FSDP2 rows leave out NCCL's own buffers") and "NVIDIA/nccl#1685" in n
+    assert any(n.startswith("FSDP2 and tensor-parallel rows leave out NCCL's own buffers") and "NVIDIA/nccl#1685" in n
                for n in notes)
     labels = [s.label for s in rows]
     assert labels == ["shard over 4 GPUs (FSDP2)", "shard over 2 GPUs (FSDP2)"]

@@ -241,3 +241,65 @@ opt.step()
     # ZeRO-2-like: both MLPs' gathered weights (W) stay from forward into backward
     assert zero2.breakdown["parameters"] >= W // 4 + W
     assert zero3.breakdown["parameters"] < zero2.breakdown["parameters"]
+
+
+# -- tensor parallel by a transformers model's own plan (the doctor's rows) ---------------------
+LLAMA = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+cfg = LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
+model = LlamaForCausalLM(cfg).cuda()
+"""
+LLAMA_STEP = """
+opt = torch.optim.AdamW(model.parameters())
+ids = torch.randint(0, 8000, (4, 128), device="cuda")
+model(input_ids=ids, labels=ids).loss.backward()
+opt.step()
+"""
+# rank 0 of 4 by model.tp_plan: q k v (colwise) and o (rowwise) 512 x 512 / 4, gate up
+# (colwise) and down (rowwise) 1376 x 512 / 4, the embedding (rowwise) and lm_head (colwise)
+# 8000 x 512 / 4; the five RMSNorms whole (replicated); fp32
+TP_PARAMS = (2 * (4 * 512 * 512 + 3 * 1376 * 512) // 4 + 2 * 8000 * 512 // 4 + 5 * 512) * 4
+
+
+def test_tensor_parallel_by_the_models_own_plan():
+    import pytest
+
+    pytest.importorskip("transformers")
+    r = sharding.simulate_tp(LLAMA + LLAMA_STEP, world_size=4, gpu="T4")
+    assert r.report is not None, r.reason
+    assert r.label() == "tensor parallel over 4 GPUs (the model's TP plan)"
+    end = _at_end(r.report)
+    assert end["parameters"] == TP_PARAMS                                  # 14,526,464 B
+    assert end["optimizer_state"] == 2 * TP_PARAMS
+    # DTensor's rule for the embedding's backward gives a replicated gradient of the
+    # rowwise-sharded embedding (the same Python code on a GPU): 8000 x 512 whole
+    assert end["gradients"] == TP_PARAMS - 8000 * 512 + 8000 * 512 * 4
+    assert not dist.is_initialized()
+
+
+def test_a_model_without_a_plan_says_how_to_parallelize_it():
+    r = sharding.simulate_tp(STEP, world_size=2)
+    assert r.report is None and "carries no tensor-parallel plan" in r.reason
+    assert "--world-size" in r.reason and not dist.is_initialized()
+
+
+def test_the_doctor_adds_tensor_parallel_rows_for_a_model_with_a_plan(ip):
+    import pytest
+
+    pytest.importorskip("transformers")
+    from memmagic.doctor import _shard_rows
+
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    ip.run_cell(LLAMA)
+    rows = _shard_rows(LLAMA_STEP, ip.user_ns, (4,), None, None)
+    assert [s.label for s in rows] == ["shard over 4 GPUs (FSDP2)",
+                                      "tensor parallel over 4 GPUs (the model's TP plan)"]
+    assert [s.knobs for s in rows] == [{"fsdp_world_size": 4}, {"tp_world_size": 4}]
+    assert all(s.peak is not None for s in rows), [s.reason for s in rows]
+    # a plain model (no plan): FSDP2 rows only
+    ip.run_cell("model = torch.nn.Linear(64, 64).cuda()")
+    rows = _shard_rows("opt = torch.optim.SGD(model.parameters())\nmodel(torch.randn(2, 64, device='cuda')).sum().backward()",
+                       ip.user_ns, (2,), None, None)
+    assert [s.label for s in rows] == ["shard over 2 GPUs (FSDP2)"]

@@ -91,6 +91,97 @@ for name, r in rows:
 # small batch it is what makes training fit.
 
 # %% [markdown]
+# ## Tensor parallel: splitting each layer
+#
+# FSDP splits the model's states and gathers a whole layer to run it. **Tensor
+# parallelism** (TP) splits the layer itself: each GPU holds a slice of every weight
+# and computes with it. In an MLP the first linear layer is split by its output
+# features (`ColwiseParallel`), the second by its input features (`RowwiseParallel`):
+# the hidden activation between them stays split, and one all-reduce makes the output
+# whole again on every GPU.
+#
+# `%%gpumem --world-size 4` runs a cell as rank 0 of 4 GPUs on the fake process group:
+# the cell's own `init_device_mesh` and `parallelize_module` run as in a `torchrun`
+# job, and the report is one GPU's memory. (The cell runs on a copy of the notebook's
+# simulated GPU: its names do not land here.)
+
+# %%
+class MLP(nn.Module):
+    def __init__(self, d=1024, hidden=4096):
+        super().__init__()
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+with torch.device("meta"):
+    n_params = sum(p.numel() for p in nn.Sequential(*[MLP() for _ in range(4)]).parameters())
+print(f"4 MLP blocks: {n_params / 1e6:.1f} M parameters, {format_bytes(4 * n_params)} in fp32")
+del model, opt, loss, batch  # the transformer of the cells above leaves the simulated GPU
+
+# %%
+# %%gpumem --backend sim -q -v mlp_1
+model = nn.Sequential(*[MLP() for _ in range(4)]).cuda()
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(64, 1024, device="cuda")).sum().backward()
+opt.step()
+
+# %%
+del model, opt  # each GPU of a job starts empty: the 1-GPU model leaves the simulated GPU
+
+# %%
+# %%gpumem --world-size 4 -q -v mlp_tp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module, ColwiseParallel, RowwiseParallel
+model = nn.Sequential(*[MLP() for _ in range(4)]).cuda()
+mesh = init_device_mesh("cuda", (4,))
+for block in model:
+    parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(64, 1024, device="cuda")).sum().backward()
+opt.step()
+
+# %% [markdown]
+# **2-D parallelism** combines both on a mesh of 2 x 2 GPUs: TP inside each pair, FSDP2
+# across the pairs, so each weight is split by TP and its slice sharded again by FSDP2.
+
+# %%
+# %%gpumem --world-size 4 -q -v mlp_2d
+import warnings  # FSDP2 warns that each block returns a view (RowwiseParallel's local
+warnings.filterwarnings("ignore", "FSDP2-wrapped module")  # output): nothing edits it in place
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module, ColwiseParallel, RowwiseParallel
+from torch.distributed.fsdp import fully_shard
+model = nn.Sequential(*[MLP() for _ in range(4)]).cuda()
+mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
+for block in model:
+    parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(block, mesh=mesh["dp"])
+fully_shard(model, mesh=mesh["dp"])
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(64, 1024, device="cuda")).sum().backward()
+opt.step()
+
+# %%
+def at_end(r, category):
+    return r.trace.breakdown_at(len(r.trace.events) - 1)[category]
+
+print(f"{'':<22}{'params':>11}{'grads':>11}{'Adam':>11}{'peak':>11}")
+for name, r in [("1 GPU", mlp_1), ("TP over 4", mlp_tp), ("2-D: TP 2 x FSDP2 2", mlp_2d)]:
+    print(f"{name:<22}" + "".join(f"{format_bytes(at_end(r, c)):>11}"
+                                  for c in ("parameters", "gradients", "optimizer_state"))
+          + f"{format_bytes(r.peak):>11}")
+
+# %% [markdown]
+# Both split every weight, its gradient and Adam's moments 4 ways: a quarter per GPU.
+# What differs is the traffic (TP all-reduces activations in every layer, forward and
+# backward, so it stays inside a node's fast links; FSDP all-gathers weights) and the
+# activations: TP splits the hidden activation inside each MLP, FSDP splits none.
+# A transformers model carries its own TP plan (`model.tp_plan`), and `--advise`
+# adds rows for it beside FSDP2's.
+
+# %% [markdown]
 # ## What we measured
 
 # %%
