@@ -118,8 +118,10 @@ def rank_zero_of(world_size: int) -> Iterator[None]:
 
 # -- sharding the cell's model when it makes its optimizer -----------------------------------
 class _AutoShard:
-    """Applies ``fully_shard`` to the modules owning an optimizer's parameters when the
-    optimizer is made (``Optimizer.__init__``), and hands it the sharded parameters."""
+    """Applies ``fully_shard`` (``style`` "fsdp": each ModuleList block, then the root) or
+    the model's own tensor-parallel plan ("tp": :func:`parallelize`) to the modules owning
+    an optimizer's parameters when the optimizer is made (``Optimizer.__init__``), and
+    hands it the sharded parameters."""
 
     def __init__(self, mesh: Any, namespace: Mapping[str, Any], style: str = "fsdp") -> None:
         self.mesh = mesh

@@ -130,14 +130,20 @@ def test_a_bitsandbytes_4bit_layer_holds_packed_weights_and_its_quantization_sta
     assert panel.report.peak > panel.baseline_report.peak
 
 
-def test_qlora_from_pretrained_with_a_bitsandbytes_config(ip, tmp_path):
-    """The QLoRA recipe as users write it, on a checkpoint saved here (no download)."""
-    pytest.importorskip("bitsandbytes")
+def _save_small_llama(path) -> None:
+    """A 2-layer Llama checkpoint on disk (d 512, ffn 1376, vocab 8000, fp32): what
+    from_pretrained loads in the tests, with no download."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     LlamaForCausalLM(LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1376,
                                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
-                                 tie_word_embeddings=False)).save_pretrained(tmp_path)
+                                 tie_word_embeddings=False)).save_pretrained(path)
+
+
+def test_qlora_from_pretrained_with_a_bitsandbytes_config(ip, tmp_path):
+    """The QLoRA recipe as users write it, on a checkpoint saved here (no download)."""
+    pytest.importorskip("bitsandbytes")
+    _save_small_llama(tmp_path)
     ip.run_line_magic("gpusim", "on --gpu T4")
     result = ip.run_cell(f"""
 import torch
@@ -300,11 +306,7 @@ def test_torchao_refuses_tinygemm_int4_on_a_t4_as_on_the_card_itself(ip):
 
 def test_torchao_config_through_transformers_from_pretrained(ip, tmp_path):
     pytest.importorskip("torchao")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    LlamaForCausalLM(LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1376,
-                                 num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
-                                 tie_word_embeddings=False)).save_pretrained(tmp_path)
+    _save_small_llama(tmp_path)
     ip.run_line_magic("gpusim", "on --gpu T4")
     result = ip.run_cell(f"""
 import torch
