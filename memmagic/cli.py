@@ -34,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="where to run (default: the simulated GPU)")
     run.add_argument("--steps", type=int, default=None,
                      help="stop the script after this many optimizer steps")
+    run.add_argument("--whatif", action="append", default=None, metavar="KNOB=VALUE",
+                     help="run with a memory-saving knob applied, as %%%%gpumem's options: "
+                          "amp=bf16, checkpointing=on, weights_dtype=bf16, optimizer=sgd, "
+                          "offload=on, grad_mode=no_grad, ... (repeat for several)")
     run.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     run.add_argument("--timeline", type=Path, default=None, help="write the timeline PNG here")
     run.add_argument("--snapshot", type=Path, default=None,
@@ -110,12 +114,17 @@ def run_script(args: argparse.Namespace) -> int:
     if args.steps is not None and args.steps < 1:
         print("memmagic: --steps needs a positive number of optimizer steps", file=sys.stderr)
         return 2
+    try:
+        knobs = _whatif_knobs(args.whatif or ())
+    except ValueError as exc:
+        print(f"memmagic: {exc}", file=sys.stderr)
+        return 2
     script_args = args.args[1:] if args.args[:1] == ["--"] else list(args.args)
     source = path.read_text()
     ns: dict[str, Any] = {"__name__": "__main__", "__file__": str(path), "__builtins__": __builtins__}
     runner = _ScriptRun(source, path, script_args, args.steps)
     request = CellRequest(source, ns, backend=args.backend, gpu=args.gpu,
-                          gpu_memory=args.gpu_memory, run=runner)
+                          gpu_memory=args.gpu_memory, run=runner, knobs=knobs)
     try:
         result = run_cell(request)
     except RequestError as exc:
@@ -140,6 +149,30 @@ def run_script(args: argparse.Namespace) -> int:
             print(str(report.advice))
         return 1
     return 0 if report.fits is not False else 1
+
+
+def _whatif_knobs(items: Sequence[str]) -> dict[str, Any]:
+    """``--whatif KNOB=VALUE`` options as the pipeline's knobs (an integer knob's value as a
+    number); ValueError says what is wrong."""
+    from .knobs import KNOBS
+
+    knobs: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or not value.strip():
+            raise ValueError(f"--whatif takes KNOB=VALUE (e.g. amp=bf16), not {item!r}")
+        knob = KNOBS.get(name)
+        if knob is None:
+            raise ValueError(f"--whatif: unknown knob {name!r}; knobs: {', '.join(KNOBS)}")
+        value = value.strip()
+        if knob.kind == "int":
+            try:
+                value = int(value)
+            except ValueError:
+                raise ValueError(f"--whatif {name} takes a whole number, not {value!r}") from None
+        knobs[name] = value
+    return knobs
 
 
 def _data_hint(error: BaseException) -> str:

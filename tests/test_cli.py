@@ -132,3 +132,23 @@ def test_a_transformers_trainer_script_built_from_a_config(tmp_path, monkeypatch
     # step counter per tensor on the GPU (one 512-byte block each)
     assert report["breakdown"]["optimizer_state"] == 2 * params + 21 * 512
     assert report["breakdown"]["activations"] > 0 and "fits" in text
+
+
+def test_whatif_knobs_apply_to_the_script_and_bad_ones_get_one_line(script, capsys, clean_state):
+    rc = cli.main(["run", "--gpu", "T4", "--steps", "1", "--json", "/dev/null", str(script)])
+    base = capsys.readouterr().out
+    assert rc == 0, base
+    rc = cli.main(["run", "--gpu", "T4", "--steps", "1", "--whatif", "amp=bf16", str(script)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "note: what-if setting: amp bf16" in text and "what-if" not in base
+
+    def peak_of(out: str) -> str:
+        return next(line for line in out.splitlines() if line.startswith("  peak "))
+    assert peak_of(text) != peak_of(base)
+    for bad, says in ((["--whatif", "amp"], "takes KNOB=VALUE"),
+                      (["--whatif", "speed=fast"], "unknown knob 'speed'"),
+                      (["--whatif", "batch_size=big"], "takes a whole number")):
+        assert cli.main(["run", *bad, str(script)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1
