@@ -23,6 +23,7 @@ import weakref
 from .failures import is_out_of_memory
 from .report import MemoryReport, format_bytes
 from . import _torch_private as _priv
+from .backends.sim.ranks import rank_zero_of
 
 __all__ = ["ShardResult", "simulate_fsdp", "simulate_tp", "shard_memory", "ShardingUnsupported",
            "WORLD_SIZES", "rank_zero_of", "tp_plan", "parallelize"]
@@ -70,50 +71,6 @@ class ShardResult:
         if self.report is None:
             return f"{self.label()}: not simulated: {self.reason}"
         return f"{self.label()}: {format_bytes(self.peak)} per GPU"
-
-
-# -- the tracker and wrapper subclasses (DTensor) -----------------------------------------
-@contextmanager
-def _fsdp_tracking() -> Iterator[None]:
-    """While active, FSDP2's storage resizes of unsharded parameters (which bypass the
-    dispatcher) are counted, and FSDP2 runs on one stream. (The trackers themselves count a
-    wrapper subclass, FSDP2's DTensor parameters, by its inner tensors.)"""
-    from . import _torch_private as dist_priv
-    from . import tracking
-
-    def resized(t) -> None:
-        tr = tracking.innermost_tracker()
-        if tr is None:
-            return
-        entry = tr.entry_of(t)
-        if entry is None:
-            return
-        s = getattr(tr, "s", None)  # the simulation rounds by the pool of the op running
-        old = getattr(s, "pending", None)
-        if s is not None:
-            s.pending = entry.pool
-        try:
-            tr.recheck_size(t)
-        finally:
-            if s is not None:
-                s.pending = old
-
-    with dist_priv.fsdp_storage_resize_hook(resized), \
-            dist_priv.fsdp_device_handle_without_streams():
-        yield
-
-
-@contextmanager
-def rank_zero_of(world_size: int) -> Iterator[None]:
-    """While active, this process is rank 0 of ``world_size`` ranks on a fake process group
-    (collectives return at once with outputs of the right shape): a simulated cell's
-    ``init_device_mesh``, ``parallelize_module`` (tensor parallel), ``fully_shard`` (FSDP2)
-    and DTensors run as on one GPU of the job, FSDP2's storage resizes counted. Raises
-    RuntimeError when a process group exists already."""
-    from . import _torch_private as dist_priv
-
-    with dist_priv.fake_process_group(world_size), _fsdp_tracking():
-        yield
 
 
 # -- sharding the cell's model when it makes its optimizer -----------------------------------

@@ -24,6 +24,7 @@ from .autocast import install_cuda_autocast_policy, make_autocast_classes
 from .compat import install_compat
 from .cuda_api import SimulatedCuda
 from .constants import CONSTANT_NUMEL
+from .ranks import rank_zero_of
 from .rewrite import DeviceRewriteMode
 from .state import CPU, CUDA0, SimState, is_cuda_device
 from .tracker import SimTracker
@@ -218,8 +219,6 @@ class SimBackend(Backend):
         del card
         if self.world_size is None:
             return self._execute_on(box, run, namespace, notes, copied)
-        from ...sharding import rank_zero_of
-
         notes.append(_RANKS_NOTE.format(n=self.world_size))
         with ExitStack() as stack:
             try:
