@@ -247,8 +247,10 @@ class Cell:
         else:
             raise TypeError(f"a Cell runs source text or a function, not {type(code).__name__}")
         variables = {k.var for k in KNOBS.values()} | set(EXTRA_VARIABLES)
-        # a variable the cell assigns itself is the cell's, not a knob
-        self.reads: frozenset[str] = frozenset((loads - stores) & variables)
+        # a variable the cell assigns itself is the cell's, not a knob; a compiled run may
+        # name the variables it takes in other ways (a script: from its command line)
+        extra = set(getattr(self._run, "knob_reads", ()))
+        self.reads: frozenset[str] = frozenset(((loads - stores) | extra) & variables)
         self.backend_name = backend
         self.backend_options = dict(backend_options or {})
         self.isolated = bool(isolated)

@@ -7,11 +7,12 @@ memory) and can write the JSON report, the timeline PNG and a memory_viz snapsho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 __all__ = ["main"]
 
@@ -47,6 +48,81 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class _ScratchWrites:
+    """While installed, the files and directories a script makes go to a scratch directory
+    instead of the disk (``open`` for writing, ``os.makedirs`` / ``os.mkdir``, and so
+    ``pathlib``'s); reads of them, and ``os.path.exists`` / ``isdir`` / ``isfile``, find them
+    there. C extensions that write on their own (safetensors' Rust writer) are not seen.
+    ``written``: the paths the script wrote (absolute), for the report."""
+
+    def __init__(self) -> None:
+        self.written: list[str] = []
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        import builtins
+        import io
+        import shutil
+        import tempfile
+
+        from .patching import Patches
+
+        scratch = tempfile.mkdtemp(prefix="memmagic-script-writes-")
+        real_open, real_mkdir = builtins.open, os.mkdir  # (os.makedirs calls os.mkdir)
+        real = {name: getattr(os.path, name) for name in ("exists", "isdir", "isfile")}
+        made: dict[str, str] = {}  # real path -> its scratch twin
+
+        def real_makedirs(path: str) -> None:  # mkdir -p with the real os.mkdir
+            if path and not real["isdir"](path):
+                real_makedirs(os.path.dirname(path))
+                real_mkdir(path)
+
+        def twin(path: Any) -> str:
+            return os.path.join(scratch, os.path.abspath(os.fspath(path)).lstrip(os.sep))
+
+        def note(path: Any) -> str:
+            p = os.path.abspath(os.fspath(path))
+            if p not in made:
+                self.written.append(p)
+                made[p] = twin(p)
+            return made[p]
+
+        def open_(file, mode="r", *args, **kwargs):
+            if isinstance(file, int):
+                return real_open(file, mode, *args, **kwargs)
+            if any(c in mode for c in "wax+"):
+                target = note(file)
+                real_makedirs(os.path.dirname(target))
+                return real_open(target, mode, *args, **kwargs)
+            p = os.path.abspath(os.fspath(file))
+            return real_open(made.get(p, file), mode, *args, **kwargs)
+
+        def makedirs(name, mode=0o777, exist_ok=False):
+            real_makedirs(note(name))
+
+        def mkdir(path, mode=0o777, *, dir_fd=None):
+            real_makedirs(note(path))
+
+        def seen(name):
+            def check(path):
+                p = os.path.abspath(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else None
+                return real[name](path) or (p in made and real[name](made[p]))
+            return check
+
+        patches = Patches()
+        try:
+            for mod in (builtins, io):
+                patches.set(mod, "open", open_)
+            patches.set(os, "makedirs", makedirs)
+            patches.set(os, "mkdir", mkdir)
+            for name in real:
+                patches.set(os.path, name, seen(name))
+            yield
+        finally:
+            patches.restore()
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
 class _ScriptRun:
     """``run(namespace)``: the script as ``__main__`` with its argv and folder on sys.path
     (as ``python script.py`` sets them), cut after ``steps`` optimizer steps; ``done``: the
@@ -56,6 +132,25 @@ class _ScriptRun:
         self.code = compile(source, str(path), "exec")
         self.path, self.argv, self.steps = path, argv, steps
         self.done = 0
+        # knob variables the script takes from its command line (``--batch_size 16``): the
+        # what-if engine and the doctor set them in the namespace, the run puts them in argv
+        self.flags = _knob_flags(argv)
+        self.knob_reads = frozenset(self.flags)
+        self.base: dict[str, Any] = {"__name__": "__main__", "__file__": str(path),
+                                     "__builtins__": __builtins__}
+        self.writes = _ScratchWrites()
+
+    def initial_values(self) -> dict[str, int]:
+        """The knob variables' values as the command line gives them."""
+        return {var: int(_flag_value(self.argv, flag)) for var, flag in self.flags.items()}
+
+    def _argv(self, ns: dict) -> list[str]:
+        argv = list(self.argv)
+        for var, flag in self.flags.items():
+            value = ns.get(var)
+            if isinstance(value, int) and not isinstance(value, bool):
+                argv = _with_flag_value(argv, flag, str(value))
+        return argv
 
     def _count(self, *_: Any) -> None:
         self.done += 1
@@ -66,12 +161,19 @@ class _ScriptRun:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self.done = 0
+        # each run (the doctor's and the what-if re-runs too) starts from a fresh __main__,
+        # as `python script.py` does, with the knob values it is given
+        keep = {var: ns[var] for var in self.knob_reads if var in ns}
+        ns.clear()
+        ns.update(self.base)
+        ns.update(keep)
         saved_argv, saved_path = sys.argv, list(sys.path)
-        sys.argv = [str(self.path), *self.argv]
+        sys.argv = [str(self.path), *self._argv(ns)]
         sys.path.insert(0, str(self.path.parent))
         handle = register_optimizer_step_post_hook(self._count)
         try:
-            exec(self.code, ns)
+            with self.writes.installed():
+                exec(self.code, ns)
         except _StepsDone:
             pass
         except SystemExit as exc:  # the script's own sys.exit() / argparse's
@@ -81,6 +183,42 @@ class _ScriptRun:
             handle.remove()
             sys.argv = saved_argv
             sys.path[:] = saved_path
+
+
+# a script's own options that carry a knob's value (argparse's dest is the knob's variable)
+_KNOB_FLAGS = {"batch_size": ("--batch_size", "--batch-size"),
+               "seq_len": ("--seq_len", "--seq-len"),
+               "accum_steps": ("--accum_steps", "--accum-steps")}
+
+
+def _knob_flags(argv: Sequence[str]) -> dict[str, str]:
+    """knob variable -> the option of ``argv`` that gives it a whole number."""
+    out = {}
+    for var, flags in _KNOB_FLAGS.items():
+        for flag in flags:
+            value = _flag_value(argv, flag)
+            if value is not None and value.isdigit():
+                out[var] = flag
+    return out
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a[len(flag) + 1:]
+    return None
+
+
+def _with_flag_value(argv: list[str], flag: str, value: str) -> list[str]:
+    out = list(argv)
+    for i, a in enumerate(out):
+        if a == flag and i + 1 < len(out):
+            out[i + 1] = value
+        elif a.startswith(flag + "="):
+            out[i] = f"{flag}={value}"
+    return out
 
 
 def _write(report: Any, args: argparse.Namespace) -> list[str]:
@@ -121,8 +259,8 @@ def run_script(args: argparse.Namespace) -> int:
         return 2
     script_args = args.args[1:] if args.args[:1] == ["--"] else list(args.args)
     source = path.read_text()
-    ns: dict[str, Any] = {"__name__": "__main__", "__file__": str(path), "__builtins__": __builtins__}
     runner = _ScriptRun(source, path, script_args, args.steps)
+    ns: dict[str, Any] = {**runner.base, **runner.initial_values()}
     request = CellRequest(source, ns, backend=args.backend, gpu=args.gpu,
                           gpu_memory=args.gpu_memory, run=runner, knobs=knobs)
     try:
@@ -137,6 +275,8 @@ def run_script(args: argparse.Namespace) -> int:
         print(f"  note: stopped after {ran} optimizer step(s) (--steps {args.steps})"
               if ran >= args.steps else
               f"  note: the script ended after {ran} optimizer step(s), before --steps {args.steps}")
+    if runner.writes.written:
+        print(_writes_note(runner.writes.written))
     for line in _write(report, args):
         print(line)
     if error is not None:
@@ -149,6 +289,14 @@ def run_script(args: argparse.Namespace) -> int:
             print(str(report.advice))
         return 1
     return 0 if report.fits is not False else 1
+
+
+def _writes_note(paths: Sequence[str]) -> str:
+    here = os.getcwd()
+    shown = sorted({os.path.relpath(p, here) if p.startswith(here) else p for p in paths})
+    more = f" and {len(shown) - 5} more" if len(shown) > 5 else ""
+    return (f"  note: the script wrote {', '.join(shown[:5])}{more}: to a scratch directory, "
+            "removed after the run (nothing was written to disk)")
 
 
 def _whatif_knobs(items: Sequence[str]) -> dict[str, Any]:

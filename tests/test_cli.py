@@ -132,6 +132,9 @@ def test_a_transformers_trainer_script_built_from_a_config(tmp_path, monkeypatch
     # step counter per tensor on the GPU (one 512-byte block each)
     assert report["breakdown"]["optimizer_state"] == 2 * params + 21 * 512
     assert report["breakdown"]["activations"] > 0 and "fits" in text
+    # Trainer made its output_dir in the scratch directory, not here
+    assert not (tmp_path / "hf_out").exists()
+    assert "note: the script wrote " in text and "hf_out" in text and "nothing was written" in text
 
 
 def test_whatif_knobs_apply_to_the_script_and_bad_ones_get_one_line(script, capsys, clean_state):
@@ -152,3 +155,44 @@ def test_whatif_knobs_apply_to_the_script_and_bad_ones_get_one_line(script, caps
         assert cli.main(["run", *bad, str(script)]) == 2
         err = capsys.readouterr().err
         assert says in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_doctor_resizes_the_batch_the_script_takes_from_its_command_line(script, capsys,
+                                                                            clean_state):
+    """--batch_size on the script's command line is the batch knob: after an out of memory
+    the doctor's re-runs give the script smaller values, each from a fresh __main__."""
+    rc = cli.main(["run", "--gpu-memory", "256MiB", "--steps", "1", str(script), "--batch_size", "64"])
+    out = capsys.readouterr()
+    assert rc == 1 and "out of memory" in out.err
+    rows = [line for line in out.out.splitlines() if "(from 64)" in line]
+    assert rows and any(line.rstrip().endswith("fits") for line in rows), out.out
+    rc = cli.main(["run", "--gpu-memory", "256MiB", "--steps", "1", "--whatif", "batch_size=16",
+                   str(script), "--batch_size", "64"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "note: what-if setting: batch 16" in text
+
+
+def test_files_the_script_writes_go_to_a_scratch_directory(tmp_path, monkeypatch, capsys, clean_state):
+    import builtins
+    import os
+
+    (tmp_path / "w.py").write_text(textwrap.dedent('''
+        import os, pathlib, torch
+        os.makedirs("ckpt/run1", exist_ok=True)
+        with open("ckpt/run1/log.txt", "w") as f:
+            f.write("step 1")
+        pathlib.Path("ckpt/notes.txt").write_text("hello")
+        assert os.path.isdir("ckpt/run1") and os.path.exists("ckpt/notes.txt")
+        with open("ckpt/run1/log.txt") as f:
+            print("read back:", f.read())
+        m = torch.nn.Linear(8, 8).cuda()
+        torch.save(m.state_dict(), "ckpt/m.pt")
+    '''))
+    monkeypatch.chdir(tmp_path)
+    opened = builtins.open
+    assert cli.main(["run", "--gpu", "T4", "w.py"]) == 0
+    text = capsys.readouterr().out
+    assert "read back: step 1" in text
+    assert sorted(os.listdir(tmp_path)) == ["w.py"]  # nothing written here
+    assert "note: the script wrote ckpt" in text
+    assert builtins.open is opened and os.makedirs.__module__ == "os"  # put back
