@@ -303,3 +303,32 @@ def test_the_doctor_adds_tensor_parallel_rows_for_a_model_with_a_plan(ip):
     rows = _shard_rows("opt = torch.optim.SGD(model.parameters())\nmodel(torch.randn(2, 64, device='cuda')).sum().backward()",
                        ip.user_ns, (2,), None, None)
     assert [s.label for s in rows] == ["shard over 2 GPUs (FSDP2)"]
+
+
+def test_2d_on_a_transformers_model_tp_by_its_plan_and_fsdp2_by_layer():
+    """A (2, 2) mesh on the 2-layer Llama: its TP plan over "tp", FSDP2 over "dp" (each
+    decoder layer, then the model). Every planned weight is split 4 ways; the five RMSNorms,
+    replicated over "tp", are halved by FSDP2; gradients are sharded as the parameters
+    (FSDP2 reduce-scatters them, the embedding's too) and AdamW keeps two moments of each."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    from memmagic.pipeline import CellRequest, run_cell
+
+    res = run_cell(CellRequest(LLAMA + """
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from memmagic.sharding import parallelize
+mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
+parallelize(model, mesh["tp"])
+for layer in model.model.layers:
+    fully_shard(layer, mesh=mesh["dp"])
+fully_shard(model, mesh=mesh["dp"])
+""" + LLAMA_STEP, {}, backend="sim", gpu="T4", world_size=4))
+    assert res.error is None, res.error
+    end = _at_end(res.report)
+    planned = (2 * (4 * 512 * 512 + 3 * 1376 * 512) + 2 * 8000 * 512) // 4 * 4
+    assert end["parameters"] == planned + 5 * 512 // 2 * 4                    # 14,521,344 B
+    assert end["gradients"] == end["parameters"]
+    assert end["optimizer_state"] == 2 * end["parameters"]
+    assert not dist.is_initialized()
