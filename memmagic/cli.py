@@ -55,8 +55,55 @@ class _ScratchWrites:
     there. C extensions that write on their own (safetensors' Rust writer) are not seen.
     ``written``: the paths the script wrote (absolute), for the report."""
 
+    _CHECKS = ("exists", "isdir", "isfile")
+
     def __init__(self) -> None:
+        import builtins
+
         self.written: list[str] = []
+        self.scratch = ""
+        self.made: dict[str, str] = {}  # real path -> its scratch twin
+        self.real = {"open": builtins.open, "mkdir": os.mkdir,  # (os.makedirs calls mkdir)
+                     **{name: getattr(os.path, name) for name in self._CHECKS}}
+
+    def _note(self, path: Any) -> str:
+        """The scratch twin of ``path``, which the script writes."""
+        p = os.path.abspath(os.fspath(path))
+        if p not in self.made:
+            self.written.append(p)
+            self.made[p] = os.path.join(self.scratch, p.lstrip(os.sep))
+        return self.made[p]
+
+    def _makedirs(self, path: str) -> None:  # mkdir -p with the real os.mkdir
+        if path and not self.real["isdir"](path):
+            self._makedirs(os.path.dirname(path))
+            self.real["mkdir"](path)
+
+    def open(self, file, mode="r", *args, **kwargs):
+        if isinstance(file, int):
+            return self.real["open"](file, mode, *args, **kwargs)
+        if any(c in mode for c in "wax+"):
+            target = self._note(file)
+            self._makedirs(os.path.dirname(target))
+            return self.real["open"](target, mode, *args, **kwargs)
+        p = os.path.abspath(os.fspath(file))
+        return self.real["open"](self.made.get(p, file), mode, *args, **kwargs)
+
+    def makedirs(self, name, mode=0o777, exist_ok=False) -> None:
+        self._makedirs(self._note(name))
+
+    def mkdir(self, path, mode=0o777, *, dir_fd=None) -> None:
+        self._makedirs(self._note(path))
+
+    def _check(self, name: str) -> Any:
+        real = self.real[name]
+
+        def check(path) -> bool:
+            if real(path):
+                return True
+            p = os.path.abspath(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else None
+            return p in self.made and real(self.made[p])
+        return check
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -67,60 +114,19 @@ class _ScratchWrites:
 
         from .patching import Patches
 
-        scratch = tempfile.mkdtemp(prefix="memmagic-script-writes-")
-        real_open, real_mkdir = builtins.open, os.mkdir  # (os.makedirs calls os.mkdir)
-        real = {name: getattr(os.path, name) for name in ("exists", "isdir", "isfile")}
-        made: dict[str, str] = {}  # real path -> its scratch twin
-
-        def real_makedirs(path: str) -> None:  # mkdir -p with the real os.mkdir
-            if path and not real["isdir"](path):
-                real_makedirs(os.path.dirname(path))
-                real_mkdir(path)
-
-        def twin(path: Any) -> str:
-            return os.path.join(scratch, os.path.abspath(os.fspath(path)).lstrip(os.sep))
-
-        def note(path: Any) -> str:
-            p = os.path.abspath(os.fspath(path))
-            if p not in made:
-                self.written.append(p)
-                made[p] = twin(p)
-            return made[p]
-
-        def open_(file, mode="r", *args, **kwargs):
-            if isinstance(file, int):
-                return real_open(file, mode, *args, **kwargs)
-            if any(c in mode for c in "wax+"):
-                target = note(file)
-                real_makedirs(os.path.dirname(target))
-                return real_open(target, mode, *args, **kwargs)
-            p = os.path.abspath(os.fspath(file))
-            return real_open(made.get(p, file), mode, *args, **kwargs)
-
-        def makedirs(name, mode=0o777, exist_ok=False):
-            real_makedirs(note(name))
-
-        def mkdir(path, mode=0o777, *, dir_fd=None):
-            real_makedirs(note(path))
-
-        def seen(name):
-            def check(path):
-                p = os.path.abspath(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else None
-                return real[name](path) or (p in made and real[name](made[p]))
-            return check
-
+        self.scratch, self.made = tempfile.mkdtemp(prefix="memmagic-script-writes-"), {}
         patches = Patches()
         try:
             for mod in (builtins, io):
-                patches.set(mod, "open", open_)
-            patches.set(os, "makedirs", makedirs)
-            patches.set(os, "mkdir", mkdir)
-            for name in real:
-                patches.set(os.path, name, seen(name))
+                patches.set(mod, "open", self.open)
+            patches.set(os, "makedirs", self.makedirs)
+            patches.set(os, "mkdir", self.mkdir)
+            for name in self._CHECKS:
+                patches.set(os.path, name, self._check(name))
             yield
         finally:
             patches.restore()
-            shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 class _ScriptRun:
