@@ -1051,8 +1051,9 @@ def _ranking(cell: Any, namespace: Mapping[str, Any] | None, *, strategies: bool
 
 
 # What the FSDP2 rows leave out: the simulation runs them on a fake process group (no NCCL)
-_NCCL_NOTE = ("FSDP2 and tensor-parallel rows leave out NCCL's own buffers on each GPU (outside PyTorch's "
-              "allocator, they grow with channels and peers: about 1.06 GB per GPU on 8 H100s "
+_NCCL_NOTE = ("FSDP2 and tensor-parallel rows leave out NCCL's own buffers on each GPU "
+              "(outside PyTorch's allocator, they grow with channels and peers: about 1.06 GB "
+              "per GPU on 8 H100s "
               "before an all-to-all, NVIDIA/nccl#1685; about 1.6 GB with one communicator after "
               "an all-reduce, NVIDIA/nccl#864): leave that room beside the rows' figures")
 

@@ -205,13 +205,15 @@ class _AutoShard:
         self.sharded.append(name)
 
 
-# transformers' tensor-parallel styles (``model.tp_plan``) as torch's ParallelStyles
-_TP_STYLES = {
-    "colwise": lambda t: t.ColwiseParallel(),
-    "rowwise": lambda t: t.RowwiseParallel(),
-    "colwise_gather_output": lambda t: t.ColwiseParallel(output_layouts=t.Replicate()),
-    "embedding_rowwise": lambda t: t.RowwiseParallel(input_layouts=t.Replicate()),
-}
+def _tp_styles() -> dict[str, Callable[[], Any]]:
+    """transformers' tensor-parallel styles (``model.tp_plan``'s values) -> makers of
+    torch's ParallelStyles."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
 
 
 def tp_plan(model: Any) -> dict[str, Any]:
@@ -219,24 +221,17 @@ def tp_plan(model: Any) -> dict[str, Any]:
     paths with ``*`` for a layer index -> "colwise", "rowwise"...), as torch's
     ``parallelize_module`` takes it. Raises ShardingUnsupported for a model without one, or
     a style that is not simulated."""
-    from torch.distributed import tensor as dtensor
-    from torch.distributed.tensor import parallel
-
     plan = getattr(model, "tp_plan", None)
     if not isinstance(plan, Mapping) or not plan:
         raise ShardingUnsupported(
             f"{type(model).__name__} carries no tensor-parallel plan (transformers models "
             "do: model.tp_plan); parallelize it in the cell with %%gpumem --world-size N")
-    unknown = sorted({v for v in plan.values() if v not in _TP_STYLES})
+    styles = _tp_styles()
+    unknown = sorted({v for v in plan.values() if v not in styles})
     if unknown:
         raise ShardingUnsupported(f"the model's TP plan uses {', '.join(unknown)}, not simulated "
-                                  f"(simulated: {', '.join(_TP_STYLES)})")
-
-    class Styles:  # the names the table's makers use
-        ColwiseParallel, RowwiseParallel = parallel.ColwiseParallel, parallel.RowwiseParallel
-        Replicate = dtensor.Replicate
-
-    return {path: _TP_STYLES[style](Styles) for path, style in plan.items()}
+                                  f"(simulated: {', '.join(styles)})")
+    return {path: styles[style]() for path, style in plan.items()}
 
 
 def parallelize(model: Any, mesh: Any) -> Any:

@@ -131,7 +131,7 @@ class DeviceRewriteMode(TorchFunctionMode):
         t = args[0]
         if self.s.in_dispatch or held_by(t) is None:
             return func(*args)
-        return CUDA0 if self.s.pool_of(t) == "device" else CPU
+        return self.s.device_of(t)
 
     # -- moves ------------------------------------------------------------------------
     def _move(self, t: torch.Tensor, dst: str, dtype=None, non_blocking=False, copy=False,

@@ -467,9 +467,8 @@ class SimTracker(StorageTracker):
                 if not isinstance(t, torch.Tensor):
                     continue
                 seen = True
-                inner = held_by(t)
-                if inner is not None:  # a wrapper subclass: where its inner tensors are
-                    e = next((x for x in map(self.entry_of, inner) if x is not None), None)
+                if held_by(t) is not None:  # a wrapper subclass: where its inner tensors are
+                    e = self.entry_of(t)
                 else:
                     e = live.get(key(t.untyped_storage()))
                 if e is None:
