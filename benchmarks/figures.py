@@ -569,8 +569,11 @@ def whatif(cfg: Config, n: int, probe: str = "sim-rerun") -> Figure:
 
 
 # -- w. the what-if panel: control change to updated panel, and a full sweep ------------------
-WHATIF_PANEL_TARGET_S = 0.5
-WHATIF_SWEEP_TARGET_S = 5.0
+WHATIF_PANEL_TARGET_S = 0.1  # median, and at most WHATIF_PANEL_RATIO x the re-run part
+WHATIF_PANEL_RATIO = 1.5
+WHATIF_PANEL_P90_S = 0.2
+WHATIF_SWEEP_TARGET_S = 2.0  # repeated; the first sweep of a process: WHATIF_SWEEP_FIRST_S
+WHATIF_SWEEP_FIRST_S = 3.0
 
 
 def whatif_cell(case: str, size: str) -> str:
@@ -633,79 +636,93 @@ def _probe_widget(cfg: Config):
         return panel.report
 
     return apply, ("batch slider moved -> panel.update(): the cell re-run on the simulated GPU "
-                   "(no cache) + the comparison chart drawn to PNG + the text (widget state)")
+                   "(no cache) + the comparison chart + the text (widget state)")
 
 
 WHATIF_PROBES["widget"] = _probe_widget
 
 
-def whatif_panel(size: str, n: int, cases: tuple[str, ...]) -> Figure:
+def whatif_panel_row(size: str, n: int, case: str) -> dict[str, Any]:
+    """One tutorial model's panel: ``n`` control changes, each timed from setting the
+    widget's value to the redrawn panel; the re-run part is the report's own wall time."""
+    row: dict[str, Any] = {"case": case, "size": size}
+    panel, why = _panel(case, size)
+    if panel is None:
+        return {**row, "median_s": why}
+    times, reruns, errors = [], [], []
+    for name, value in _changes(panel, n):
+        gc.collect()
+        t0 = time.perf_counter()
+        r_before = panel.runs
+        panel.controls[name].value = value
+        times.append(time.perf_counter() - t0)
+        if panel.runs == r_before or panel.error:
+            errors.append(f"{name}={value}: {panel.error or 'no re-run'}")
+        reruns.append(panel.report.wall_s)
+    s = sorted(times)
+    row.update(median_s=median(times), p90_s=s[int(0.9 * (len(s) - 1))], max_s=s[-1],
+               rerun_s=median(reruns), times_s=[round(t, 4) for t in times], changes=len(times))
+    if errors:
+        row["errors"] = errors[:5]
+    return row
+
+
+def _panel_status(row: dict[str, Any]) -> str:
+    med, rerun = row.get("median_s"), row.get("rerun_s")
+    if not isinstance(med, float) or not isinstance(rerun, float):
+        return "n/a"
+    ok = (med <= WHATIF_PANEL_RATIO * rerun and med < WHATIF_PANEL_TARGET_S
+          and row["p90_s"] < WHATIF_PANEL_P90_S and not row.get("errors"))
+    return status_of(ok)
+
+
+def whatif_panel(size: str, n: int, cases: tuple[str, ...], against: Any = None) -> Figure:
+    """Figure 3w; ``against`` (benchmarks.against.Against): each case measured with that
+    commit's memmagic too, in a process of its own beside this tree's, alternating."""
     fig = Figure(
         "w_whatif_panel", "3w. What-if panel: control change to updated panel, per tutorial model",
         f"a WhatIfPanel on each tutorial cell (build + AdamW + one step, batch from the zoo's "
         f"{size!r} size), no result cache; {n} control changes in the order a student makes "
         "them (batch x2, AMP bf16, checkpointing on, batch /2, AMP off, checkpointing off, "
         "batch back, AMP fp16, AMP off), each timed from setting the widget's value to the "
-        "redrawn panel (re-run on the simulated GPU + chart PNG + text), in one process; "
-        "the first change to each new batch size pays the simulator's cold-op cost",
-        f"median under {WHATIF_PANEL_TARGET_S:.1f} s on every model",
-        [("case", "case", "text"), ("median_s", "median", "s"), ("p90_s", "p90", "s"),
-         ("max_s", "max", "s"), ("rerun_s", "re-run part (median)", "s"),
-         ("status", f"<{WHATIF_PANEL_TARGET_S} s", "text")],
+        "redrawn panel (re-run on the simulated GPU + chart + text); 're-run part' is the "
+        "median of the reports' own wall time; the first change to each new batch size pays "
+        "the simulator's cold-op cost" + (against.method if against else ", in one process"),
+        f"median at most {WHATIF_PANEL_RATIO}x the re-run part and under "
+        f"{WHATIF_PANEL_TARGET_S * 1000:.0f} ms, p90 under {WHATIF_PANEL_P90_S * 1000:.0f} ms, "
+        "on every model",
+        [("case", "case", "text")]
+        + ([("prev_median_s", f"median ({against.label})", "s"),
+            ("prev_p90_s", f"p90 ({against.label})", "s")] if against else [])
+        + [("median_s", "median", "s"), ("p90_s", "p90", "s"), ("max_s", "max", "s"),
+           ("rerun_s", "re-run part", "s"), ("ratio", "median / re-run", "x"),
+           ("status", "target", "text")],
         metric=("median_s", "s"),
         notes=[f"torch ran {torch.get_num_threads()} intra-op thread(s); the machine's load "
                "during the run adds to every figure"],
     )
-    for case in cases:
-        row: dict[str, Any] = {"case": case, "size": size}
-        panel, why = _panel(case, size)
-        if panel is None:
-            fig.rows.append({**row, "median_s": why, "status": "n/a"})
-            continue
-        times, reruns, errors = [], [], []
-        for name, value in _changes(panel, n):
-            gc.collect()
-            t0 = time.perf_counter()
-            r_before = panel.runs
-            panel.controls[name].value = value
-            times.append(time.perf_counter() - t0)
-            if panel.runs == r_before or panel.error:
-                errors.append(f"{name}={value}: {panel.error or 'no re-run'}")
-            reruns.append(panel.report.wall_s)
-        s = sorted(times)
-        p90 = s[int(0.9 * (len(s) - 1))]
-        med = median(times)
-        row.update(median_s=med, p90_s=p90, max_s=s[-1], rerun_s=median(reruns),
-                   times_s=[round(t, 4) for t in times], changes=len(times),
-                   status=status_of(med < WHATIF_PANEL_TARGET_S and not errors))
-        if errors:
-            row["errors"] = errors[:5]
+    for i, case in enumerate(cases):
+        if against is None:
+            row = whatif_panel_row(size, n, case)
+        else:
+            row, prev = against.pair("whatif_panel_row", dict(size=size, n=n, case=case), i)
+            row.update(prev_median_s=prev.get("median_s"), prev_p90_s=prev.get("p90_s"))
+        if isinstance(row.get("median_s"), float) and row.get("rerun_s"):
+            row["ratio"] = row["median_s"] / row["rerun_s"]
+        row["status"] = _panel_status(row)
         fig.rows.append(row)
-        del panel
         gc.collect()
     return fig
 
 
-def whatif_sweep(size: str, case: str = "transformer", reps: int = 2) -> Figure:
-    fig = Figure(
-        "w_whatif_sweep", f"3w'. What-if sweep: 4 strategies x 10 batch sizes ({case})",
-        "memmagic.sweep.sweep() of the tutorial cell over batch_size 1:512 (1, 2, 4, ..., 512) "
-        "for fp32 / fp32 + ckpt / AMP bf16 / AMP bf16 + ckpt on the simulated GPU (no card: "
-        "all 40 runs), wall time of the whole sweep; 'first' is the first sweep of the "
-        "process after one baseline run (every new batch shape pays the simulator's cold-op "
-        f"cost), 'again' the median of {reps} repeats",
-        f"under {WHATIF_SWEEP_TARGET_S:.0f} s",
-        [("case", "case", "text"), ("runs", "runs", "text"), ("first_s", "first", "s"),
-         ("again_s", "again", "s"), ("per_run_s", "per run (again)", "s"),
-         ("status", f"<{WHATIF_SWEEP_TARGET_S:.0f} s", "text")],
-        metric=("first_s", "s"),
-    )
+def whatif_sweep_row(size: str, case: str, reps: int) -> dict[str, Any]:
+    """The 4 x 10 sweep of one tutorial cell: the first sweep after one baseline run, then
+    ``reps`` repeats."""
     try:
         from memmagic.cell import Cell
         from memmagic.sweep import sweep
     except Exception as exc:  # noqa: BLE001
-        fig.rows.append({"case": case, "first_s": f"unavailable: {exc}"[:120], "status": "n/a"})
-        return fig
+        return {"case": case, "first_s": f"unavailable: {exc}"[:120]}
     cell = Cell(whatif_cell(case, size), {},
                 defaults={"batch_size": zoo.CASES[size][case].input_size[0]})
     cell.run()
@@ -719,12 +736,46 @@ def whatif_sweep(size: str, case: str = "transformer", reps: int = 2) -> Figure:
         t0 = time.perf_counter()
         sweep(cell, "batch_size", "1:512")
         again.append(time.perf_counter() - t0)
-    runs = sum(len(p) for p in first.curves.values())
+    points = sum(len(p) for p in first.curves.values())
+    runs = getattr(first, "runs", points)  # (a sweep before interpolation ran every value)
     failed = [f"{k} {v}" for k, pts in first.curves.items() for v, r in pts if r.error]
-    fig.rows.append({"case": f"{case} ({size})", "runs": f"{runs} ({len(first.curves)} x "
-                     f"{len(first.values)})", "first_s": first_s, "again_s": median(again),
-                     "per_run_s": median(again) / max(runs, 1), "again_times_s": again,
-                     "peaks": {k: [r.peak for _, r in pts] for k, pts in first.curves.items()},
-                     "failed": failed,
-                     "status": status_of(first_s < WHATIF_SWEEP_TARGET_S and not failed)})
+    return {"case": f"{case} ({size})", "points": f"{points} ({len(first.curves)} x "
+            f"{len(first.values)})", "runs": runs, "first_s": first_s, "again_s": median(again),
+            "again_times_s": again, "failed": failed,
+            "peaks": {k: [r.peak for _, r in pts] for k, pts in first.curves.items()}}
+
+
+def whatif_sweep(size: str, case: str = "transformer", reps: int = 2, against: Any = None) -> Figure:
+    fig = Figure(
+        "w_whatif_sweep", f"3w'. What-if sweep: 4 strategies x 10 batch sizes ({case})",
+        "memmagic.sweep.sweep() of the tutorial cell over batch_size 1:512 (1, 2, 4, ..., 512) "
+        "for fp32 / fp32 + ckpt / AMP bf16 / AMP bf16 + ckpt on the simulated GPU (no card), "
+        "wall time of the whole sweep; 'first' is the first sweep of the process after one "
+        "baseline run (every new batch shape pays the simulator's cold-op cost), 'again' the "
+        f"median of {reps} repeats; 'runs' the points that were runs, the others read off "
+        "lines between runs, each line checked by a run (sweep.Interpolated)"
+        + (against.method if against else ""),
+        f"first under {WHATIF_SWEEP_FIRST_S:.0f} s, again under {WHATIF_SWEEP_TARGET_S:.0f} s",
+        [("case", "case", "text"), ("points", "points", "text")]
+        + ([("prev_runs", f"runs ({against.label})", "text"),
+            ("prev_first_s", f"first ({against.label})", "s"),
+            ("prev_again_s", f"again ({against.label})", "s")] if against else [])
+        + [("runs", "runs", "text"), ("first_s", "first", "s"), ("again_s", "again", "s"),
+           ("same_peaks", "same peaks", "text"), ("status", "target", "text")],
+        metric=("again_s", "s"),
+    )
+    if against is None:
+        row, prev = whatif_sweep_row(size, case, reps), None
+    else:
+        row, prev = against.pair("whatif_sweep_row", dict(size=size, case=case, reps=reps), 0)
+        row.update(prev_runs=prev.get("runs"), prev_first_s=prev.get("first_s"),
+                   prev_again_s=prev.get("again_s"))
+        # every point of this tree's sweep (runs and interpolated) against the other's runs
+        row["same_peaks"] = "yes" if row.get("peaks") == prev.get("peaks") else "NO"
+    first, again = row.get("first_s"), row.get("again_s")
+    timed = isinstance(first, float) and isinstance(again, float)
+    row["status"] = status_of(timed and first < WHATIF_SWEEP_FIRST_S
+                              and again < WHATIF_SWEEP_TARGET_S and not row.get("failed")
+                              and row.get("same_peaks", "yes") == "yes") if timed else "n/a"
+    fig.rows.append(row)
     return fig

@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
                         "On a shared machine a second OpenMP thread stalls whenever another "
                         "process holds a core, which made paired timings differ by up to 50x")
     p.add_argument("--whatif-probe", default="sim-rerun", help="what the what-if figure times")
+    p.add_argument("--against", default=None, metavar="REV",
+                   help="figure w: measure each case with commit REV's memmagic too, beside "
+                        "this tree's (each in a fresh process, alternating)")
     return p
 
 
@@ -75,9 +78,16 @@ def _run_figures(only: set[str], args: argparse.Namespace, size: str, reps: int,
 
         show(trace_cost(real, reps))
     if "w" in only:
-        show(F.whatif_panel(size, 5 if args.quick else 20,
-                            ("transformer",) if args.quick else REAL_CPU_CASES))
-        show(F.whatif_sweep(size))
+        from .against import Against
+
+        against = Against(args.against, args.threads) if args.against else None
+        try:
+            show(F.whatif_panel(size, 5 if args.quick else 20,
+                                ("transformer",) if args.quick else REAL_CPU_CASES, against))
+            show(F.whatif_sweep(size, against=against))
+        finally:
+            if against is not None:
+                against.close()
 
 
 def main(argv: list[str] | None = None) -> int:

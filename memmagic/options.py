@@ -67,7 +67,8 @@ OPTIONS = [
         default=None, metavar="KNOB=LO:HI",
         help="Run the knob across the powers of two from LO to HI (or a list: batch_size=8,16,32) "
              "for each strategy (AMP, checkpointing) and plot the memory against it, with the "
-             "largest value that fits the card.")),
+             "largest value that fits the card. Values between two runs that the run between "
+             "them shows to be on a straight line are replayed, not run (rings on the chart).")),
     (("--advise",), dict(
         action="store_true",
         help="The memory doctor: after the cell, who holds the memory it left (names, the "

@@ -76,7 +76,7 @@ def _legend(ax: "Axes", handles: list, labels: list[str], **kw: Any) -> None:
     ax.legend(handles, labels, **opts)
 
 
-def _categories(reports: Sequence[MemoryReport]) -> list[str]:
+def held_categories(reports: Sequence[MemoryReport]) -> list[str]:
     """Categories with bytes in any of ``reports``, in COLORS order."""
     return [c for c in COLORS if any(r.breakdown.get(c, 0) > 0 for r in reports)]
 
@@ -94,8 +94,12 @@ def _capacity_handle(capacity: int, name: str | None) -> tuple[Any, str]:
     """A legend entry for a capacity above the chart's scale: a red up-arrow, labelled."""
     from matplotlib.lines import Line2D
 
-    return (Line2D([], [], ls="none", marker="^", ms=7, color=ALERT),
-            f"{name or 'GPU'}: {format_bytes(capacity)}\n(above this scale)")
+    return Line2D([], [], ls="none", marker="^", ms=7, color=ALERT), above_scale(capacity, name)
+
+
+def above_scale(capacity: int, name: str | None) -> str:
+    """The legend's words for a capacity above the chart's scale."""
+    return f"{name or 'GPU'}: {format_bytes(capacity)}\n(above this scale)"
 
 
 # -- the breakdown at the peak ---------------------------------------------------------------
@@ -175,15 +179,8 @@ def plot_comparison(reports: Sequence[MemoryReport], labels: Sequence[str],
     if ax is None:
         ax = _new_axes((max(4.5, 1.5 + 1.3 * len(reports)), 3.4))
     _theme(ax)
-    top = max(max(r.peak, r.reserved_peak or 0, sum(r.breakdown.values())) for r in reports)
-    top = max(top, 1)
-    caps: dict[int, str] = {}
-    for r in reports:
-        if r.gpu_memory is not None:
-            caps.setdefault(r.gpu_memory, r.gpu_name or "GPU")
-    on_scale = {c: n for c, n in caps.items() if c <= CAPACITY_FACTOR * top}
-    scale, unit = _unit(max([top, *on_scale]))
-    cats = _categories(reports)
+    top, caps, on_scale, (scale, unit) = comparison_scale(reports)
+    cats = held_categories(reports)
     width = 0.6
     xs = list(range(len(reports)))
     handles: dict[str, Any] = {}
@@ -205,6 +202,20 @@ def plot_comparison(reports: Sequence[MemoryReport], labels: Sequence[str],
             ls.append(text)
     _legend(ax, hs, ls)
     return ax
+
+
+def comparison_scale(reports: Sequence[MemoryReport]) -> tuple[int, dict[int, str], dict[int, str], tuple[float, str]]:
+    """The scale of a comparison of ``reports`` (this chart's and the panel's, see
+    :mod:`memmagic.svgcharts`): the highest value drawn, the target GPUs' capacities (bytes
+    to name), those near enough to be drawn to scale, and (bytes per unit, unit)."""
+    top = max(max(r.peak, r.reserved_peak or 0, sum(r.breakdown.values())) for r in reports)
+    top = max(top, 1)
+    caps: dict[int, str] = {}
+    for r in reports:
+        if r.gpu_memory is not None:
+            caps.setdefault(r.gpu_memory, r.gpu_name or "GPU")
+    on_scale = {c: n for c, n in caps.items() if c <= CAPACITY_FACTOR * top}
+    return top, caps, on_scale, _unit(max([top, *on_scale]))
 
 
 def _comparison_bar(ax: "Axes", x: int, r: MemoryReport, cats: list[str], scale: float,
@@ -252,7 +263,9 @@ def plot_sweep(curves: Mapping[str, Sequence[tuple[int, MemoryReport | None]]], 
     """Memory needed against a knob's value, one line per strategy.
 
     ``curves`` maps a strategy's name to (knob value, report) points; a report of None is
-    a run that failed or ran out of memory, drawn as an x at the top of the chart. The
+    a run that failed or ran out of memory, drawn as an x at the top of the chart; an
+    interpolated point (``report.interpolated``, see :class:`memmagic.sweep.Interpolated`)
+    is a ring, a run a dot. The
     value plotted is the reserved peak where the report has one (what must fit on the
     card), else the peak. ``capacity`` (bytes; default: the first report's target GPU) is
     drawn as a line, and the largest knob value whose run fits it is ringed per strategy:
@@ -291,27 +304,42 @@ def plot_sweep(curves: Mapping[str, Sequence[tuple[int, MemoryReport | None]]], 
     ax.set_ylim(0, ymax)
     ax.set_xlabel(knob)
     ax.set_ylabel(f"memory needed ({unit})")
-    h, lab = ax.get_legend_handles_labels()
-    if any(r is None for pts in curves.values() for _, r in pts):
-        from matplotlib.lines import Line2D
+    _sweep_legend(ax, curves, None if cap_on_scale else capacity, capacity_name)
+    return ax
 
+
+def _sweep_legend(ax: "Axes", curves: Mapping[str, Sequence[tuple[int, Any]]],
+                  off_scale: int | None, capacity_name: str | None) -> None:
+    """The strategies, then what the marks mean where the chart has them: interpolated
+    values, failed runs, a capacity above the scale."""
+    from matplotlib.lines import Line2D
+
+    h, lab = ax.get_legend_handles_labels()
+    if any(r is not None and r.interpolated for pts in curves.values() for _, r in pts):
+        h.append(Line2D([], [], ls="none", marker="o", ms=5, mfc="none", color=FG))
+        lab.append("interpolated between runs\n(each line checked by a run)")
+    if any(r is None for pts in curves.values() for _, r in pts):
         h.append(Line2D([], [], ls="none", marker="x", mew=2, color=FG))
         lab.append("failed / out of memory")
-    if capacity is not None and not cap_on_scale:
-        ch, ct = _capacity_handle(capacity, capacity_name)
+    if off_scale is not None:
+        ch, ct = _capacity_handle(off_scale, capacity_name)
         h.append(ch)
         lab.append(ct)
     _legend(ax, h, lab)
-    return ax
 
 
 def _sweep_line(ax: "Axes", name: str, pts: list[tuple[int, MemoryReport | None]], color: str,
                 scale: float, failed_y: Any) -> str:
     """One strategy's line, its failed runs as an x at the top; returns its color."""
     ok = [(v, r.need / scale) for v, r in pts if r is not None]
-    line = ax.plot([v for v, _ in ok], [y for _, y in ok], marker="o", ms=4, lw=1.8,
-                   color=color, label=name)[0]
+    line = ax.plot([v for v, _ in ok], [y for _, y in ok], lw=1.8, color=color, label=name)[0]
     color = line.get_color()
+    for interpolated in (False, True):  # a run: a dot; a value read off a line: a ring
+        xy = [(v, r.need / scale) for v, r in pts if r is not None and r.interpolated == interpolated]
+        if xy:
+            ax.plot([v for v, _ in xy], [y for _, y in xy], ls="none", marker="o",
+                    ms=5 if interpolated else 4, mew=1.2, color=color,
+                    mfc="none" if interpolated else color)
     bad = [v for v, r in pts if r is None]
     if bad:
         ax.plot(bad, [0.97] * len(bad), ls="none", marker="x", ms=8, mew=2, color=color,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 # Category lives with the trace (what the tracker records); the report re-exports it
 from .trace import Category, ModuleRow, Trace, module_rows_at
@@ -146,6 +146,9 @@ class MemoryReport:
     ``breakdown`` maps each :class:`Category` value to bytes at the moment of the peak;
     for the tracker-based backends (``cpu``, ``sim``) it sums to ``peak``.
     """
+
+    # a run's report (a sweep's value read off a line between runs is a sweep.Interpolated)
+    interpolated: ClassVar[bool] = False
 
     backend: str
     device: str

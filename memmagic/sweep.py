@@ -14,16 +14,24 @@ import gc
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence, Union
 
 from .knobs import KNOBS, KnobError, Setting
-from .report import MemoryReport, format_bytes
+from .report import MemoryReport, format_bytes, needed
 
 if TYPE_CHECKING:
     from .cell import Cell
 
-__all__ = ["Sweep", "sweep", "default_strategies", "parse_values", "BatchSearch",
-           "find_batch_size", "find_seq_len", "run_sweep_option"]
+__all__ = ["Sweep", "sweep", "Interpolated", "default_strategies", "parse_values",
+           "BatchSearch", "find_batch_size", "find_seq_len", "run_sweep_option"]
+
+# Where a run has no allocator log to replay (the CPU tracker), how far the run between two
+# others may be from the straight line through their peaks for the values between to be
+# read off it: (fraction, bytes), the larger counts. The allocated peak is a maximum over
+# the run's moments of sizes that grow linearly with the batch, so it is convex in the
+# batch: a run in the middle on the line shows the whole stretch is straight; only the
+# 512-byte rounding of each tensor bends it.
+PEAK_TOLERANCE = (0.002, 256 << 10)
 
 
 def _fits(report: MemoryReport, limit: int | None, card: bool) -> bool:
@@ -91,14 +99,195 @@ def default_strategies(cell: "Cell", applicable: Sequence[str] | None = None) ->
     return out
 
 
+def _ran(report: "Point") -> bool:
+    return report.error is None and report.failed_request is None
+
+
+@dataclass(frozen=True)
+class Interpolated:
+    """A sweep's value that was not run. On the simulated GPU: the allocations of the runs
+    at ``lo`` and ``hi`` (value, report) came in the same order, each of a size on a straight
+    line in the value, and the run at ``check`` between them had exactly the sizes those
+    lines give; the peak and reserved peak are the allocator model's when it replays
+    those allocations at the lines' sizes for ``value``. Without an allocator log (the CPU
+    tracker): read off the straight line between the peaks (see ``PEAK_TOLERANCE``).
+    It has no breakdown, timeline or notes: those come from a run (``exact=True``)."""
+
+    value: int
+    peak: int
+    reserved_peak: int | None
+    lo: tuple[int, MemoryReport]
+    hi: tuple[int, MemoryReport]
+    check: int
+    replayed: bool = True
+    interpolated: ClassVar[bool] = True
+    error: ClassVar[None] = None
+    failed_request: ClassVar[None] = None
+
+    @property
+    def need(self) -> int:
+        return needed(self.peak, self.reserved_peak)  # type: ignore[return-value]
+
+    def __getattr__(self, name: str) -> Any:
+        """What the two runs share (the card, the context, the backend)."""
+        if name in ("gpu_name", "gpu_memory", "context", "backend", "device"):
+            return getattr(self.lo[1], name)
+        raise AttributeError(f"an interpolated sweep value has no {name!r}: run it "
+                             f"(cell.run(...) at {self.value}, or sweep(..., exact=True))")
+
+    card_need = MemoryReport.card_need
+    need_of = MemoryReport.need_of
+    fits = MemoryReport.fits
+
+    @property
+    def source(self) -> str:
+        how = ("the simulated allocator replaying their allocations at sizes on the lines "
+               "through theirs" if self.replayed else "on the straight line between their peaks")
+        return (f"interpolated between the runs at {self.lo[0]} and {self.hi[0]}: {how}, "
+                f"checked by the run at {self.check}")
+
+    def __str__(self) -> str:
+        return f"~{format_bytes(self.peak)} peak at {self.value}, {self.source}"
+
+
+def _shape(run: MemoryReport) -> tuple[tuple, list[int]] | None:
+    """What a simulated run did, as a shape and sizes: the allocator's allocs and frees (keys
+    numbered by first use) and where its peaks restart, then the tracker's device events
+    (storages numbered the same way) and the bytes live at the start; the sizes are the
+    allocs' then the events'. Frees in a row are taken in key order (autocast empties its
+    cache in the order of addresses: their order moves no peak). None without a
+    replayable allocator log."""
+    trace = getattr(run, "trace", None)
+    log = getattr(trace, "allocator_log", None)
+    if log is None or getattr(log, "start", None) is None:
+        return None
+    if any(e["action"] == "oom" for e in log.entries):
+        return None
+    ids: dict[Any, int] = {}
+    steps = []  # (code, size): code 2 * id for an alloc, 2 * id + 1 for a free
+    restart = 0
+    for n, e in enumerate(log.entries):
+        restart = len(steps) if n == log.restart else restart
+        if e["action"] in ("alloc", "free_completed"):
+            free = e["action"] != "alloc"
+            steps.append((2 * ids.setdefault(e["key"], len(ids)) + free, 0 if free else e["size"]))
+    restart = len(steps) if log.restart >= len(log.entries) else restart
+    allocs = _frees_sorted(steps)
+    events = _device_events(trace, log.entries)
+    if events is None:
+        return None
+    live = sum(n for s, n in trace.seed.items() if trace.pool_of.get(s) == "device")
+    sizes = [n for code, n in allocs if not code & 1]
+    shape = (tuple(c for c, _ in allocs), restart, len(sizes), tuple(c for c, _ in events), live)
+    return shape, sizes + [n for _, n in events]
+
+
+def _device_events(trace: Any, entries: list[dict]) -> list[tuple[int, int]] | None:
+    """The tracker's device events as (code, bytes requested): the bytes its allocator
+    entry asked for (the tracker holds them rounded up to 512), or the event's own for a
+    storage from before the log; None where an event is not one allocator entry's."""
+    from .backends.sim.allocator import round_request
+
+    asked: dict[Any, list[int]] = {}
+    for e in entries:
+        if e["action"] == "alloc":
+            asked.setdefault(e["key"], []).append(e["size"])
+    held: dict[Any, int] = {}
+    ids: dict[Any, int] = {}
+    out = []
+    for serial, delta, _op in trace.events:
+        if trace.pool_of.get(serial) != "device" or not delta:
+            continue
+        if delta > 0:
+            queue = asked.get(serial)
+            if not queue or round_request(queue[0]) != delta:
+                return None
+            held[serial] = n = queue.pop(0)
+        else:
+            n = held.pop(serial, -delta)
+            if round_request(n) != -delta:
+                return None
+        out.append((2 * ids.setdefault(serial, len(ids)) + (delta < 0), n))
+    return _frees_sorted(out)
+
+
+def _frees_sorted(steps: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``steps`` (code, size) with each run of frees (odd codes) in code order."""
+    out: list[tuple[int, int]] = []
+    frees: list[tuple[int, int]] = []
+    for step in steps:
+        if step[0] & 1:
+            frees.append(step)
+            continue
+        out += sorted(frees)
+        frees = []
+        out.append(step)
+    return out + sorted(frees)
+
+
+class _Lines:
+    """What two simulated runs (at ``a`` and ``c``) did, where both did the same in the same
+    order: each allocation's size as a straight line in the knob's value."""
+
+    def __init__(self, a: int, ra: MemoryReport, c: int, rc: MemoryReport) -> None:
+        self.a, self.c = a, c
+        pa, pc = _shape(ra), _shape(rc)
+        self.ok = pa is not None and pc is not None and pa[0] == pc[0]
+        if self.ok:
+            (self.shape, self.sa), self.sc = pa, pc[1]  # type: ignore[misc,index]
+            self.log = ra.trace.allocator_log
+
+    def sizes_at(self, v: int) -> list[int] | None:
+        """The sizes at ``v`` (None: one would not be a whole number of bytes)."""
+        span, dv = self.c - self.a, v - self.a
+        out = []
+        for x, y in zip(self.sa, self.sc):
+            q, r = divmod((y - x) * dv, span)
+            if r:
+                return None
+            out.append(x + q)
+        return out
+
+    def at(self, v: int) -> tuple[int, int] | None:
+        """(peak, reserved peak) at ``v``: the tracker's live bytes at their highest and the
+        allocator model's reserved peak, replaying the allocations at ``v``'s sizes."""
+        from .backends.sim.allocator import round_request
+
+        sizes = self.sizes_at(v) if self.ok else None
+        if sizes is None:
+            return None
+        _allocs, _restart, n, events, live = self.shape
+        replayed = self.log.replay(sizes[:n])
+        if replayed is None:
+            return None
+        peak = live
+        for code, size in zip(events, sizes[n:]):
+            size = round_request(size)
+            live += -size if code & 1 else size
+            peak = max(peak, live)
+        return peak, replayed[1]
+
+    def checked_by(self, b: int, rb: MemoryReport) -> bool:
+        """Whether the run at ``b`` did exactly what the lines give at ``b``, with the same
+        peak and reserved peak."""
+        pb = _shape(rb)
+        return (self.ok and pb is not None and pb[0] == self.shape
+                and pb[1] == self.sizes_at(b) and self.at(b) == (rb.peak, rb.reserved_peak))
+
+
+Point = Union[MemoryReport, Interpolated]
+
+
 @dataclass(frozen=True)
 class Sweep:
     """Reports of a knob run across ``values`` for each strategy. ``curves[strategy]`` is
-    (value, report) per value; ``capacity`` (bytes) the card's memory where known."""
+    (value, report) per value, where a report is a run's :class:`MemoryReport` or an
+    :class:`Interpolated` point (``report.interpolated``); ``capacity`` (bytes) the card's
+    memory where known."""
 
     knob: str
     values: tuple[int, ...]
-    curves: Mapping[str, tuple[tuple[int, MemoryReport], ...]]
+    curves: Mapping[str, tuple[tuple[int, Point], ...]]
     capacity: int | None = None
     capacity_name: str | None = None
     wall_s: float = 0.0
@@ -114,13 +303,26 @@ class Sweep:
             out[name] = max(ok) if ok else None
         return out
 
+    @property
+    def runs(self) -> int:
+        """How many of the points are runs (the others are interpolated)."""
+        return sum(not r.interpolated for pts in self.curves.values() for _, r in pts)
+
+    @property
+    def interpolated(self) -> int:
+        """How many points were read off a line between runs (see :class:`Interpolated`)."""
+        return sum(r.interpolated for pts in self.curves.values() for _, r in pts)
+
     def __str__(self) -> str:
         best = self.largest_fitting()
         where = (f"fits {self.capacity_name or 'the GPU'} ({format_bytes(self.capacity)})"
                  if self.capacity is not None else "runs")
         parts = [f"{name}: {self.knob} {v if v is not None else 'none'}" for name, v in best.items()]
+        how = f"{self.runs} runs"
+        if self.interpolated:
+            how += f" + {self.interpolated} interpolated between runs, each line checked by a run"
         return (f"sweep of {self.knob} {self.values[0]}..{self.values[-1]} "
-                f"({len(self.values)} values x {len(self.curves)} strategies, "
+                f"({len(self.values)} values x {len(self.curves)} strategies: {how}, "
                 f"{self.wall_s:.1f} s); largest that {where}: " + "; ".join(parts))
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
@@ -148,11 +350,17 @@ class Sweep:
 def sweep(cell: "Cell", knob: str = "batch_size", values: Sequence[int] | str = "1:512",
           strategies: Mapping[str, Setting] | None = None, *,
           setting: Setting | Mapping[str, Any] | None = None,
-          capacity: int | None = None, stop_after_failure: bool = True) -> Sweep:
+          capacity: int | None = None, stop_after_failure: bool = True,
+          exact: bool = False) -> Sweep:
     """Run ``knob`` across ``values`` for each strategy (default: :func:`default_strategies`)
     on top of ``setting``. ``capacity`` (bytes) defaults to the target GPU of the runs.
     With ``stop_after_failure`` a strategy stops at its first run that fails or runs out
-    of memory (larger values would too): its curve has no points beyond it."""
+    of memory (larger values would too): its curve has no points beyond it.
+
+    Unless ``exact``, a value between two runs whose midway run lies on the straight line
+    between them (``PEAK_TOLERANCE``) is read off that line instead of run: an
+    :class:`Interpolated` point, marked so in the text and the chart. The values on
+    either side of the largest that fits are always runs."""
     vals = parse_values(values, knob) if isinstance(values, str) else tuple(sorted(set(values)))
     if knob not in KNOBS or KNOBS[knob].kind != "int":
         raise ValueError(f"a sweep runs an integer knob, not {knob!r}")
@@ -160,28 +368,152 @@ def sweep(cell: "Cell", knob: str = "batch_size", values: Sequence[int] | str = 
     strats = dict(strategies) if strategies is not None else default_strategies(
         cell, cell.applicable(setting=base.replace(**{knob: vals[0]})))
     t0 = time.perf_counter()
-    curves: dict[str, tuple[tuple[int, MemoryReport], ...]] = {}
+    curves: dict[str, tuple[tuple[int, Point], ...]] = {}
     cap, cap_name = capacity, None
     for name, strat in strats.items():
-        pts: list[tuple[int, MemoryReport]] = []
         s0 = base.replace(**strat.changed())
-        for v in vals:
-            try:
-                s = s0.replace(**{knob: v})
-                s.check_batch()
-            except KnobError:
-                continue  # a batch accumulation cannot split: not a point of this curve
-            r = cell.run(s, strict=True)
-            pts.append((v, r))
-            if cap is None and r.gpu_memory is not None:
-                cap = r.gpu_memory
-            if cap_name is None and r.gpu_name is not None:
-                cap_name = r.gpu_name
-            if stop_after_failure and (r.error is not None or r.failed_request is not None):
-                break
-        curves[name] = tuple(pts)
+        points = [v for v in vals if _splits(s0, knob, v)]
+        ran: dict[int, MemoryReport] = {}
+
+        def run(v: int, s0: Setting = s0, ran: dict = ran) -> MemoryReport:
+            ran[v] = r = cell.run(s0.replace(**{knob: v}), strict=True)
+            return r
+
+        curve = _Curve(run, points, stop_after_failure, exact)
+        for r in ran.values():
+            cap = r.gpu_memory if cap is None else cap
+            cap_name = r.gpu_name if cap_name is None else cap_name
+        curves[name] = curve.settle(cap, capacity is None)
     return Sweep(knob, vals, curves, cap, cap_name, time.perf_counter() - t0, strats,
                  card=capacity is None)
+
+
+def _on_line(a: tuple[int, int], b: tuple[int, int], c: tuple[int, int]) -> bool:
+    """Whether ``b`` (value, bytes) lies on the line from ``a`` to ``c`` (PEAK_TOLERANCE)."""
+    line = a[1] + (c[1] - a[1]) * (b[0] - a[0]) / (c[0] - a[0])
+    frac, nbytes = PEAK_TOLERANCE
+    return abs(b[1] - line) <= max(frac * b[1], nbytes)
+
+
+def _splits(setting: Setting, knob: str, value: int) -> bool:
+    """Whether ``knob=value`` is a setting (a batch that accumulation steps can split)."""
+    try:
+        setting.replace(**{knob: value}).check_batch()
+    except KnobError:
+        return False
+    return True
+
+
+class _Curve:
+    """One strategy's points: the ends run, then halves run until the run in the middle of
+    a stretch lies on the line between its ends (the values between are interpolated); a
+    failed end is bisected for the first value that fails."""
+
+    def __init__(self, run: Callable[[int], MemoryReport], values: Sequence[int],
+                 stop_after_failure: bool, exact: bool) -> None:
+        self._run, self.values = run, list(values)
+        self.reports: dict[int, MemoryReport] = {}
+        self.points_between: dict[int, Interpolated] = {}
+        self.last = len(self.values) - 1  # the last index with a point
+        if exact or len(self.values) < 4:
+            self._run_in_order(0, stop_after_failure)
+            return
+        if not _ran(self.get(0)):
+            self.last = 0 if stop_after_failure else self._run_in_order(1, False)
+            return
+        if not _ran(self.get(self.last)):
+            if not stop_after_failure:
+                self._run_in_order(1, False)
+                return
+            lo, hi = 0, self.last
+            while hi - lo > 1:  # the first failure: larger values fail too
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if _ran(self.get(mid)) else (lo, mid)
+            self.last = hi
+            self._fill(0, lo)
+            return
+        self._fill(0, self.last)
+
+    def get(self, i: int) -> MemoryReport:
+        v = self.values[i]
+        if v not in self.reports:
+            self.reports[v] = self._run(v)
+        return self.reports[v]
+
+    def _run_in_order(self, start: int, stop: bool) -> int:
+        for i in range(start, len(self.values)):
+            if not _ran(self.get(i)) and stop:
+                self.last = i
+                break
+        return self.last
+
+    def _fill(self, i: int, j: int) -> None:
+        """Points for the values between indices ``i`` and ``j`` (both run and fine)."""
+        if j - i < 2:
+            return
+        if not (_ran(self.get(i)) and _ran(self.get(j))):  # no line through a failed run
+            for k in range(i + 1, j):
+                self.get(k)
+            return
+        m = (i + j) // 2
+        points = self._between(i, m, j) if _ran(self.get(m)) else None
+        if points is None and m - i >= 2 and _ran(self.get(m)) and _ran(self.get(i + 1)):
+            # the smallest value alone often differs (a batch of one takes other paths)
+            points = self._between(i + 1, m, j)
+        if points is None:
+            self._fill(i, m)
+            self._fill(m, j)
+            return
+        self.points_between.update(points)
+
+    def _between(self, i: int, m: int, j: int) -> dict[int, Interpolated] | None:
+        """The values between ``i`` and ``j`` read off the runs at ``i`` and ``j``, when the
+        run at ``m`` checks the way (None: it does not, or a value cannot be replayed)."""
+        (a, b, c), (ra, rb, rc) = ((self.values[k] for k in (i, m, j)),
+                                   (self.get(k) for k in (i, m, j)))
+        lines = _Lines(a, ra, c, rc)
+        replayed = lines.ok
+        if replayed and not lines.checked_by(b, rb):
+            return None
+        if not replayed and not _on_line((a, ra.peak), (b, rb.peak), (c, rc.peak)):
+            return None
+        if not replayed and not all(r.reserved_peak is None for r in (ra, rb, rc)):
+            return None
+        out: dict[int, Interpolated] = {}
+        for k in range(i + 1, j):
+            v = self.values[k]
+            if k == m:
+                continue
+            if replayed:
+                peaks = lines.at(v)
+                if peaks is None:
+                    return None
+                peak, reserved = peaks
+            else:
+                peak, reserved = round(ra.peak + (rc.peak - ra.peak) * (v - a) / (c - a)), None
+            out[v] = Interpolated(v, peak, reserved, (a, ra), (c, rc), b, replayed)
+        return out
+
+    def points(self) -> list[tuple[int, Point]]:
+        return [(v, self.reports[v] if v in self.reports else self.points_between[v])
+                for v in self.values[: self.last + 1]]
+
+    def settle(self, limit: int | None, card: bool) -> tuple[tuple[int, Point], ...]:
+        """The points, with every value next to a change of verdict (fits ``limit`` / does
+        not) run rather than interpolated: the largest that fits comes from a run."""
+        while True:
+            pts = self.points()
+            if limit is None:
+                return tuple(pts)
+            fit = [_fits(r, limit, card) for _, r in pts]
+            edges = {k for k in range(1, len(pts)) if fit[k] != fit[k - 1]} | \
+                    {k - 1 for k in range(1, len(pts)) if fit[k] != fit[k - 1]}
+            todo = [k for k in sorted(edges) if pts[k][1].interpolated]
+            if not todo:
+                return tuple(pts)
+            for k in todo:
+                self.points_between.pop(pts[k][0])
+                self.get(k)
 
 
 def run_sweep_option(cell: "Cell", option: str) -> Sweep:

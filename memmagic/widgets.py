@@ -1,10 +1,14 @@
 """The what-if panel (``%%gpumem --whatif``): controls for the knobs that apply to a cell,
 and the memory redrawn against the baseline on every change.
 
-Everything is drawn through widget state (PNG bytes into an ``ipywidgets.Image``, text into
-``ipywidgets.HTML``), never ``with out:`` (which nbval does not emulate). The panel's text
-repr is one deterministic line with the current setting and peak. ipywidgets is imported
-only when a panel is built; without it the error says what to install.
+Everything is drawn through widget state, never ``with out:`` (which nbval does not
+emulate): the chart as SVG markup (:mod:`memmagic.svgcharts`) and the numbers as HTML in
+``ipywidgets.HTML`` values, so a change sends a few kilobytes of text in a few
+milliseconds; the sweep's chart (on a click) as PNG bytes into an ``ipywidgets.Image``.
+The panel's text repr is one deterministic line with the current setting and peak; its
+``text/html`` (for a front end without widgets: a saved notebook on GitHub) is the chart
+and the numbers as first shown. ipywidgets is imported only when a panel is built;
+without it the error says what to install.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ INSTALL_HINT = ("the what-if panel needs ipywidgets 8: pip install 'ipywidgets>=
                 "work without it)")
 _CACHE = 32
 _LABEL_WIDTH = "12em"  # the column of knob names (the longest, "accumulation steps", on one line)
-_PANEL_DPI = 120  # the panel's charts: sharp enough, and fast to redraw
+_PANEL_DPI = 120  # the sweep's chart: sharp enough, and fast to draw
 
 
 def _ipywidgets():
@@ -105,7 +109,7 @@ class WhatIfPanel:
             if ctl is not None:
                 self.controls[name] = ctl
                 ctl.observe(self._changed, names="value")
-        self.image = w.Image(format="png", layout=w.Layout(max_width="100%"))
+        self.chart = w.HTML(layout=w.Layout(max_width="100%"))
         self.text = w.HTML()
         self.status = w.HTML()
         self.sweep_button = w.Button(description="sweep batch size",
@@ -120,7 +124,7 @@ class WhatIfPanel:
         rows = [self._row(w, KNOBS[name].label, ctl) for name, ctl in self.controls.items()]
         if "batch_size" in self.controls:
             rows.append(self._row(w, "", self.sweep_button))
-        self.box = w.VBox([w.VBox(rows), self.status, self.image, self.text,
+        self.box = w.VBox([w.VBox(rows), self.status, self.chart, self.text,
                            self.sweep_image, self.sweep_text])
         self._draw()
 
@@ -252,15 +256,14 @@ class WhatIfPanel:
 
     # -- drawing ---------------------------------------------------------------------------------
     def _draw(self) -> None:
-        from .plots import figure_png, plot_comparison
+        from .svgcharts import comparison_svg
 
         reports = [self.baseline_report]
         labels = [f"baseline\n{_wrap(self.baseline.label())}"]
         if self.setting != self.baseline:
             reports.append(self.report)
             labels.append(f"now\n{_wrap(self.setting.label())}")
-        ax = plot_comparison(reports, labels, ax=_panel_axes())
-        self.image.value = figure_png(ax.figure, dpi=_PANEL_DPI)
+        self.chart.value = comparison_svg(reports, labels)
         self.text.value = self._html()
         self._draw_status()
 
@@ -346,6 +349,10 @@ class WhatIfPanel:
             data = data[0]
         data = dict(data)
         data["text/plain"] = repr(self)
+        # for a front end that shows no widgets: the chart and the numbers as they are now
+        data["text/html"] = (f"<div class='memmagic-panel-static'>{self.chart.value}{self.text.value}"
+                             "<div style='opacity:0.8'>(the what-if panel as it stood: its "
+                             "controls need a running kernel and ipywidgets)</div></div>")
         return data
 
 
@@ -357,17 +364,6 @@ _UNSET = "(as written)"
 def _shown(value: Any) -> Any:
     """A knob's value as its control holds it."""
     return _UNSET if value is None else value
-
-
-def _panel_axes():
-    """Axes of a fixed-margin figure: the panel redraws on every change, and matplotlib's
-    constrained layout costs more than the drawing itself (measured: 0.3 of 0.5 s)."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7.4, 3.6), dpi=_PANEL_DPI)
-    # room below for three lines of bar labels (see _wrap), right for the legend
-    fig.subplots_adjust(left=0.09, right=0.64, bottom=0.22, top=0.96)
-    return fig.add_subplot()
 
 
 def _wrap(label: str, width: int = 24) -> str:

@@ -475,11 +475,13 @@ def parse_bytes(text: str) -> int:
 
 @dataclass(frozen=True)
 class PanelState:
-    """What the what-if panel shows: its table's rows and its chart's PNG bytes."""
+    """What the what-if panel shows: its table's rows, its chart's markup (an SVG element in
+    the page), the chart's size as drawn and the heights of its bar segments as drawn."""
 
     rows: dict[str, str]
-    png: bytes
-    src: str
+    svg: str
+    size: tuple[float, float]
+    bar_heights: tuple[float, ...]
 
     @property
     def peak(self) -> int:
@@ -506,35 +508,33 @@ class WhatIfPanelView:
         return row.locator(css)
 
     def state(self) -> PanelState:
-        """The rows and the chart's bytes as the browser holds them (the chart is the
-        panel's first image with a source: its PNG fetched from the img's URL)."""
-        data = self.box.evaluate("""async box => {
+        """The rows and the chart as the browser holds and draws them."""
+        data = self.box.evaluate("""box => {
             const rows = Object.fromEntries([...box.querySelectorAll('.memmagic-whatif tr')]
                 .map(tr => [tr.querySelector('th').textContent.trim(), tr.querySelector('td').textContent.trim()]));
-            const img = [...box.querySelectorAll('img')].find(i => i.src);
-            const buf = new Uint8Array(await (await fetch(img.src)).arrayBuffer());
-            let s = ''; for (const b of buf) s += String.fromCharCode(b);
-            return {rows, png: btoa(s), src: img.src};
+            const svg = box.querySelector('svg.memmagic-chart');
+            const r = svg.getBoundingClientRect();
+            const bars = [...svg.querySelectorAll('rect')].filter(e => e.querySelector('title'))
+                .map(e => e.getBoundingClientRect().height);
+            return {rows, svg: svg.outerHTML, size: [r.width, r.height], bars};
         }""")
-        import base64
-
-        return PanelState(data["rows"], base64.b64decode(data["png"]), data["src"])
+        return PanelState(data["rows"], data["svg"], tuple(data["size"]), tuple(data["bars"]))
 
     def wait_changed(self, before: PanelState, timeout_ms: int = 60_000) -> PanelState:
-        """Wait until the kernel redrew the panel after a change (its table and its chart's
-        image both replaced) and nothing is re-running; the new state."""
-        self.box.evaluate("""(box, [rows, src, timeout]) => new Promise((resolve, reject) => {
+        """Wait until the kernel redrew the panel after a change (its table and its chart
+        both replaced) and nothing is re-running; the new state."""
+        self.box.evaluate("""(box, [rows, svg, timeout]) => new Promise((resolve, reject) => {
             const t0 = Date.now();
             const tick = () => {
                 const text = [...box.querySelectorAll('.memmagic-whatif tr')].map(tr => tr.textContent).join('|');
-                const img = [...box.querySelectorAll('img')].find(i => i.src);
+                const chart = box.querySelector('svg.memmagic-chart');
                 const busy = box.textContent.includes('re-running');
-                if (text !== rows && img && img.src !== src && img.complete && !busy) return resolve();
+                if (text !== rows && chart && chart.outerHTML !== svg && !busy) return resolve();
                 if (Date.now() - t0 > timeout) return reject(new Error('the panel did not redraw: ' + text));
                 setTimeout(tick, 100);
             };
             tick();
-        })""", ["|".join(f"{k}{v}" for k, v in before.rows.items()), before.src, timeout_ms])
+        })""", ["|".join(f"{k}{v}" for k, v in before.rows.items()), before.svg, timeout_ms])
         return self.state()
 
     def drag_slider(self, label: str, steps: int) -> str:

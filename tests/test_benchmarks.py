@@ -4,6 +4,7 @@ with machine, torch version and date, and the README generator touches only its 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,3 +144,20 @@ def test_gpu_mode_skips_cleanly_without_cuda(tmp_path, capsys):
     assert main(["--gpu", "--out", str(tmp_path)]) == 0
     assert "skipped" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_against_measures_with_the_other_commits_memmagic():
+    """--against REV: the child processes import REV's memmagic (extracted) and this tree's."""
+    from benchmarks.against import ROOT, Against
+
+    against = Against("HEAD")
+    try:
+        this, other = against.pair("memmagic_file", {}, 0)
+        assert Path(this["file"]).resolve() == (ROOT / "memmagic" / "__init__.py").resolve()
+        assert Path(other["file"]).resolve() == (against.dir / "memmagic" / "__init__.py").resolve()
+        assert against.label in against.method
+    finally:
+        against.close()
+    assert not against.dir.exists()
+    with pytest.raises(SystemExit, match="not a commit"):
+        Against("no-such-revision")

@@ -74,24 +74,30 @@ _RENDERED_JS = """() => {
     const panel = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)') || document;
     const imgs = [...panel.querySelectorAll('.jp-OutputArea-output img')].filter(i =>
         (i.src.startsWith('data:image/png') || i.src.startsWith('blob:')) && i.complete && i.naturalWidth > 0);
+    const charts = [...panel.querySelectorAll('.jp-OutputArea-output svg.memmagic-chart')].filter(
+        c => c.getBoundingClientRect().width > 0);
     return {reports: panel.querySelectorAll('.jp-OutputArea-output .memmagic-report').length,
-            images: imgs.length};
+            images: imgs.length, charts: charts.length};
 }"""
 
 
 def rendered_outputs(page, expected: dict[str, int], timeout_ms: int = 30_000) -> dict[str, int]:
-    """Reports and decoded images (a figure's PNG, a widget's Image) in the visible
-    notebook's outputs, once they reach ``expected`` or after ``timeout_ms``."""
+    """Reports, decoded images (a figure's PNG, a widget's Image) and drawn panel charts
+    (SVG) in the visible notebook's outputs, as counted for the keys of ``expected``, once
+    they reach ``expected`` or after ``timeout_ms``."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    want = json.dumps(expected, sort_keys=True, separators=(",", ":"))
+    keys = sorted(expected)
+    want = json.dumps({k: expected[k] for k in keys}, separators=(",", ":"))
+    pick = "{" + ", ".join(f"{k}: r.{k}" for k in keys) + "}"
     try:
         page.wait_for_function(
-            f"() => {{ const r = ({_RENDERED_JS})(); return JSON.stringify({{images: r.images, reports: r.reports}}) === {json.dumps(want)}; }}",
+            f"() => {{ const r = ({_RENDERED_JS})(); return JSON.stringify({pick}) === {json.dumps(want)}; }}",
             timeout=timeout_ms)
     except PlaywrightTimeout:
         pass  # the caller's assertion shows what rendered
-    return page.evaluate(_RENDERED_JS)
+    got = page.evaluate(_RENDERED_JS)
+    return {k: got[k] for k in keys}
 
 
 def report_rows(locator) -> dict[str, str]:
@@ -101,17 +107,32 @@ def report_rows(locator) -> dict[str, str]:
         .map(tr => [tr.querySelector('th').textContent.trim(), tr.querySelector('td').textContent.trim()]))""")
 
 
-def theme_colours(page) -> dict[str, str]:
+def theme_colours(page, report: bool = True) -> dict[str, str]:
     """The computed background of the notebook and text colour of the first report."""
-    return page.evaluate("""() => ({
+    return page.evaluate("""report => ({
         notebook: getComputedStyle(document.querySelector('.jp-Notebook')).backgroundColor,
-        report: getComputedStyle(document.querySelector('.memmagic-report')).color,
-    })""")
+        report: report ? getComputedStyle(document.querySelector('.memmagic-report')).color : null,
+    })""", report)
 
 
 def luminance(css_rgb: str) -> float:
     r, g, b = (int(v) for v in re.findall(r"\d+", css_rgb)[:3])
     return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255
+
+
+def chart_contrast(page) -> float:
+    """WCAG contrast of the panel chart's axis text against the notebook's background."""
+    fill, background = page.evaluate("""() => [
+        getComputedStyle(document.querySelector('svg.memmagic-chart text')).fill,
+        getComputedStyle(document.querySelector('.jp-Notebook')).backgroundColor]""")
+
+    def rel(css: str) -> float:
+        channels = [int(v) / 255 for v in re.findall(r"\d+", css)[:3]]
+        lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    hi, lo = sorted((rel(fill), rel(background)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
 
 
 @pytest.mark.parametrize("ci, outcome", [("", pytest.skip.Exception), ("true", pytest.fail.Exception)])
@@ -192,18 +213,21 @@ def test_first_steps_renders_in_jupyterlab_light_and_dark(lab, page_on):
 def work_the_panel(page, prefix: str, *, only_slider: bool = False) -> list[Path]:
     """Drag the batch-size slider one step right (to twice the batch), turn AMP to fp16,
     checkpointing on and off again (``only_slider``: just the drag), as a user would; after
-    each, the panel's numbers move the right way and its chart is a new image. Returns the
+    each, the panel's numbers move the right way and its chart is redrawn. Returns the
     screenshots (before, and after each change)."""
     panel = bs.WhatIfPanelView(page)
     shots = [bs.save_screenshot(panel.box, f"{prefix}_0_baseline")]
     base = panel.state()
-    assert base.png.startswith(b"\x89PNG"), base.rows
+    # the chart is drawn: an SVG of real size with one visible segment per category held
+    assert base.size[0] > 300 and base.size[1] > 150 and base.bar_heights, base
+    assert all(h > 0 for h in base.bar_heights), base.bar_heights
     batch = int(re.search(r"batch (\d+)", base.rows["setting"]).group(1))
 
     assert panel.drag_slider("batch size", +1) == str(2 * batch)
     bigger = panel.wait_changed(base)
     assert f"batch {2 * batch}" in bigger.rows["setting"], bigger.rows
-    assert bigger.peak > base.peak and bigger.png != base.png
+    assert bigger.peak > base.peak and bigger.svg != base.svg
+    assert bigger.bar_heights != base.bar_heights and all(h > 0 for h in bigger.bar_heights)
     shots.append(bs.save_screenshot(panel.box, f"{prefix}_1_batch{2 * batch}"))
     if only_slider:
         return shots
@@ -211,13 +235,13 @@ def work_the_panel(page, prefix: str, *, only_slider: bool = False) -> list[Path
     panel.click_toggle("AMP", "fp16")
     amp = panel.wait_changed(bigger)
     assert "amp fp16" in amp.rows["setting"], amp.rows
-    assert amp.peak < bigger.peak and amp.png != bigger.png
+    assert amp.peak < bigger.peak and amp.svg != bigger.svg
     shots.append(bs.save_screenshot(panel.box, f"{prefix}_2_amp"))
 
     assert panel.click_checkbox("checkpointing") is True
     ckpt = panel.wait_changed(amp)
     assert "ckpt" in ckpt.rows["setting"], ckpt.rows
-    assert ckpt.peak < amp.peak and ckpt.png != amp.png
+    assert ckpt.peak < amp.peak and ckpt.svg != amp.svg
     shots.append(bs.save_screenshot(panel.box, f"{prefix}_3_checkpointing"))
 
     assert panel.click_checkbox("checkpointing") is False
@@ -234,9 +258,19 @@ def test_whatif_panel_in_jupyterlab(lab, page_on):
     bs.clear_and_run_all(page, lab, "playground.ipynb")
     # the panel's chart, in each of the panel's two views (under its cell, and where a
     # later cell shows it again)
-    assert rendered_outputs(page, {"reports": 0, "images": 2}) == {"reports": 0, "images": 2}
+    want = {"reports": 0, "charts": 2}
+    assert rendered_outputs(page, want) == want
     shots = work_the_panel(page, "lab_whatif")
     shots.append(bs.save_screenshot(page, "lab_whatif_window"))
+    assert chart_contrast(page) >= 3.0  # the chart's text on the light notebook
+    bs.set_lab_theme(page, bs.DARK_THEME)
+    assert luminance(theme_colours(page, report=False)["notebook"]) < 0.2
+    panel = bs.WhatIfPanelView(page)
+    dark = panel.state()
+    assert dark.size[0] > 300 and all(h > 0 for h in dark.bar_heights), dark
+    assert chart_contrast(page) >= 3.0  # and on the dark one
+    shots += [bs.save_screenshot(panel.box, "lab_whatif_dark"),
+              bs.save_screenshot(page, "lab_whatif_window_dark")]
     assert console.errors_since_mark() == []
     assert all(p.stat().st_size > 1000 for p in shots)
 
@@ -265,7 +299,8 @@ def test_report_chart_and_panel_in_notebook7(lab, page_on):
     # shortcuts plugin reads the schema of a plugin it did not load): not memmagic's
     at_load = console.mark()
     bs.clear_and_run_all(page, lab, "whatif.ipynb")
-    assert rendered_outputs(page, {"reports": 1, "images": 2}) == {"reports": 1, "images": 2}
+    want = {"reports": 1, "images": 1, "charts": 1}  # the report's chart (PNG), the panel's (SVG)
+    assert rendered_outputs(page, want) == want
     report = page.locator(".jp-OutputArea-output .memmagic-report").first
     shots = [bs.save_screenshot(report, "nb7_report"), bs.save_screenshot(page, "nb7_window")]
     shots += work_the_panel(page, "nb7_whatif", only_slider=True)
@@ -374,13 +409,13 @@ def test_mime_bundles_are_what_vs_codes_renderers_take():
         todo += re.findall(r"IPY_MODEL_(\w+)", json.dumps(model["state"]))
     models = {state[m]["model_name"] for m in seen}
     assert {"VBoxModel", "SelectionSliderModel", "ToggleButtonsModel", "CheckboxModel",
-            "ImageModel", "HTMLModel"} <= models, models
-    # the panel's chart travels as a binary buffer of PNG bytes; its text as HTML values
-    images = [state[m] for m in seen if state[m]["model_name"] == "ImageModel"]
-    pngs = [base64.b64decode(b["data"]) for im in images for b in im.get("buffers", [])
-            if b["path"] == ["value"]]
-    assert any(p.startswith(b"\x89PNG") for p in pngs), [im["state"] for im in images]
+            "HTMLModel"} <= models, models
+    # the panel's chart and its text travel as HTML values (SVG markup, a table)
     html_values = [state[m]["state"]["value"] for m in seen
                    if state[m]["model_name"] == "HTMLModel" and state[m]["state"].get("value")]
     assert any("memmagic-whatif" in v for v in html_values)
+    assert any(v.startswith("<svg class='memmagic-chart'") for v in html_values)
     assert [p for v in html_values for p in html_problems(v)] == []
+    # a front end without widgets shows the panel as it stood: the same chart and table
+    assert "memmagic-chart" in panel["text/html"] and "memmagic-whatif" in panel["text/html"]
+    assert html_problems(panel["text/html"]) == []

@@ -176,3 +176,28 @@ def test_memory_stats_of_one_small_tensor_are_cudas():
     assert s["allocated_bytes.all.peak"] == 0 and s["allocation.all.allocated"] == 0
     assert s["reserved_bytes.all.peak"] == 2 << 20 and s["num_device_alloc"] == 0
     assert list(s) == sorted(s) and s["max_split_size"] == -1
+
+
+def test_a_log_replays_from_the_model_it_began_from():
+    """AllocatorLog.replay: the same allocs and frees on a copy of the start, at sizes given."""
+    from memmagic.backends.sim.allocator import CachingAllocatorModel
+
+    a = CachingAllocatorModel()
+    a.malloc("weights", 3 << 20)  # held before the log: the replay starts with it
+    a.start_log()
+    a.malloc("x", 5 << 20)
+    a.malloc("tmp", 700 << 10)
+    a.free("tmp")
+    a.restart_peaks()  # the peaks count from here (a what-if knob's setup before it)
+    a.malloc("y", 12 << 20)
+    a.free("x")
+    log = a.take_log()
+    assert log.replay([5 << 20, 700 << 10, 12 << 20]) == (a.allocated_peak, a.reserved_peak)
+    bigger = log.replay([5 << 20, 700 << 10, 40 << 20])
+    assert bigger[0] == a.allocated_peak + (28 << 20) and bigger[1] > a.reserved_peak
+    # the start is a copy: replaying leaves the model and the log's start as they were
+    assert log.replay([5 << 20, 700 << 10, 12 << 20]) == (a.allocated_peak, a.reserved_peak)
+    full = CachingAllocatorModel(capacity=64 << 20)
+    full.start_log()
+    full.malloc("x", 8 << 20)
+    assert full.take_log().replay([100 << 20]) is None  # does not fit the card

@@ -110,3 +110,60 @@ def test_the_engine_knows_nothing_of_ipython_or_widgets():
             "print([m for m in ('IPython', 'ipywidgets', 'matplotlib') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# -- values read off lines between runs (sweep.Interpolated) ----------------------------------
+def _peaks(s):
+    return {name: [(v, r.peak, r.reserved_peak) for v, r in pts] for name, pts in s.curves.items()}
+
+
+def test_interpolated_values_are_the_runs_to_the_byte(cell):
+    fast = sweep(cell, "batch_size", "1:512")
+    exact = sweep(cell, "batch_size", "1:512", exact=True)
+    assert exact.interpolated == 0 and exact.runs == 40
+    assert 0 < fast.interpolated and fast.runs + fast.interpolated == 40
+    assert _peaks(fast) == _peaks(exact)  # peak and reserved peak of every value
+    assert fast.largest_fitting() == exact.largest_fitting()
+    assert f"{fast.runs} runs + {fast.interpolated} interpolated between runs" in str(fast)
+    point = next(r for pts in fast.curves.values() for _, r in pts if r.interpolated)
+    assert point.lo[0] < point.check < point.hi[0] or point.lo[0] < point.value < point.hi[0]
+    assert "interpolated between the runs at" in point.source and point.gpu_name == "T4"
+    with pytest.raises(AttributeError, match="run it"):
+        point.breakdown
+
+
+def test_the_values_beside_the_largest_that_fits_are_runs(cell):
+    exact = dict(sweep(cell, "batch_size", "1:4096", {"fp32": Setting()}, exact=True).curves["fp32"])
+    budget = (exact[1024].need + exact[2048].need) // 2  # between two values on a line
+    s = sweep(cell, "batch_size", "1:4096", {"fp32": Setting()}, capacity=budget)
+    pts = s.curves["fp32"]
+    assert s.largest_fitting() == {"fp32": 1024} and s.interpolated > 0
+    settled = dict(pts)
+    assert not settled[1024].interpolated and not settled[2048].interpolated
+    assert [(v, r.need) for v, r in pts] == [(v, exact[v].need) for v, _ in pts]
+
+
+@pytest.mark.parametrize("step", [
+    # the scores of a batch against itself: bytes grow with the batch squared
+    "s = x @ x.T\ns.relu().sum().backward()\n",
+    # a chunk per 32 rows: how many allocations there are depends on the batch
+    "sum(c.relu().sum() for c in x.split(32)).backward()\n",
+], ids=["quadratic", "chunked"])
+def test_what_is_not_linear_in_the_batch_is_run(step):
+    src = "import torch\nx = torch.randn(batch_size, 512, device='cuda', requires_grad=True)\n" + step
+    c = Cell(src, {}, defaults={"batch_size": 8})
+    fast = sweep(c, "batch_size", "1:2048", {"as written": Setting()})
+    exact = sweep(c, "batch_size", "1:2048", {"as written": Setting()}, exact=True)
+    assert _peaks(fast) == _peaks(exact)
+
+
+def test_the_chart_rings_interpolated_values(cell):
+    from matplotlib.lines import Line2D
+
+    s = sweep(cell, "batch_size", "1:512", {"fp32": Setting()})
+    ax = s.figure().axes[0]
+    hollow = [ln for ln in ax.lines if isinstance(ln, Line2D) and ln.get_markerfacecolor() == "none"
+              and ln.get_markersize() < 8]  # (the largest that fits has a ring of its own)
+    ringed = {int(v) for ln in hollow for v in ln.get_xdata()}
+    assert ringed == {v for v, r in s.curves["fp32"] if r.interpolated} and ringed
+    assert any("interpolated between runs" in t.get_text() for t in ax.get_legend().get_texts())

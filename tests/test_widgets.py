@@ -11,10 +11,9 @@ import torch
 from IPython.core.error import UsageError
 
 from memmagic.backends.sim.session import shell_session
+from memmagic.report import format_bytes
 
 from test_cell import HANDLES
-
-PNG = b"\x89PNG"
 
 
 @pytest.fixture
@@ -26,16 +25,18 @@ def test_the_panel_has_a_control_per_knob_that_applies(panel):
     assert set(panel.controls) == {"amp", "batch_size", "checkpointing", "weights_dtype",
                                    "grad_mode", "offload", "optimizer", "inplace", "gpu"}
     assert panel.controls["batch_size"].value == 8
-    assert bytes(panel.image.value).startswith(PNG)
+    assert panel.chart.value.startswith("<svg class='memmagic-chart'")
+    assert "peak 68.08 MiB" in panel.chart.value
     assert repr(panel) == "<memmagic what-if: batch 8, on T4 -> peak 68.08 MiB, fits T4>"
 
 
 def test_moving_controls_re_runs_and_redraws(panel):
-    png = panel.image.value
+    svg = panel.chart.value
     panel.controls["batch_size"].value = 32
     big = panel.report
     assert panel.setting.batch_size == 32 and big.peak > 2 * panel.baseline_report.peak
-    assert panel.image.value != png and "effective 32" in panel.text.value
+    assert panel.chart.value != svg and "effective 32" in panel.text.value
+    assert f"peak {format_bytes(big.peak)}" in panel.chart.value  # the new bar beside the baseline
     panel.controls["amp"].value = "bf16"
     amp = panel.report
     assert amp.breakdown["activations"] < big.breakdown["activations"]
@@ -55,11 +56,11 @@ def test_an_out_of_memory_shows_in_the_panel_and_keeps_the_chart(ip):
     panel = ip.run_cell_magic("gpumem", "--whatif --batch-size 8 --gpu T4 "
                                         "--range batch_size=1:4096 -o", HANDLES)
     panel.set(batch_size=32)
-    good, png = panel.report, panel.image.value
+    good, svg = panel.report, panel.chart.value
     panel.set(gpu="laptop-4GB", batch_size=4096)
     assert panel.error and "out of memory" in panel.error
     assert "re-run failed" in panel.status.value
-    assert panel.report is good and panel.image.value == png
+    assert panel.report is good and panel.chart.value == svg
     assert repr(panel).endswith("last re-run failed>")
     panel.set(gpu="T4", batch_size=16)  # still usable
     assert panel.error is None and panel.status.value == "" and panel.setting.batch_size == 16

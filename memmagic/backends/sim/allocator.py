@@ -43,7 +43,7 @@ from __future__ import annotations
 import bisect
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 __all__ = ["CachingAllocatorModel", "AllocatorLog", "round_request", "segment_size", "AllocatorFull",
            "STAT_NAMES", "AllocatorConfig", "parse_alloc_conf", "alloc_conf_from_env",
@@ -375,6 +375,36 @@ class AllocatorLog:
 
     entries: list[dict]
     segments: list[dict]
+    # the model as the log began (a copy) and the entry from which the peaks count (a
+    # what-if knob's setup before it): what replay() starts from
+    start: "CachingAllocatorModel | None" = None
+    restart: int = 0
+
+    def replay(self, sizes: Sequence[int]) -> tuple[int, int] | None:
+        """The allocated and reserved peaks (from entry ``restart`` on) of this log's allocs
+        and frees done again on a copy of the model it began from, the allocs' sizes
+        replaced by ``sizes`` (one per "alloc" entry, in order); None when the log cannot
+        be replayed (no start, an out of memory, or a request that does not fit)."""
+        if self.start is None:
+            return None
+        model = self.start.clone()
+        sizes_it = iter(sizes)
+        try:
+            for n, e in enumerate(self.entries):
+                if n == self.restart:
+                    model.restart_peaks()
+                action = e["action"]
+                if action == "alloc":
+                    model.malloc(e["key"], next(sizes_it))
+                elif action == "free_completed":
+                    model.free(e["key"])
+                elif action == "oom":
+                    return None
+        except AllocatorFull:
+            return None
+        if self.restart >= len(self.entries):
+            model.restart_peaks()
+        return model.allocated_peak, model.reserved_peak
 
 
 @dataclass(eq=False)
@@ -443,6 +473,8 @@ class CachingAllocatorModel:
         self.num_alloc_retries = 0
         self._log: list[dict] | None = None
         self._clock: Callable[[], int] | None = None
+        self._log_start: CachingAllocatorModel | None = None
+        self._log_restart = 0
         # torch.cuda.memory_stats(): one row of ints per pool (all, small, large), each
         # statistic's [current, peak, allocated, freed] at its offset (_STAT_AT)
         self._rows: list[list[int]] = [[0] * _ROW for _ in _POOLS]
@@ -544,12 +576,25 @@ class CachingAllocatorModel:
     # -- history --------------------------------------------------------------------------
     def start_log(self, clock: Callable[[], int] | None = None) -> None:
         """Record every action from now on in a fresh log; ``clock()`` (if given) stamps
-        each entry's ``op``."""
+        each entry's ``op``. The log keeps a copy of the model as it begins (for
+        :meth:`AllocatorLog.replay`)."""
         self._log, self._clock = [], clock
+        self._log_start, self._log_restart = self.clone(), 0
 
     def stop_log(self) -> None:
         """Stop recording and drop the log."""
         self._log, self._clock = None, None
+        self._log_start, self._log_restart = None, 0
+
+    def restart_peaks(self) -> None:
+        """The peaks start again from what is held now (the log notes where)."""
+        self.reserved_peak = self.reserved
+        self.allocated_peak = self.allocated
+        self._log_restart = len(self._log or ())
+
+    def clone(self) -> "CachingAllocatorModel":
+        """A copy with every block held by the same key (no log)."""
+        return self.copy({key: key for key in self._live})
 
     @property
     def logging(self) -> bool:
@@ -559,6 +604,7 @@ class CachingAllocatorModel:
         """The log so far and the segments held now; the log stops unless
         ``keep_logging`` (then the entries are a copy and recording goes on)."""
         entries = list(self._log or ())
+        start, restart = self._log_start, self._log_restart
         if not keep_logging:
             self.stop_log()
         segments = []
@@ -572,7 +618,7 @@ class CachingAllocatorModel:
                 b = b.next
             segments.append({"address": seg.addr, "total_size": seg.size, "small": seg.small,
                              "blocks": blocks})
-        return AllocatorLog(entries, segments)
+        return AllocatorLog(entries, segments, start, restart)
 
     def _record(self, action: str, addr: int | None, size: int, key: object = None,
                 **extra: int) -> None:

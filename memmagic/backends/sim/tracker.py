@@ -160,8 +160,7 @@ class SimTracker(StorageTracker):
         """The report's reserved and allocated peaks start from what the allocator holds."""
         a = self.allocator
         if a is not None:
-            a.reserved_peak = a.reserved
-            a.allocated_peak = a.allocated
+            a.restart_peaks()
 
     def trace(self) -> Trace:
         """The run's trace, with the allocator model's history of the cell attached as
