@@ -526,8 +526,7 @@ def _sim_rerun_probe(cfg: Config):
         return out.report
 
     return apply, ("batch-size change -> simulated cell re-run (compile + sim backend) -> "
-                   "new MemoryReport; the widget panel does not exist yet, so rendering is "
-                   "not included")
+                   "new MemoryReport; no panel drawn (figure 3w times the panel)")
 
 
 WHATIF_PROBES: dict[str, WhatIfProbe] = {"sim-rerun": _sim_rerun_probe}

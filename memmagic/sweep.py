@@ -25,15 +25,6 @@ if TYPE_CHECKING:
 __all__ = ["Sweep", "sweep", "Interpolated", "default_strategies", "parse_values",
            "BatchSearch", "find_batch_size", "find_seq_len", "run_sweep_option"]
 
-# Where a run has no allocator log to replay (the CPU tracker), how far the run between two
-# others may be from the straight line through their peaks for the values between to be
-# read off it: (fraction, bytes), the larger counts. The allocated peak is a maximum over
-# the run's moments of sizes that grow linearly with the batch, so it is convex in the
-# batch: a run in the middle on the line shows the whole stretch is straight; only the
-# 512-byte rounding of each tensor bends it.
-PEAK_TOLERANCE = (0.002, 256 << 10)
-
-
 def _fits(report: MemoryReport, limit: int | None, card: bool) -> bool:
     """Whether the run fits ``limit`` bytes: the card's size (``card``: what it needs of the
     whole card, the CUDA context with it) or a budget given for PyTorch's allocator."""
@@ -105,13 +96,14 @@ def _ran(report: "Point") -> bool:
 
 @dataclass(frozen=True)
 class Interpolated:
-    """A sweep's value that was not run. On the simulated GPU: the allocations of the runs
-    at ``lo`` and ``hi`` (value, report) came in the same order, each of a size on a straight
-    line in the value, and the run at ``check`` between them had exactly the sizes those
-    lines give; the peak and reserved peak are the allocator model's when it replays
-    those allocations at the lines' sizes for ``value``. Without an allocator log (the CPU
-    tracker): read off the straight line between the peaks (see ``PEAK_TOLERANCE``).
-    It has no breakdown, timeline or notes: those come from a run (``exact=True``)."""
+    """A sweep's value that was not run. The simulated runs at ``lo`` and ``hi`` (value,
+    report) made the same allocations and frees in the same order, and the run at
+    ``check`` between them made exactly those, each of the size on the straight line
+    through its sizes at ``lo`` and ``hi``, with the peaks the replay below gives. The
+    peak and reserved peak are the simulated allocator's (and the tracker's) when it
+    replays those allocations at the lines' sizes for ``value``, from the state the runs
+    began in. It has no breakdown, timeline or notes: those come from a run
+    (``exact=True``)."""
 
     value: int
     peak: int
@@ -119,7 +111,6 @@ class Interpolated:
     lo: tuple[int, MemoryReport]
     hi: tuple[int, MemoryReport]
     check: int
-    replayed: bool = True
     interpolated: ClassVar[bool] = True
     error: ClassVar[None] = None
     failed_request: ClassVar[None] = None
@@ -141,10 +132,9 @@ class Interpolated:
 
     @property
     def source(self) -> str:
-        how = ("the simulated allocator replaying their allocations at sizes on the lines "
-               "through theirs" if self.replayed else "on the straight line between their peaks")
-        return (f"interpolated between the runs at {self.lo[0]} and {self.hi[0]}: {how}, "
-                f"checked by the run at {self.check}")
+        return (f"interpolated between the runs at {self.lo[0]} and {self.hi[0]}: the "
+                "simulated allocator replaying their allocations at sizes on the lines "
+                f"through theirs, checked by the run at {self.check}")
 
     def __str__(self) -> str:
         return f"~{format_bytes(self.peak)} peak at {self.value}, {self.source}"
@@ -357,10 +347,12 @@ def sweep(cell: "Cell", knob: str = "batch_size", values: Sequence[int] | str = 
     With ``stop_after_failure`` a strategy stops at its first run that fails or runs out
     of memory (larger values would too): its curve has no points beyond it.
 
-    Unless ``exact``, a value between two runs whose midway run lies on the straight line
-    between them (``PEAK_TOLERANCE``) is read off that line instead of run: an
-    :class:`Interpolated` point, marked so in the text and the chart. The values on
-    either side of the largest that fits are always runs."""
+    Unless ``exact``, the ends run, then halves: where the run in the middle of a stretch
+    shows the simulated runs at its ends to be straight lines in the knob (see
+    :class:`Interpolated`), the values between are replayed, not run: ``Interpolated``
+    points, marked so in the text and the chart. The values on either side of the
+    largest that fits are always runs; runs without the simulated allocator's log (the
+    CPU and CUDA backends) are all run."""
     vals = parse_values(values, knob) if isinstance(values, str) else tuple(sorted(set(values)))
     if knob not in KNOBS or KNOBS[knob].kind != "int":
         raise ValueError(f"a sweep runs an integer knob, not {knob!r}")
@@ -373,26 +365,14 @@ def sweep(cell: "Cell", knob: str = "batch_size", values: Sequence[int] | str = 
     for name, strat in strats.items():
         s0 = base.replace(**strat.changed())
         points = [v for v in vals if _splits(s0, knob, v)]
-        ran: dict[int, MemoryReport] = {}
-
-        def run(v: int, s0: Setting = s0, ran: dict = ran) -> MemoryReport:
-            ran[v] = r = cell.run(s0.replace(**{knob: v}), strict=True)
-            return r
-
-        curve = _Curve(run, points, stop_after_failure, exact)
-        for r in ran.values():
+        curve = _Curve(lambda v, s0=s0: cell.run(s0.replace(**{knob: v}), strict=True),
+                       points, stop_after_failure, exact)
+        for r in curve.reports.values():
             cap = r.gpu_memory if cap is None else cap
             cap_name = r.gpu_name if cap_name is None else cap_name
         curves[name] = curve.settle(cap, capacity is None)
     return Sweep(knob, vals, curves, cap, cap_name, time.perf_counter() - t0, strats,
                  card=capacity is None)
-
-
-def _on_line(a: tuple[int, int], b: tuple[int, int], c: tuple[int, int]) -> bool:
-    """Whether ``b`` (value, bytes) lies on the line from ``a`` to ``c`` (PEAK_TOLERANCE)."""
-    line = a[1] + (c[1] - a[1]) * (b[0] - a[0]) / (c[0] - a[0])
-    frac, nbytes = PEAK_TOLERANCE
-    return abs(b[1] - line) <= max(frac * b[1], nbytes)
 
 
 def _splits(setting: Setting, knob: str, value: int) -> bool:
@@ -405,9 +385,9 @@ def _splits(setting: Setting, knob: str, value: int) -> bool:
 
 
 class _Curve:
-    """One strategy's points: the ends run, then halves run until the run in the middle of
-    a stretch lies on the line between its ends (the values between are interpolated); a
-    failed end is bisected for the first value that fails."""
+    """One strategy's points: the ends run, then halves until the run in the middle of a
+    stretch checks the lines through its ends (the values between are replayed, see
+    :class:`Interpolated`); a failed end is bisected for the first value that fails."""
 
     def __init__(self, run: Callable[[int], MemoryReport], values: Sequence[int],
                  stop_after_failure: bool, exact: bool) -> None:
@@ -472,26 +452,17 @@ class _Curve:
         (a, b, c), (ra, rb, rc) = ((self.values[k] for k in (i, m, j)),
                                    (self.get(k) for k in (i, m, j)))
         lines = _Lines(a, ra, c, rc)
-        replayed = lines.ok
-        if replayed and not lines.checked_by(b, rb):
-            return None
-        if not replayed and not _on_line((a, ra.peak), (b, rb.peak), (c, rc.peak)):
-            return None
-        if not replayed and not all(r.reserved_peak is None for r in (ra, rb, rc)):
+        if not lines.checked_by(b, rb):
             return None
         out: dict[int, Interpolated] = {}
         for k in range(i + 1, j):
-            v = self.values[k]
             if k == m:
                 continue
-            if replayed:
-                peaks = lines.at(v)
-                if peaks is None:
-                    return None
-                peak, reserved = peaks
-            else:
-                peak, reserved = round(ra.peak + (rc.peak - ra.peak) * (v - a) / (c - a)), None
-            out[v] = Interpolated(v, peak, reserved, (a, ra), (c, rc), b, replayed)
+            v = self.values[k]
+            peaks = lines.at(v)
+            if peaks is None:
+                return None
+            out[v] = Interpolated(v, *peaks, (a, ra), (c, rc), b)
         return out
 
     def points(self) -> list[tuple[int, Point]]:
