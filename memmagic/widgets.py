@@ -7,7 +7,7 @@ emulate): the chart as SVG markup (:mod:`memmagic.svgcharts`) and the numbers as
 milliseconds; the sweep's chart (on a click) as PNG bytes into an ``ipywidgets.Image``.
 The panel's text repr is one deterministic line with the current setting and peak; its
 ``text/html`` (for a front end without widgets: a saved notebook on GitHub) is the chart
-and the numbers as first shown. ipywidgets is imported only when a panel is built;
+and the numbers as they stood when it was displayed. ipywidgets is imported only when a panel is built;
 without it the error says what to install.
 """
 
@@ -349,7 +349,7 @@ class WhatIfPanel:
             data = data[0]
         data = dict(data)
         data["text/plain"] = repr(self)
-        # for a front end that shows no widgets: the chart and the numbers as they are now
+        # for a front end that shows no widgets: the chart and the numbers as they stand
         data["text/html"] = (f"<div class='memmagic-panel-static'>{self.chart.value}{self.text.value}"
                              "<div style='opacity:0.8'>(the what-if panel as it stood: its "
                              "controls need a running kernel and ipywidgets)</div></div>")
