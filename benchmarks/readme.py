@@ -51,13 +51,14 @@ def latest_results(results_dir: Path, *, include_quick: bool = False) -> list[di
     return out
 
 
-def update_readme(text: str, tables: str) -> str | None:
+def update_readme(text: str, tables: str, start_marker: str = START,
+                  end_marker: str = END) -> str | None:
     """``text`` with the block between the markers replaced; None if the markers are absent."""
-    start = text.find(START)
-    end = text.find(END, start + len(START)) if start >= 0 else -1
+    start = text.find(start_marker)
+    end = text.find(end_marker, start + len(start_marker)) if start >= 0 else -1
     if start < 0 or end < 0:
         return None
-    return text[: start + len(START)] + "\n" + tables + text[end:]
+    return text[: start + len(start_marker)] + "\n" + tables + text[end:]
 
 
 def main(argv: list[str] | None = None) -> int:

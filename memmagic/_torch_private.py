@@ -165,15 +165,17 @@ def memory_snapshot(device: int) -> dict:
 
 
 def record_memory_history(enabled: str | None, *, device: int, max_entries: int = 0,
-                          stacks: str = "python", clear_history: bool = False) -> None:
+                          stacks: str = "python", clear_history: bool = False,
+                          context: str | None = None) -> None:
     """Switch the caching allocator's event recording on (``enabled="all"``, no stack
-    capture, a ring of ``max_entries`` events) or off (``enabled=None``) for ``device``
-    (``torch.cuda.memory._record_memory_history``)."""
+    capture unless ``context`` asks for it: "alloc", "state" or "all", with ``stacks``
+    "python" or "all"), a ring of ``max_entries`` events, or off (``enabled=None``) for
+    ``device`` (``torch.cuda.memory._record_memory_history``)."""
     if enabled is None:
         torch.cuda.memory._record_memory_history(None, device=device)
         return
     torch.cuda.memory._record_memory_history(
-        enabled, context=None, stacks=stacks, max_entries=max_entries, device=device,
+        enabled, context=context, stacks=stacks, max_entries=max_entries, device=device,
         clear_history=clear_history)
 
 

@@ -149,3 +149,66 @@ def test_the_cuda_report_carries_the_trace_and_on_request_the_allocators_snapsho
     plain = CUDABackend(probe=SnapshotProbe((0, 0, 0, 0), (0, 0, 0, 0), []), breakdown=False)
     r2 = plain.measure(lambda: None).report
     assert r2.cuda_snapshot is None and r2.trace is None
+
+
+# -- on a real GPU: the magic end to end, and the simulation beside the real allocator ----
+STEP = (
+    "model = torch.nn.Linear(1024, 1024, device='cuda')\n"
+    "opt = torch.optim.Adam(model.parameters())\n"
+    "model(torch.randn(64, 1024, device='cuda')).sum().backward()\n"
+    "opt.step()\n"
+)
+
+
+@cuda
+def test_real_gpu_magic_breakdown_counts_the_step_to_the_byte(ip):
+    r = ip.run_cell_magic("gpumem", "--backend cuda -o -q", STEP)
+    params = 1024 * 1024 * 4 + 1024 * 4  # both multiples of 512: the allocator's own sizes
+    assert r.backend == "cuda" and r.error is None
+    assert r.breakdown["parameters"] == params
+    assert r.breakdown["optimizer_state"] >= 2 * params  # Adam's two moments (+ step counts)
+    assert r.after - r.before >= 4 * params  # weights, gradients, two moments stay
+    assert r.reserved_peak >= r.peak >= r.after
+
+
+@cuda
+def test_real_gpu_out_of_memory_is_reported_and_leaves_nothing_behind(ip):
+    before = torch.cuda.memory_allocated()
+    total = torch.cuda.get_device_properties(0).total_memory
+    r = ip.run_cell_magic("gpumem", "--backend cuda --no-raise -o -q",
+                          f"keep = torch.empty(1 << 20, device='cuda')\n"
+                          f"big = torch.empty({2 * total}, dtype=torch.uint8, device='cuda')\n")
+    assert r.error is not None and "out of memory" in r.error.lower()
+    ip.run_cell("del keep")
+    import gc
+
+    gc.collect()
+    assert torch.cuda.memory_allocated() == before  # the failed cell's frames were let go
+
+
+@cuda
+def test_real_gpu_snapshot_is_the_allocators_own(ip, tmp_path):
+    import pickle
+
+    path = tmp_path / "cell.pickle"
+    ip.run_cell_magic("gpumem", f"--backend cuda -q --snapshot {path}", STEP)
+    snap = pickle.loads(path.read_bytes())
+    assert snap["segments"] and snap["device_traces"][0]
+    sizes = {e["size"] for e in snap["device_traces"][0] if e["action"] == "alloc"}
+    assert 1024 * 1024 * 4 in sizes  # the weight's block
+
+
+@cuda
+def test_real_gpu_and_the_simulated_card_agree_on_a_training_step():
+    """The GPU check's first row (python -m benchmarks.gpu_check --real) as a test: the same
+    cell on the real GPU and on the simulated card told the same GPU, the allocated peak
+    within 2% and the reserved peak within 5%."""
+    from benchmarks.gpu_check import Check, card_for, real_run, sim_run
+
+    check = Check("zoo", "mlp", "fp32", False)
+    real = real_run(check, trace=False, strings={})
+    p = torch.cuda.get_device_properties(0)
+    sim = sim_run(check, card_for((p.major, p.minor), p.total_memory))
+    assert real.get("error") is None and sim.get("error") is None, (real, sim)
+    assert abs(sim["step_max_alloc"] / real["step_max_alloc"] - 1) <= 0.02, (real, sim)
+    assert abs(sim["step_max_reserved"] / real["step_max_reserved"] - 1) <= 0.05, (real, sim)

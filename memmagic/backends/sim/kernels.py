@@ -41,6 +41,7 @@ from ... import _torch_private as _priv
 from ...patching import Patches
 
 __all__ = ["install_cuda_kernels", "choose_sdpa_backend", "mkldnn_rnn_workspace", "fix_outputs",
+           "cudnn_lstm_reserve", "attention_backward_scratch",
            "FIXED_OUTPUT_OPS", "RNN_LAYER"]
 
 _aten = torch.ops.aten
@@ -162,6 +163,33 @@ _CHECKS = {"flash": (_flash_problems, "Flash attention kernel", "Flash attention
            "cudnn": (_cudnn_problems, "cuDNN attention kernel", "cuDNN attention")}
 
 
+_DEFAULT_ORDER = ["flash", "efficient", "math", "cudnn"]
+_CUDNN_FIRST = ["cudnn", "flash", "efficient", "math"]
+
+
+def _cudnn_preferred(capability: tuple[int, int]) -> bool:
+    """torch's ``check_prefer_cudnn_attention``: on sm90 and sm100 (H100, H200, B200) with
+    a recent cuDNN, cuDNN attention goes first unless the environment says otherwise
+    (``TORCH_CUDNN_SDPA_PREFERRED=0``, or ``TORCH_CUDNN_SDPA_DEPRIORITIZED=1`` in newer
+    torch). Measured: torch 2.11 with cuDNN 9.19 on an H100 picks it for fp16 and bf16."""
+    if tuple(capability) not in ((9, 0), (10, 0)):
+        return False
+    preferred = os.environ.get("TORCH_CUDNN_SDPA_PREFERRED", "").strip().lower()
+    deprioritized = os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "").strip().lower()
+    return preferred not in ("0", "false", "off", "no", "n") and deprioritized not in (
+        "1", "true", "on", "yes", "y")
+
+
+def _device_priority_order(capability: tuple[int, int]) -> list[str]:
+    """The order CUDA's dispatcher tries the backends in on this card: the order
+    ``sdpa_kernel(..., set_priority=True)`` set, else torch's default, with cuDNN first
+    where torch puts it first (:func:`_cudnn_preferred`)."""
+    order = _priv.sdp_priority_order()
+    if order[:4] == _DEFAULT_ORDER and _cudnn_preferred(capability):
+        return _CUDNN_FIRST + order[4:]
+    return order
+
+
 def choose_sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         attn_mask: torch.Tensor | None, dropout_p: float,
                         capability: tuple[int, int], is_causal: bool = False) -> str:
@@ -178,7 +206,7 @@ def choose_sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not any(enabled.values()):
         raise RuntimeError(NO_BACKEND)
     args = (q, k, v, attn_mask, dropout_p, is_causal, capability)
-    for backend in _priv.sdp_priority_order():
+    for backend in _device_priority_order(capability):
         if backend not in enabled or not enabled[backend]:
             continue
         if backend == "math" or not _CHECKS[backend][0](*args):
@@ -191,6 +219,25 @@ def choose_sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     raise RuntimeError(NO_KERNEL)
 
 
+def attention_backward_scratch(backend: str, bsz: int, heads: int, L: int, d: int,
+                               out_bytes: int) -> list[int]:
+    """Bytes of the temporaries a fused attention kernel's backward allocates beside dq,
+    dk and dv (``out_bytes``: the size of the attention output)."""
+    if backend == "flash":
+        # dq is accumulated in fp32 in a padded (B, L, H, D) buffer; softmax_d per row
+        return [bsz * _round_up(L, 128) * heads * _round_up(d, 32) * 4,
+                bsz * heads * _round_up(L, 128) * 4]
+    if backend == "cudnn":
+        # one workspace: dq accumulated in fp32 and a float per row, + 256 bytes (measured
+        # on an H100, torch 2.11 / cuDNN 9.19, to the byte on 7 shapes)
+        return [bsz * heads * L * (d + 1) * 4 + 256]
+    # the memory-efficient kernel, measured the same way: delta and a second row statistic,
+    # a copy the size of the output, and a workspace over L and D padded to 64
+    lp, dp = _round_up(L, 64), _round_up(d, 64)
+    return [bsz * heads * L * 4, bsz * heads * L * 4, out_bytes,
+            bsz * heads * lp * dp * 4 + bsz * heads * lp // 4]
+
+
 class _FusedAttention(torch.autograd.Function):
     """Memory-equivalent stand-in for CUDA's flash / memory-efficient attention kernels:
     the same outputs, saved tensors and backward temporaries, with no values."""
@@ -200,7 +247,12 @@ class _FusedAttention(torch.autograd.Function):
         *batch, L, _ = q.shape
         heads = q.shape[1] if q.dim() == 4 else 1
         bsz = q.shape[0]
-        out = q.new_empty((*batch, L, v.shape[-1]))
+        if q.dim() == 4:
+            # the kernels write (B, L, H, Dv) and return it transposed: a caller's
+            # out.transpose(1, 2).reshape(B, L, H * Dv) is a view on a GPU, not a copy
+            out = q.new_empty((bsz, L, heads, v.shape[-1])).transpose(1, 2)
+        else:
+            out = q.new_empty((*batch, L, v.shape[-1]))
         lse_len = L if backend in ("flash", "cudnn") else _round_up(L, 32)
         lse = q.new_empty((bsz, heads, lse_len), dtype=torch.float32)
         ctx.backend = backend
@@ -214,12 +266,8 @@ class _FusedAttention(torch.autograd.Function):
         if grad_out.stride(-1) != 1:
             grad_out = grad_out.contiguous()
         bsz, heads, L, d = q.shape
-        if ctx.backend == "flash":
-            # dq is accumulated in fp32 in a padded (B, L, H, D) buffer; softmax_d per row
-            tmp = [q.new_empty((bsz, _round_up(L, 128), heads, _round_up(d, 32)), dtype=torch.float32),
-                   q.new_empty((bsz, heads, _round_up(L, 128)), dtype=torch.float32)]
-        else:
-            tmp = [q.new_empty((bsz, heads, L), dtype=torch.float32)]  # delta
+        tmp = [q.new_empty((n,), dtype=torch.uint8) for n in attention_backward_scratch(
+            ctx.backend, bsz, heads, L, d, out.numel() * out.element_size())]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dmask = torch.empty_like(mask) if ctx.mask_needs_grad else None
         del tmp
@@ -338,11 +386,24 @@ _HALF = (torch.float16, torch.bfloat16)
 FIXED_OUTPUT_OPS = frozenset({RNN_LAYER, _RNN_LAYER_BACKWARD, *_BATCH_NORMS})
 
 
-def fix_outputs(func, args, kwargs, out):
-    """Outputs where the fake (meta) kernel differs from the real kernel's memory."""
+def cudnn_lstm_reserve(args: tuple) -> int:
+    """Bytes of cuDNN's training reserve for one LSTM layer and direction: the four gates
+    and the cell state of every step, in the input's dtype (measured on an H100, cuDNN
+    9.19, to the byte on 24 shapes: 1-2 layers, one or two directions, fp32 and fp16; the
+    outputs of a stack's inner layers, also in the reserve there, are the next layer's
+    saved input here). cuDNN's transient workspace is not simulated."""
+    x = args[0]
+    if not args[15]:
+        return 0
+    return 5 * x.shape[0] * x.shape[1] * args[10] * x.element_size()
+
+
+def fix_outputs(func, args, kwargs, out, cuda: bool = False):
+    """Outputs where the fake (meta) kernel differs from the real kernel's memory (with
+    ``cuda``, the CUDA kernel's: cuDNN's LSTM reserve instead of oneDNN's workspace)."""
     if func is RNN_LAYER:
         if out[3].numel() == 0:
-            ws = mkldnn_rnn_workspace(args, kwargs)
+            ws = cudnn_lstm_reserve(args) if cuda else mkldnn_rnn_workspace(args, kwargs)
             if ws:
                 out = (*out[:3], args[0].new_empty((ws,), dtype=torch.uint8))
     elif func is _RNN_LAYER_BACKWARD:

@@ -77,7 +77,8 @@ class Card:
             self._hold_context(cuda_context(target), target)
             self.tracker.allocator = CachingAllocatorModel(
                 self.tracker.allowed(target.total_memory) if target else None, alloc_config)
-            self.tracker.workspaces = Workspaces(capability)
+            self.tracker.workspaces = Workspaces(
+                capability, sms=target.multi_processor_count if target else 0)
         self.fake_mode = _priv.new_fake_mode()
         self._entries = entries
         self.fast = None

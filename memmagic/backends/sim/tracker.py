@@ -40,7 +40,7 @@ from .kernels import FIXED_OUTPUT_OPS, RNN_LAYER, fix_outputs
 from .mismatch import check_same_device, device_rule
 from .state import CPU, META, SimState, is_cuda_device
 from .values import read_scalar
-from .workspaces import BLAS_OPS, Workspaces
+from .workspaces import BLAS_OPS, REDUCTION_OPS, Workspaces
 
 if TYPE_CHECKING:
     from ...trace import Trace
@@ -360,10 +360,13 @@ class SimTracker(StorageTracker):
                 info = self._op_info[func] = _op_info(func)
             mutating, name, fixup = info
             if fixup:
-                out = fix_outputs(func, args, kwargs, out)
+                out = fix_outputs(func, args, kwargs, out, s.cuda)
                 if func is RNN_LAYER:
                     s.rnn_ran = True
-            return self._record_outputs(func, name, mutating, args, kwargs, out)
+            out = self._record_outputs(func, name, mutating, args, kwargs, out)
+            if func in REDUCTION_OPS and pool == "device" and self.workspaces is not None:
+                self._take_scratch(self.workspaces.scratch(func, args, kwargs))
+            return out
         finally:
             s.in_dispatch -= 1
 
@@ -417,6 +420,13 @@ class SimTracker(StorageTracker):
         self._last_op = func.__name__  # an OOM here is this op's
         for key, size in ws.needed(func, args, kwargs, thread):
             ws.held[key] = self.hold_workspace(round_request(size))[1]
+
+    def _take_scratch(self, sizes: list[int]) -> None:
+        """A kernel's transient buffers (a reduction's staging memory): allocated beside
+        its output, freed when it is queued (see .workspaces.reduction_scratch)."""
+        serials = [self.hold_workspace(round_request(n))[0] for n in sizes]
+        for serial in serials:
+            self._on_free(-serial, serial)
 
     def hold_workspace(self, nbytes: int) -> tuple[int, int]:
         """Allocate a workspace of ``nbytes`` on the device for the life of the GPU (no
