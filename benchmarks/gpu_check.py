@@ -655,7 +655,9 @@ def fidelity_markdown(data: dict[str, Any], sim_key: str | None = None,
            f"{sims[sim_key]['torch'] if sim_key else 'n/a'} told the same card "
            f"({(sims[sim_key]['options'] if sim_key else {}).get('gpu', 'n/a')}). Each check is one cell: "
            "build, AdamW, two training steps; peaks are `max_memory_allocated` / "
-           "`max_memory_reserved` read at the end of the cell on a fresh allocator. "
+           "`max_memory_reserved` read at the end of the cell on a fresh allocator; \"after the step\" "
+           "is `memory_allocated()` then, and the last column `memory_reserved()` after "
+           "`torch.cuda.empty_cache()`. "
            f"Targets: allocated within {ALLOCATED_TARGET:.0%}, reserved within {RESERVED_TARGET:.0%}. "
            f"`{data['command']}` writes it (`results/gpu-check-*.json`).", ""]
     head = "| check | real allocated | sim err"
@@ -664,7 +666,7 @@ def fidelity_markdown(data: dict[str, Any], sim_key: str | None = None,
     head += " | real reserved | sim err"
     if before_key:
         head += " | before"
-    head += " | within |"
+    head += " | after the step | reserved after empty_cache | within |"
     out += [head, "|" + "---|" * (head.count("|") - 1)]
     n_ok = n = 0
     for name, real in data["real"].items():
@@ -684,6 +686,8 @@ def fidelity_markdown(data: dict[str, Any], sim_key: str | None = None,
         cells += [format_bytes(real["step_max_reserved"]), _pct(er)]
         if before_key:
             cells.append(_pct(_err(old.get("step_max_reserved"), real["step_max_reserved"])))
+        cells += [_pct(_err(row.get("step_alloc"), real.get("step_alloc"))),
+                  _pct(_err(row.get("empty_reserved"), real.get("empty_reserved")))]
         cells.append("yes" if ok else "**no**")
         out.append("| " + " | ".join(cells) + " |")
     out += ["", f"{n_ok} of {n} checks within both targets."]

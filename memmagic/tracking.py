@@ -595,7 +595,10 @@ class _Saved:
         if node_type is None and t.grad_fn is not None:  # a saved input: its node now
             node_type, output_nr = type(t.grad_fn), t.output_nr
         if node_type is not None:
-            msg += f", which is output {output_nr} of {_forward_name(node_type.__name__)},"
+            name = node_type.__name__
+            if _priv.version_error_names_forward_op():
+                name = _forward_name(name)
+            msg += f", which is output {output_nr} of {name},"
         msg += f" is at version {now}; expected version {self.version} instead."
         return msg + (_ANOMALY_HINT if torch.is_anomaly_enabled() else _PLAIN_HINT)
 
@@ -820,6 +823,9 @@ class RoleHooks:
         reg(register_optimizer_step_pre_hook(lambda o, a, k: self._optimizer(o, a, k, post=False)))
         reg(register_optimizer_step_post_hook(lambda o, a, k: self._optimizer(o, a, k, post=True)))
         if not _ACTIVE_HOOKS:
+            # read how this torch words its in-place error while its own check still runs
+            # (the hooks below switch it off; _Saved.unpack makes it, in the same words)
+            _priv.version_error_names_forward_op()
             self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_ctx.__enter__()
         _ACTIVE_HOOKS.append(self)

@@ -168,3 +168,14 @@ def test_cuda_memory_history_records_alloc_and_free():
         priv.record_memory_history(None, device=0)
     actions = [e["action"] for e in traces if int(e["size"]) >= 4 << 20]
     assert "alloc" in actions and "free_requested" in actions
+
+
+def test_version_error_style_is_this_torchs():
+    """The in-place error names the node as this torch's autograd does (torch 2.13: the
+    forward op, "output 0 of Sigmoid"; torch 2.11 on the GPU check: "SigmoidBackward0")."""
+    x = torch.ones(1, requires_grad=True)
+    h = x.sigmoid()
+    h.mul_(2)
+    with pytest.raises(RuntimeError) as info:
+        h.sum().backward()
+    assert priv.version_error_names_forward_op() == ("SigmoidBackward" not in str(info.value))

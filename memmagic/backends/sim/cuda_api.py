@@ -449,12 +449,16 @@ class SimulatedCuda:
 
     # -- memory ------------------------------------------------------------------------------
     def memory_allocated(self, device=None) -> int:
+        """The allocator model's allocated blocks, as torch counts them (with the allocator
+        model; the tracked storages, rounded to 512 bytes, without it)."""
         check_device(device)
-        return self.tracker.current["device"]
+        a = self.tracker.allocator
+        return a.allocated if a is not None else self.tracker.current["device"]
 
     def max_memory_allocated(self, device=None) -> int:
         check_device(device)
-        return self.tracker.cuda_peak
+        tracker = self.tracker
+        return tracker.cuda_allocated_peak if tracker.allocator is not None else tracker.cuda_peak
 
     def memory_reserved(self, device=None) -> int:
         check_device(device)
@@ -472,6 +476,7 @@ class SimulatedCuda:
         tracker.cuda_peak = tracker.current["device"]
         a = tracker.allocator
         tracker.cuda_reserved_peak = a.reserved if a is not None else 0
+        tracker.cuda_allocated_peak = a.allocated if a is not None else 0
         if a is not None:
             a.reset_peak_stats()
 

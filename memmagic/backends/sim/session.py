@@ -128,7 +128,9 @@ class Card:
         if tr.workspaces is not None and target is not None:
             fresh = Workspaces(target.capability)  # sizes for workspaces taken from now on
             tr.workspaces.cublas, tr.workspaces.cublaslt = fresh.cublas, fresh.cublaslt
+            tr.workspaces.sms = target.multi_processor_count
         tr.cuda_reserved_peak = new.reserved
+        tr.cuda_allocated_peak = new.allocated
         was = old.name if old else "no target"
         now = target.name if target else "no target"
         return f"the simulated card changed from {was} to {now}: its tensors moved with it"
@@ -381,6 +383,7 @@ def _copy_allocator(old: SimTracker, tr: SimTracker, allocator: CachingAllocator
         tr.allocator = old.allocator.copy(rekey)
     tr.alloc_bytes = alloc_bytes
     tr.cuda_reserved_peak = tr.allocator.reserved
+    tr.cuda_allocated_peak = tr.allocator.allocated
     # a memory fraction the cells set
     tr.allocator.set_capacity(old.allocator.capacity, fraction=old.allocator.fraction_set)
     tr.memory_fraction, tr.card_memory = old.memory_fraction, old.card_memory

@@ -95,6 +95,10 @@ class SimTracker(StorageTracker):
         # torch.cuda.max_memory_* counters (resettable by the cell)
         self.cuda_peak = 0
         self.cuda_reserved_peak = 0
+        # torch.cuda.max_memory_allocated(): the allocator model's blocks (a block can be up
+        # to 1 MiB larger than its request: the large pool does not split off less), as
+        # torch counts them; cuda_peak counts the storages (the breakdown's sum)
+        self.cuda_allocated_peak = 0
         self.oom_live = 0        # device bytes live when the request failed
         self.oom_event = -1      # the last event before it
         # torch.cuda.memory._record_memory_history on the simulated allocator: memory_viz
@@ -265,6 +269,8 @@ class SimTracker(StorageTracker):
                 # from None: the user sees CUDA's error alone, not our AllocatorFull
                 raise self._oom_error(full) from None
             self.alloc_bytes[serial] = new
+        if a.allocated > self.cuda_allocated_peak:
+            self.cuda_allocated_peak = a.allocated
         if a.reserved > self.cuda_reserved_peak:
             self.cuda_reserved_peak = a.reserved
 
