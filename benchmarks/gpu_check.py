@@ -17,6 +17,11 @@ The CUDA context is read in fresh processes (``--context``): NVML's used memory 
 torch starts, then ``mem_get_info`` after the first CUDA call, the first tensor, the first
 cuBLAS / cuBLASLt / cuDNN / SDPA call, with lazy and with eager module loading.
 
+``--probe`` adds what SDPA's kernels and cuDNN's RNNs allocate on a grid of shapes (the
+figures the simulation's models of them are checked against). ``--diff CHECK`` shows the
+blocks live at one cell's allocated peak, real (from the traces) against simulated;
+``--readme`` writes the fidelity tables into README.md.
+
 Writes ``results/gpu-check-<device>.json``. Needs no IPython.
 """
 

@@ -44,5 +44,5 @@ def test_a_slider_comm_message_re_runs_the_cell():
         client.execute_cell(nb.cells[3], 3)
     out = _text(nb.cells[3])
     assert out.startswith("<memmagic what-if: batch 32, on T4 -> peak ")
-    assert "(baseline 68.08 MiB), fits T4>" in out
+    assert "(baseline 67.92 MiB), fits T4>" in out
     assert out.split()[-2:] == ["2", "32"]  # one re-run, of batch 32

@@ -26,8 +26,8 @@ def test_the_panel_has_a_control_per_knob_that_applies(panel):
                                    "grad_mode", "offload", "optimizer", "inplace", "gpu"}
     assert panel.controls["batch_size"].value == 8
     assert panel.chart.value.startswith("<svg class='memmagic-chart'")
-    assert "peak 68.08 MiB" in panel.chart.value
-    assert repr(panel) == "<memmagic what-if: batch 8, on T4 -> peak 68.08 MiB, fits T4>"
+    assert "peak 67.92 MiB" in panel.chart.value
+    assert repr(panel) == "<memmagic what-if: batch 8, on T4 -> peak 67.92 MiB, fits T4>"
 
 
 def test_moving_controls_re_runs_and_redraws(panel):
@@ -44,7 +44,7 @@ def test_moving_controls_re_runs_and_redraws(panel):
     assert panel.report.breakdown["activations"] < amp.breakdown["activations"]
     assert "saves" in panel.text.value or "costs" in panel.text.value
     assert repr(panel).startswith("<memmagic what-if: batch 32, amp bf16, ckpt, on T4 -> peak ")
-    assert "(baseline 68.08 MiB)" in repr(panel)
+    assert "(baseline 67.92 MiB)" in repr(panel)
 
 
 def test_fp16_weights_halve_the_parameters(panel):

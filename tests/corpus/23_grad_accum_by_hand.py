@@ -36,9 +36,11 @@ kept = params + rnd(4096 * 256 * 4) + rnd(4096 * 8) + rnd(4)
 assert kept <= r.after - r.before <= kept + 2 * CUBLAS + 2 * MiB, (r.after - r.before, kept)
 # saved by one micro-batch of 4096: x (4 MiB), the two 4096x1024 ReLU outputs (16 MiB
 # each, which the next Linear saves too), and cross entropy's 4096x10 log-softmax: one
-# micro-batch's worth, never two (the first graph is freed by its backward)
+# micro-batch's worth at most, never two (the first graph is freed by its backward; the
+# peak can fall inside a backward, at a bias gradient's reduction buffer, after part of
+# it is freed)
 saved = 4096 * 256 * 4 + 2 * 4096 * 1024 * 4
-assert saved <= r.breakdown["activations"] <= saved + 2 * MiB, r.breakdown["activations"]
+assert r.breakdown["activations"] <= saved + 2 * MiB, r.breakdown["activations"]
 
 # %% tags=["corpus"]
 # the cell reads batch_size and accum_steps itself: more micro-steps shrink each micro-batch;

@@ -129,6 +129,7 @@ class Card:
             fresh = Workspaces(target.capability)  # sizes for workspaces taken from now on
             tr.workspaces.cublas, tr.workspaces.cublaslt = fresh.cublas, fresh.cublaslt
             tr.workspaces.sms = target.multi_processor_count
+            tr.workspaces.threads_per_sm = fresh.threads_per_sm
         tr.cuda_reserved_peak = new.reserved
         tr.cuda_allocated_peak = new.allocated
         was = old.name if old else "no target"

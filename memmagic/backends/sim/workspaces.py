@@ -34,7 +34,7 @@ from typing import Mapping
 import torch
 
 __all__ = ["cublas_workspace_size", "cublaslt_workspace_size", "Workspaces", "BLAS_OPS",
-           "REDUCTION_OPS", "reduction_scratch"]
+           "REDUCTION_OPS", "reduction_scratch", "max_threads_per_sm"]
 
 _aten = torch.ops.aten
 BLAS_OPS = frozenset({
@@ -108,6 +108,18 @@ def _div_up(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def max_threads_per_sm(capability: tuple[int, int]) -> int:
+    """``maxThreadsPerMultiProcessor`` of a compute capability (CUDA's programming guide):
+    1024 on Turing (7.5), 1536 on the consumer Ampere, Ada and Blackwell parts (8.6, 8.7,
+    8.9, 12.x), 2048 elsewhere."""
+    cap = tuple(capability)
+    if cap == (7, 5):
+        return 1024
+    if cap in ((8, 6), (8, 7), (8, 9)) or cap[0] == 12:
+        return 1536
+    return 2048
+
+
 def reduction_scratch(shape: tuple[int, ...], strides: tuple[int, ...], dims: set[int],
                       acc_bytes: int, sms: int, max_threads_per_sm: int = 2048) -> list[int]:
     """Bytes a CUDA reduction of a tensor of ``shape``/``strides`` over ``dims`` allocates
@@ -161,6 +173,7 @@ class Workspaces:
     def __init__(self, capability: tuple[int, int], env: Mapping[str, str] | None = None,
                  sms: int = 0) -> None:
         self.sms = sms  # the card's multiprocessors (0: unknown, reductions stage nothing)
+        self.threads_per_sm = max_threads_per_sm(capability)
         self.cublas = cublas_workspace_size(capability, env)
         self.cublaslt = cublaslt_workspace_size(capability, env)
         self.held: dict[tuple[str, str], int] = {}  # (library, thread) -> bytes
@@ -186,7 +199,8 @@ class Workspaces:
         if dims is None or (isinstance(dims, (list, tuple)) and not dims):
             return []
         dims = {int(d) % x.dim() for d in (dims if isinstance(dims, (list, tuple)) else (dims,))}
-        return reduction_scratch(tuple(x.shape), tuple(x.stride()), dims, _ACC_BYTES[x.dtype], self.sms)
+        return reduction_scratch(tuple(x.shape), tuple(x.stride()), dims, _ACC_BYTES[x.dtype],
+                                 self.sms, self.threads_per_sm)
 
     def describe(self) -> str | None:
         if not self.held:
