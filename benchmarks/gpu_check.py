@@ -418,13 +418,6 @@ def sim_run(check: Check, options: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def sim_all(checks: list[Check], options: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    return {"torch": torch.__version__, "options": options,
-            "rows": {c.name: sim_run(c, options) for c in checks}}
-
-
 # -- the run -----------------------------------------------------------------------------
 def _versions() -> dict[str, Any]:
     import torch
@@ -544,16 +537,21 @@ def run_sim(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    options = json.loads(args.sim_options) if args.sim_options else None
     merged = json.loads(Path(args.merge).read_text()) if args.merge else None
-    if options is None:
-        options = ({"gpu": merged["sim"] and next(iter(merged["sim"].values()))["options"]["gpu"]}
-                   if merged and merged.get("sim") else {"gpu": "H100-80GB"})
+    if args.sim_options:
+        options = json.loads(args.sim_options)
+    elif merged is not None:  # the card the real run was taken on
+        v = merged["versions"]
+        options = card_for(tuple(v["capability"]), v["total_memory"])
+    else:
+        options = {"gpu": "H100-80GB"}
     checks = [c for c in CHECKS if not args.only or any(s in c.name for s in args.only.split(","))]
     if args.part:
         k, n = (int(v) for v in args.part.split("/"))
         checks = checks[k::n]
-    res = {"torch": torch.__version__, "options": options, "rows": {}}
+    from .common import code_version
+
+    res = {"torch": torch.__version__, "options": options, "code": code_version(), "rows": {}}
     for c in checks:
         res["rows"][c.name] = row = sim_run(c, options)
         print(f"sim {c.name:28s} " + (row.get("error") or f"peak {row.get('step_max_alloc', 0):>13,} "
