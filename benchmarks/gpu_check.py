@@ -103,6 +103,11 @@ def _checks() -> list[Check]:
 CHECKS = _checks()
 
 
+def selected(only: str | None) -> list[Check]:
+    """The checks whose names contain one of the comma-separated ``only`` (all for None)."""
+    return [c for c in CHECKS if not only or any(s in c.name for s in only.split(","))]
+
+
 def cell_source(check: Check, steps: int = 2) -> str:
     """The cell: build, AdamW, ``steps`` training steps, then the readout epilogue."""
     lines = ["import torch"]
@@ -238,6 +243,28 @@ def _clear_workspaces() -> None:
         clear()
 
 
+def _fresh_allocator() -> None:
+    """Nothing cached, no workspaces (each check allocates them anew, as on a fresh card),
+    the peak counters reset."""
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    _clear_workspaces()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def _let_go(ns: dict[str, Any]) -> None:
+    """Drop what a check's cell left and give its cached blocks back."""
+    import torch
+
+    ns.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def real_run(check: Check, trace: bool, strings: dict[str, int]) -> dict[str, Any]:
     import torch
 
@@ -246,12 +273,7 @@ def real_run(check: Check, trace: bool, strings: dict[str, int]) -> dict[str, An
     row: dict[str, Any] = {}
     ns: dict[str, Any] = {}
     code = compile(cell_source(check), f"<{check.name}>", "exec")
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    _clear_workspaces()  # each check allocates its workspaces anew, as on a fresh card
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    _fresh_allocator()
     row["start_alloc"], row["start_reserved"] = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     if trace:
         # context "all" (stacks of frees too) made torch 2.11 raise SystemError in
@@ -273,25 +295,17 @@ def real_run(check: Check, trace: bool, strings: dict[str, int]) -> dict[str, An
         row["wall_s"] = round(time.perf_counter() - t0, 3)
         if trace:
             priv.record_memory_history(None, device=0)
-        ns.clear()
-        gc.collect()
-        torch.cuda.empty_cache()
+        _let_go(ns)
     return row
 
 
 def cuda_backend_run(check: Check) -> dict[str, Any]:
     """The same cell through memmagic's CUDA backend (with the breakdown): its report's
     peak against the raw counters of the same run."""
-    import torch
-
     from memmagic.backends import get_backend
 
     code = compile(cell_source(check), f"<{check.name}>", "exec")
-    gc.collect()
-    torch.cuda.empty_cache()
-    _clear_workspaces()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    _fresh_allocator()
     ns: dict[str, Any] = {}
     try:
         out = get_backend("cuda").execute(lambda n: exec(code, n), ns)
@@ -303,9 +317,7 @@ def cuda_backend_run(check: Check) -> dict[str, Any]:
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"[:400]}
     finally:
-        ns.clear()
-        gc.collect()
-        torch.cuda.empty_cache()
+        _let_go(ns)
 
 
 # -- kernels' own allocations, for modelling them ---------------------------------------------
@@ -492,7 +504,7 @@ def run_real(args: argparse.Namespace) -> int:
                                                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)))
     strings: dict[str, int] = {}
     traces: dict[str, Any] = {}
-    checks = [c for c in CHECKS if not args.only or any(s in c.name for s in args.only.split(","))]
+    checks = selected(args.only)
     for c in checks:
         row = real_run(c, args.traces, strings)
         if "trace" in row:
@@ -545,7 +557,7 @@ def run_sim(args: argparse.Namespace) -> int:
         options = card_for(tuple(v["capability"]), v["total_memory"])
     else:
         options = {"gpu": "H100-80GB"}
-    checks = [c for c in CHECKS if not args.only or any(s in c.name for s in args.only.split(","))]
+    checks = selected(args.only)
     if args.part:
         k, n = (int(v) for v in args.part.split("/"))
         checks = checks[k::n]

@@ -77,8 +77,7 @@ class Card:
             self._hold_context(cuda_context(target), target)
             self.tracker.allocator = CachingAllocatorModel(
                 self.tracker.allowed(target.total_memory) if target else None, alloc_config)
-            self.tracker.workspaces = Workspaces(
-                capability, sms=target.multi_processor_count if target else 0)
+            self.tracker.workspaces = Workspaces.of_card(capability, target)
         self.fake_mode = _priv.new_fake_mode()
         self._entries = entries
         self.fast = None
@@ -126,10 +125,10 @@ class Card:
                 "can take: run %gpusim reset (or memmagic.reset_simulated_gpu()) first") from None
         tr.allocator = new
         if tr.workspaces is not None and target is not None:
-            fresh = Workspaces(target.capability)  # sizes for workspaces taken from now on
-            tr.workspaces.cublas, tr.workspaces.cublaslt = fresh.cublas, fresh.cublaslt
-            tr.workspaces.sms = target.multi_processor_count
-            tr.workspaces.threads_per_sm = fresh.threads_per_sm
+            # sizes for workspaces taken from now on; those held stay as they are
+            fresh = Workspaces.of_card(target.capability, target)
+            fresh.held = tr.workspaces.held
+            tr.workspaces = fresh
         tr.cuda_reserved_peak = new.reserved
         tr.cuda_allocated_peak = new.allocated
         was = old.name if old else "no target"

@@ -27,6 +27,7 @@ the byte on eight shapes (:func:`reduction_scratch`).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Mapping
@@ -135,12 +136,8 @@ def reduction_scratch(shape: tuple[int, ...], strides: tuple[int, ...], dims: se
     inner = min(kept)
     if min(reduced) < inner or inner[0] != 1:
         return []  # over the innermost dimension, or outputs not contiguous
-    num_outputs = 1
-    for _st, n in kept:
-        num_outputs *= n
-    inputs = 1
-    for _st, n in reduced:
-        inputs *= n
+    num_outputs = math.prod(n for _st, n in kept)
+    inputs = math.prod(n for _st, n in reduced)
     vec = 4
     while inner[1] % vec:
         vec //= 2
@@ -177,6 +174,11 @@ class Workspaces:
         self.cublas = cublas_workspace_size(capability, env)
         self.cublaslt = cublaslt_workspace_size(capability, env)
         self.held: dict[tuple[str, str], int] = {}  # (library, thread) -> bytes
+
+    @classmethod
+    def of_card(cls, capability: tuple[int, int], target) -> "Workspaces":
+        """The workspaces of a simulated card (``target``: its GPUSpec, None for no card)."""
+        return cls(capability, sms=target.multi_processor_count if target is not None else 0)
 
     def needed(self, func, args: tuple, kwargs: dict, thread: str) -> list[tuple[tuple[str, str], int]]:
         """The workspaces ``func`` allocates now, on ``thread`` ("main" or "backward")."""
