@@ -95,7 +95,7 @@ class TrackResult:
     peak_label: str | None = None  # the autograd node (backward) or optimizer (step) at the peak
 
 
-class StorageTracker(_priv.TorchDispatchMode):
+class StorageTracker(_priv.TrackerMode):
     """Records live storages op by op.
 
     ``include(t)`` says which pool a tensor's storage counts in ("device" or "host") or

@@ -235,6 +235,33 @@ def test_op_cache_gives_the_same_report_cold_warm_and_off(name, kernels):
     assert warm_stats["cache_passes"] <= warm_stats["ops"] // 5, warm_stats
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", ["cuda", "cpu"])
+@pytest.mark.parametrize("name", zoo.SMALL)
+def test_a_new_batch_size_derived_from_meta_kernels_gives_the_uncached_report(name, kernels):
+    """After one run, a run at another batch size takes most of its new entries from the
+    ops' Meta kernels (FakeOutputCache's trusted classes): the report is the one
+    FakeTensorMode alone gives at that size, with AMP and checkpointing."""
+    from memmagic.backends.sim import backend as sim_backend_mod
+
+    def src(k: int) -> str:
+        step = zoo.step_source(name, device="cuda", amp=True, checkpointing=name != "lstm")
+        return step.replace("opt = ", f"batch = tuple(t[:{k}] for t in batch)\nopt = ", 1)
+
+    on = SimBackend(kernels=kernels)
+    saved = dict(sim_backend_mod._FAST_ENTRIES)
+    sim_backend_mod._FAST_ENTRIES.clear()
+    try:
+        _run(on, src(3))
+        derived = _facts(_run(on, src(2)))
+        stats = on.last_run_stats
+    finally:
+        sim_backend_mod._FAST_ENTRIES.clear()
+        sim_backend_mod._FAST_ENTRIES.update(saved)
+    assert derived == _facts(_run(SimBackend(kernels=kernels, op_cache=False), src(2)))
+    assert stats["cache_derived"] > 3 * stats["cache_misses"], stats
+
+
 def test_an_adam_step_is_answered_from_metadata_when_warm():
     """Adam's first step writes data into small zero-filled moments (constants): the op
     cache keys such mixed ops by metadata, so a warm run leaves none of the optimizer's

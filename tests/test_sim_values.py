@@ -118,7 +118,7 @@ def test_constant_fake_contract(monkeypatch):
     mode = priv.new_fake_mode()
     with mode:
         like = torch.empty(3)
-    fake = priv.constant_fake(mode, torch.tensor([1.0, 2.0, 3.0]), like)
+    fake = priv.constant_fake(mode, torch.tensor([1.0, 2.0, 3.0]), like.fake_device)
     assert priv.is_fake(fake) and fake.fake_mode is mode
     assert priv.fake_constant(fake).tolist() == [1.0, 2.0, 3.0]
     module, name = priv.constant_numel_limit_holder()
@@ -242,8 +242,8 @@ def test_adopt_constant_contract():
     mode = priv.new_fake_mode()
     with mode:
         c = torch.empty(4)  # no values
-    a = priv.constant_fake(mode, torch.ones(4), c)
-    b = priv.constant_fake(mode, torch.zeros(4, dtype=torch.bfloat16), c)
+    a = priv.constant_fake(mode, torch.ones(4), c.fake_device)
+    b = priv.constant_fake(mode, torch.zeros(4, dtype=torch.bfloat16), c.fake_device)
     a_const = priv.fake_constant(a)
     assert a_const is not None and priv.fake_constant(b) is not None
     priv.adopt_constant(a, b)

@@ -72,6 +72,25 @@ def test_torch_dispatch_mode_sees_ops_and_leaves_the_stack():
     assert torch.ops.aten.add.Tensor in seen and priv.dispatch_mode_depth() == 0
 
 
+def test_tracker_mode_keeps_its_subclasses_dispatch_unwrapped():
+    """TorchDispatchMode wraps a subclass's __torch_dispatch__ in torch._disable_dynamo
+    unless ``_should_skip_dynamo()`` is False: TrackerMode's subclasses keep the function
+    they define, and still see every op."""
+    seen = []
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+    Plain = type("Plain", (priv.TorchDispatchMode,), {"__torch_dispatch__": dispatch})
+    Tracker = type("Tracker", (priv.TrackerMode,), {"__torch_dispatch__": dispatch})
+    assert Plain.__dict__["__torch_dispatch__"] is not dispatch  # torch's wrapper
+    assert Tracker.__dict__["__torch_dispatch__"] is dispatch
+    with Tracker():
+        torch.ones(2) + 1
+    assert torch.ops.aten.add.Tensor in seen and priv.dispatch_mode_depth() == 0
+
+
 def test_tensor_version_counts_in_place_writes_to_the_storage():
     a = torch.zeros(4)
     v = priv.tensor_version(a)

@@ -159,7 +159,8 @@ def test_register_fake_constant_memoizes_like_the_converter():
 def test_fake_alias_puts_a_constant_view_on_its_bases_storage(monkeypatch):
     monkeypatch.setattr(*priv.constant_numel_limit_holder(), 4096)  # as the simulation does
     mode = priv.new_fake_mode()
-    base = priv.constant_fake(mode, torch.arange(12).view(3, 4), mode.from_tensor(torch.empty(0)))
+    base = priv.constant_fake(mode, torch.arange(12).view(3, 4),
+                               mode.from_tensor(torch.empty(0)).fake_device)
     priv.forget_fake_memo(mode)  # what a simulated cell's start does
     with mode:
         view = base.t()[1:]   # computed for real: a fake on a storage of its own
@@ -302,6 +303,97 @@ def test_op_cache_builds_what_fake_tensor_mode_builds():
     assert cache.hits >= len(ops) and cache.misses >= len(ops)
 
 
+def _compared(mode, cache, op, base):
+    """``op`` under FakeTensorMode alone and through ``cache``: the same outputs (sizes,
+    strides, offset, dtype, device, storage size, aliasing of ``base``)."""
+    with mode:
+        ref = op()
+    with mode, _Front(cache):
+        got = op()
+    refs, gots = (ref, got) if isinstance(ref, tuple) else ((ref,), (got,))
+    for a, b in zip(refs, gots, strict=True):
+        assert _geometry(a) == _geometry(b)
+        assert (a.untyped_storage()._cdata == base.untyped_storage()._cdata) == (
+            b.untyped_storage()._cdata == base.untyped_storage()._cdata)
+        assert b.fake_mode is mode and priv.is_fake(b)
+
+
+def _sized_ops(mode, n: int, dtype=torch.float32):
+    with mode:
+        x, g = torch.empty(n, 6, dtype=dtype), torch.empty(n, 6, dtype=dtype)
+        w, b = torch.empty(6, 3, dtype=dtype), torch.empty(3, dtype=dtype)
+    return x, [lambda: aten.addmm.default(b, x, w), lambda: aten.gelu_backward.default(g, x),
+               lambda: aten.view.default(x, [-1, 3]), lambda: tuple(aten.split.Tensor(x, 2, 1)),
+               lambda: aten.native_layer_norm.default(x, [6], None, None, 1e-5),
+               lambda: aten.t.default(x), lambda: aten.add_.Tensor(x, g),
+               lambda: aten.sum.dim_IntList(x, [0])]
+
+
+def test_op_cache_derives_new_sizes_from_meta_kernels_once_a_class_agreed():
+    """The first call of a class (op and layout, not sizes) runs FakeTensorMode and the
+    op's Meta kernel beside it; they agree, so calls at other sizes take their entries from
+    the Meta kernel: FakeTensorMode's outputs without its dispatch. A dtype is a class of
+    its own: in bf16 ``native_layer_norm``'s Meta kernel gives float32 statistics where
+    FakeTensorMode's (CPU) decomposition gives bf16, so that class is never derived."""
+    mode = priv.new_fake_mode()
+    cache = FakeOutputCache(mode, {})
+    for n in (4, 5, 7):
+        x, ops = _sized_ops(mode, n)
+        for op in ops:
+            _compared(mode, cache, op, x)
+    assert cache.misses == len(ops)         # the first size only
+    assert cache.derived == 2 * len(ops)    # every op of the two others
+    for n in (4, 5, 7):
+        x, ops = _sized_ops(mode, n, torch.bfloat16)
+        for op in ops:
+            _compared(mode, cache, op, x)
+    assert cache.misses == 2 * len(ops) + 2     # bf16's first size, then layer norm again
+    assert cache.derived == 4 * len(ops) - 2
+
+
+def test_op_cache_never_derives_a_class_whose_meta_kernel_disagreed(monkeypatch):
+    mode = priv.new_fake_mode()
+    cache = FakeOutputCache(mode, {})
+    wrong = ("one", ((1,), (1,), torch.float64, torch.device("cpu")))
+    monkeypatch.setattr(op_cache, "_meta_entry", lambda *a, **k: wrong)
+    for n in (4, 5):
+        x, ops = _sized_ops(mode, n)
+        for op in ops:
+            _compared(mode, cache, op, x)
+    assert cache.derived == 0 and cache.misses == 2 * len(ops)
+
+
+def test_op_cache_leaves_a_meta_kernels_error_to_fake_tensor_mode():
+    """A trusted class at sizes its Meta kernel refuses: FakeTensorMode runs the call and
+    raises its own error (the one the user would see without the cache)."""
+    mode = priv.new_fake_mode()
+    cache = FakeOutputCache(mode, {})
+    with mode:
+        a, b, bad = torch.empty(4, 6), torch.empty(6, 3), torch.empty(5, 3)
+    with mode, _Front(cache):
+        aten.mm.default(a, b)
+    with pytest.raises(RuntimeError) as alone, mode:
+        aten.mm.default(a, bad)
+    with pytest.raises(RuntimeError) as cached, mode, _Front(cache):
+        aten.mm.default(a, bad)
+    assert str(cached.value) == str(alone.value)
+    assert cache.derived == 0 and cache.misses == 2
+
+
+def test_meta_kernels_run_an_ops_meta_kernel_on_fake_tensors():
+    mode = priv.new_fake_mode()
+    with mode:
+        x = torch.empty(4, 6)
+    with priv.meta_kernels(mode):
+        y = aten.gelu.default(x)
+        v = aten.t.default(x)
+        assert x.device.type == "meta"  # what a kernel sees, as in FakeTensorMode's own call
+    assert type(y) is torch.Tensor and y.is_meta and y.shape == (4, 6)
+    assert type(v) is torch.Tensor and v.stride() == (1, 6)
+    assert v.untyped_storage()._cdata == x.untyped_storage()._cdata
+    assert not mode.in_kernel_invocation and x.device.type == "cpu"
+
+
 def test_op_cache_keys_tell_int_float_and_bool_scalars_apart():
     mode = priv.new_fake_mode()
     cache = FakeOutputCache(mode, {})
@@ -393,7 +485,7 @@ def test_drop_constant_forgets_the_values():
     mode = priv.new_fake_mode()
     with mode:
         like = torch.empty(3)
-    fake = priv.constant_fake(mode, torch.tensor([1.0, 2.0, 3.0]), like)
+    fake = priv.constant_fake(mode, torch.tensor([1.0, 2.0, 3.0]), like.fake_device)
     assert priv.fake_constant(fake) is not None
     priv.drop_constant(fake)
     assert priv.fake_constant(fake) is None

@@ -507,10 +507,12 @@ def _install_torch_adjustments(patches: Patches, notes: list[str]) -> None:
 
 
 def _cache_counts(fast) -> dict[str, int]:
-    """The op cache's counters (zeros without one)."""
+    """The op cache's counters (zeros without one); ``cache_derived``: hits whose entry a
+    Meta kernel derived in this run (see FakeOutputCache)."""
     if fast is None:
-        return {"cache_hits": 0, "cache_misses": 0, "cache_passes": 0}
-    return {"cache_hits": fast.hits, "cache_misses": fast.misses, "cache_passes": fast.passes}
+        return {"cache_hits": 0, "cache_misses": 0, "cache_passes": 0, "cache_derived": 0}
+    return {"cache_hits": fast.hits, "cache_misses": fast.misses, "cache_passes": fast.passes,
+            "cache_derived": fast.derived}
 
 
 # -- helpers ----------------------------------------------------------------------------------

@@ -147,7 +147,7 @@ def _with_values(func, args, kwargs, out, on_gpu: bool):
             real = func(*args, **{**kwargs, "device": CPU, "generator": _GPU_DRAWS})
         else:
             real = func(*args, **{**kwargs, "device": CPU})
-    return _priv.constant_fake(mode, real, out)
+    return _priv.constant_fake(mode, real, out.fake_device)
 
 
 def _drop_unfounded(args, kwargs, out) -> None:
@@ -236,7 +236,9 @@ def _absorbed(func, args, out):
             continue
         with _priv.no_python_modes():
             if func in _OR_OPS and out.dtype == torch.bool and bool(const.all()):
-                return _priv.constant_fake(mode, torch.ones(tuple(out.shape), dtype=torch.bool), out)
+                return _priv.constant_fake(mode, torch.ones(tuple(out.shape), dtype=torch.bool),
+                                         out.fake_device)
             if func in _AND_OPS and not bool(const.any()) and not out.dtype.is_floating_point:
-                return _priv.constant_fake(mode, torch.zeros(tuple(out.shape), dtype=out.dtype), out)
+                return _priv.constant_fake(mode, torch.zeros(tuple(out.shape), dtype=out.dtype),
+                                         out.fake_device)
     return out
