@@ -685,8 +685,10 @@ def whatif_panel(size: str, n: int, cases: tuple[str, ...], against: Any = None)
         "them (batch x2, AMP bf16, checkpointing on, batch /2, AMP off, checkpointing off, "
         "batch back, AMP fp16, AMP off), each timed from setting the widget's value to the "
         "redrawn panel (re-run on the simulated GPU + chart + text); 're-run part' is the "
-        "median of the reports' own wall time; the first change to each new batch size pays "
-        "the simulator's cold-op cost" + (against.method if against else ", in one process"),
+        "median of the reports' own wall time; the first visit of a setting meets new shapes "
+        "(entries derived from Meta kernels, and FakeTensorMode's full price for op classes "
+        "not seen before, as AMP's first dtype)"
+        + (against.method if against else ", in one process"),
         f"median at most {WHATIF_PANEL_RATIO}x the re-run part and under "
         f"{WHATIF_PANEL_TARGET_S * 1000:.0f} ms, p90 under {WHATIF_PANEL_P90_S * 1000:.0f} ms, "
         "on every model",
@@ -750,7 +752,7 @@ def whatif_sweep(size: str, case: str = "transformer", reps: int = 2, against: A
         "memmagic.sweep.sweep() of the tutorial cell over batch_size 1:512 (1, 2, 4, ..., 512) "
         "for fp32 / fp32 + ckpt / AMP bf16 / AMP bf16 + ckpt on the simulated GPU (no card), "
         "wall time of the whole sweep; 'first' is the first sweep of the process after one "
-        "baseline run (every new batch shape pays the simulator's cold-op cost), 'again' the "
+        "baseline run (every new batch shape is new to the op cache), 'again' the "
         f"median of {reps} repeats; 'runs' the points that were runs, the others read off "
         "lines between runs, each line checked by a run (sweep.Interpolated)"
         + (against.method if against else ""),

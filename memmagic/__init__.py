@@ -82,4 +82,5 @@ def unload_ipython_extension(ipython) -> None:
     mode = getattr(ipython, "_memmagic_sim_mode", None)
     if mode is not None:
         mode.on = False
+        mode.gpu = mode.gpu_memory = None  # a new load starts with no card chosen
         mode.uninstall()

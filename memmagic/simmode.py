@@ -4,8 +4,9 @@
 ``%%gpumem --backend sim`` cell against the notebook's one simulated GPU (see
 :mod:`memmagic.backends.sim.session`), with a one-line memory footer instead of the
 full report; ``%%gpumem`` cells in that mode give the full report against the same GPU.
-``%gpusim off`` goes back to real cells; ``%gpusim reset`` empties the simulated GPU;
-``%gpusim`` alone says where things stand.
+``%gpusim off`` goes back to real cells (code under it in the same cell runs for real);
+a bare ``%gpusim on`` then resumes the card of before (``--gpu none``: no target card);
+``%gpusim reset`` empties the simulated GPU; ``%gpusim`` alone says where things stand.
 
 The mode works by an input transformer (IPython's ``input_transformers_cleanup``) that
 puts ``%%gpumem --backend sim --footer`` in front of each cell; cells made only of
@@ -21,7 +22,7 @@ from typing import Any, Iterator
 
 __all__ = ["SimMode", "sim_mode", "suspended"]
 
-_USAGE = ("usage: %gpusim on [--gpu NAME] [--gpu-memory SIZE] | %gpusim off | %gpusim reset | "
+_USAGE = ("usage: %gpusim on [--gpu NAME|none] [--gpu-memory SIZE] | %gpusim off | %gpusim reset | "
           "%gpusim")
 
 
@@ -41,6 +42,8 @@ class SimMode:
         if self._busy:
             return lines
         code = [ln for ln in lines if ln.strip()]
+        if code and _words(code[0]) == ["%gpusim", "off"]:
+            return lines  # "%gpusim off" and code below it: that code runs for real
         switch = _switch_on(code[0]) if code else None
         if switch is not None:  # "%gpusim on" and code below it: that code is simulated too
             at = lines.index(code[0]) + 1
@@ -48,7 +51,7 @@ class SimMode:
             if not rest.strip() or all(ln.lstrip().startswith(("%", "!", "#"))
                                        for ln in lines[at:] if ln.strip()):
                 return lines
-            line = _magic_line(*switch).split(" ", 1)[1]
+            line = _magic_line(*self.card(*switch)).split(" ", 1)[1]
             self._carried = True
             return [*lines[:at], f"get_ipython().run_cell_magic('gpumem', {line!r}, {rest!r})\n"]
         if not self.on or not code or code[0].lstrip().startswith("%%"):
@@ -62,6 +65,14 @@ class SimMode:
     def magic_line(self) -> str:
         """The cell magic each cell runs under."""
         return _magic_line(self.gpu, self.gpu_memory)
+
+    def card(self, gpu: str | None, gpu_memory: str | None) -> tuple[str | None, str | None]:
+        """The (gpu, gpu_memory) a ``%gpusim on`` line means: the card it names; none
+        named, the card of before (``%gpusim off``, then ``%gpusim on`` resumes the same
+        T4); ``--gpu none``: no target card."""
+        if gpu is None and gpu_memory is None:
+            return self.gpu, self.gpu_memory
+        return (None if gpu is not None and gpu.lower() == "none" else gpu), gpu_memory
 
     def install(self) -> None:
         cleanup = self.shell.input_transformers_cleanup
@@ -122,6 +133,8 @@ class SimMode:
                 raise UsageError(f"%gpusim: unknown option {word!r}; {_USAGE}")
         from .backends.sim.gpus import option_spelling
 
+        resumed = gpu is None and gpu_memory is None and (self.gpu or self.gpu_memory)
+        gpu, gpu_memory = self.card(gpu, gpu_memory)
         try:
             target = resolve_target(gpu, gpu_memory, spell=option_spelling)
         except (ValueError, TypeError) as exc:
@@ -133,6 +146,8 @@ class SimMode:
                              "have run on the real CPU); run the cell again, or put %gpusim on "
                              "in a cell of its own")
         card = f"{target.name} ({target.total_memory / 2**30:.2f} GiB)" if target else "no target card"
+        if resumed:
+            card += " as before (--gpu NAME for another, --gpu none for none)"
         return (f"%gpusim on: every cell runs on the simulated GPU, {card}, with a one-line "
                 "memory footer; %%gpumem cells give the full report; %gpusim off to stop")
 
@@ -185,10 +200,15 @@ def _magic_line(gpu: str | None, gpu_memory: str | None) -> str:
     return f"%%gpumem --backend sim --footer{opts}"
 
 
+def _words(line: str) -> list[str]:
+    """The words of a line, its comment left out."""
+    return line.split("#", 1)[0].split()
+
+
 def _switch_on(line: str) -> tuple[str | None, str | None] | None:
     """(gpu, gpu_memory) of a ``%gpusim on ...`` line; None for any other line (or one
     whose options do not parse: the magic itself then says what is wrong)."""
-    words = line.split("#", 1)[0].split()
+    words = _words(line)
     if words[:2] != ["%gpusim", "on"]:
         return None
     opts = dict(zip(words[2::2], words[3::2]))

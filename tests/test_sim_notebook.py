@@ -75,6 +75,31 @@ def test_gpusim_switch_runs_every_cell_simulated(ip, capsys):
     assert res.error_in_exec is None and ip.user_ns["w"] == 2
 
 
+def test_gpusim_off_on_top_of_a_cell_runs_it_for_real_and_on_resumes_the_card(ip, capsys):
+    """A student's "%gpusim off" above code runs that code for real (as "%gpusim on" above
+    code simulates it), and a later bare "%gpusim on" goes back to the card of before with
+    what it holds; "--gpu none" is no target card."""
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    try:
+        assert not ip.run_cell(SETUP).error_in_exec
+        capsys.readouterr()
+        res = ip.run_cell("%gpusim off\nw = 1 + 1")
+        out = capsys.readouterr().out
+        assert res.error_in_exec is None and ip.user_ns["w"] == 2
+        assert "cells run for real" in out and "[sim:" not in out
+        assert not ip._memmagic_sim_mode.on
+        ip.run_line_magic("gpusim", "on")
+        assert "T4 (14.74 GiB) as before" in capsys.readouterr().out
+        assert not ip.run_cell("z = torch.cuda.memory_allocated()").error_in_exec
+        assert "[sim: simulated cuda:0 (T4)]" in capsys.readouterr().out
+        assert ip.user_ns["z"] == PARAMS  # the model is still on the card
+        ip.run_line_magic("gpusim", "on --gpu none")
+        assert "no target card" in capsys.readouterr().out
+    finally:
+        ip.run_line_magic("gpusim", "off")
+        ip.run_line_magic("gpusim", "reset")
+
+
 def test_gpusim_bad_input_is_one_line(ip):
     from IPython.core.error import UsageError
 

@@ -49,18 +49,19 @@ class FakeOutputCache:
     (:func:`memmagic._torch_private.meta_kernels`). Only for a *class* of calls where the
     two were seen to agree: the first miss of each class (the op, and each argument's
     dtype, device, rank, size-0/1 dims, stride order, contiguity and offset, its plain
-    values, its int lists' length and -1/0/1 entries) runs FakeTensorMode as before and
-    the Meta kernel beside it; the class is trusted when the entries are equal, never
+    values, its int lists' length and -1/0/1 entries) runs FakeTensorMode as before and the
+    Meta kernel beside it; the class is trusted when the entries are equal, never
     otherwise. (Checked on the GPU check's 63 cells: new batch sizes give the uncached
-    run's reports to the byte.) A derived entry that cannot be rebuilt from metadata, or a Meta kernel that
-    raises, falls through to FakeTensorMode (whose error the user sees).
+    run's reports to the byte.) A derived entry that cannot be rebuilt from metadata, or a
+    Meta kernel that raises, falls through to FakeTensorMode (whose error the user sees).
     """
 
     __slots__ = ("mode", "entries", "rules", "hits", "misses", "passes", "derived", "template")
 
     def __init__(self, mode: FakeTensorMode, entries: dict | None = None) -> None:
         """``entries``: a dict to share between runs of one configuration (the entries
-        depend on the op implementations installed, not on the fake mode)."""
+        depend on the op implementations installed, not on the fake mode); it also holds
+        the classes' verdicts (keys starting with "class")."""
         self.mode = mode
         self.entries: dict = {} if entries is None else entries
         if len(self.entries) > FAKE_CACHE_MAX_ENTRIES:
@@ -230,18 +231,24 @@ def _cache_part(a, unknown: list | None):
     if cls is int or cls is float or cls is bool or cls is str or a is None:
         return (cls, a)  # 1, 1.0 and True hash alike but promote differently
     if cls is list or cls is tuple:
-        parts = []
-        for x in a:
-            p = _cache_part(x, unknown)
-            if p is None:
-                return None
-            parts.append(p)
-        return (cls, tuple(parts))
+        parts = _each(a, _cache_part, unknown)
+        return None if parts is None else (cls, parts)
     if cls is torch.dtype or cls is torch.device or cls is torch.layout or cls is torch.memory_format:
         return a
     if cls is torch.Generator:
         return cls  # which generator does not change an output's sizes (fake ops draw nothing)
     return None  # a real tensor, a SymInt, anything else: not keyed
+
+
+def _each(items, part, arg) -> tuple | None:
+    """``part(x, arg)`` of each item of a list argument, or None when one is not keyed."""
+    parts = []
+    for x in items:
+        p = part(x, arg)
+        if p is None:
+            return None
+        parts.append(p)
+    return tuple(parts)
 
 
 def _cache_key(func, args, kwargs, loose: bool = False):
@@ -376,10 +383,11 @@ def _class_part(a, in_list: bool = False):
     """The class-key part of argument ``a`` (see FakeOutputCache), or None when calls with
     it are never derived: a fake tensor's dtype (FakeTensorMode's decompositions and the
     Meta kernels part on dtypes: ``native_layer_norm`` of bf16 gives bf16 statistics in the
-    former, float32 in the latter), device, rank, which dims have 0 or 1 elements or stride 0, the order of the others' strides, contiguity, offset 0 and
-    whether it carries a constant (not its sizes; a class whose inputs all carry one gets
-    values computed by FakeTensorMode: its entry is a bypass, so it is never trusted); a
-    plain value itself, but in a list an int by -1/0/1/other."""
+    former, float32 in the latter), device, rank, which dims have 0 or 1 elements or
+    stride 0, the order of the others' strides, contiguity, offset 0 and whether it
+    carries a constant (not its sizes; calls whose tensors all carry one never get here:
+    FakeTensorMode computes their values); a plain value itself, but in a list an int by
+    -1/0/1/other."""
     if isinstance(a, FakeTensor):
         if a.dtype.is_complex or a.layout is not torch.strided:
             return None
@@ -390,23 +398,14 @@ def _class_part(a, in_list: bool = False):
         return (a.dtype, a.fake_device, small, zero, order, a.is_contiguous(),
                 a.storage_offset() == 0, a.constant is None)
     cls = a.__class__
-    if cls is int:
-        return (int, a if not in_list else (a if -1 <= a <= 1 else "n"))
-    if cls is float or cls is bool or cls is str or a is None:
-        return (cls, a)
+    if cls is int and in_list:
+        return (int, a if -1 <= a <= 1 else "n")
     if cls is list or cls is tuple:
-        parts = []
-        for x in a:
-            p = _class_part(x, True)
-            if p is None:
-                return None
-            parts.append(p)
-        return (cls, tuple(parts))
-    if cls is torch.dtype or cls is torch.layout or cls is torch.memory_format:
-        return a
-    if cls is torch.Generator:
-        return cls
-    return None  # a device (factories place their outputs), a real tensor, a SymInt
+        parts = _each(a, _class_part, True)
+        return None if parts is None else (cls, parts)
+    if cls is torch.device:
+        return None  # a factory's: where it places its outputs
+    return _cache_part(a, None)  # other values as the op key has them (None: real tensors...)
 
 
 def _class_key(func, args, kwargs):
