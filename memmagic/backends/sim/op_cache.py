@@ -413,20 +413,14 @@ def _class_key(func, args, kwargs):
     argument, or an argument _class_part does not know). Never equal to an op key."""
     parts = ["class", func, torch.get_default_dtype(), torch.is_inference_mode_enabled()]
     fake = False
-    for a in args:
+    for k, a in (*enumerate(args), *kwargs.items()):
         p = _class_part(a)
         if p is None:
             return None
         fake = fake or isinstance(a, FakeTensor) or (isinstance(a, (list, tuple)) and any(
             isinstance(x, FakeTensor) for x in a))
+        parts.append(k)
         parts.append(p)
-    if kwargs:
-        for k, a in kwargs.items():
-            p = _class_part(a)
-            if p is None:
-                return None
-            parts.append(k)
-            parts.append(p)
     return tuple(parts) if fake else None
 
 
@@ -446,19 +440,20 @@ def _meta_entry(rule, mode: FakeTensorMode, func, args, kwargs, device) -> tuple
 def _entry_device(entry: tuple):
     """The one device every output of ``entry`` stands for (``True`` when it has no
     output tensors), or None (none, or several)."""
-    kind, body = entry[0], entry[1:]
+    kind = entry[0]
     if kind in ("self", "void"):
         return True
     if kind == "bypass":
         return None
+    body = entry[1]
     if kind == "one":
-        devs = {body[0][3]}
+        devs = {body[3]}
     elif kind == "view":
-        devs = {body[0][4]}
+        devs = {body[4]}
     elif kind == "views":
-        devs = {g[4] for g in body[0]}
+        devs = {g[4] for g in body}
     else:
-        devs = {m[3] for m in body[0] if m is not None}
+        devs = {m[3] for m in body if m is not None}
     return devs.pop() if len(devs) == 1 else None
 
 
@@ -469,7 +464,7 @@ def _judge(rule, mode: FakeTensorMode, func, args, kwargs, entry: tuple):
     device = _entry_device(entry)
     if device is None:
         return False
-    derived = _meta_entry(rule, mode, func, args, kwargs, None if device is True else device)
+    derived = _meta_entry(rule, mode, func, args, kwargs, device)  # (True: no outputs to place)
     return device if derived == entry else False
 
 
