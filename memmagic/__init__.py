@@ -55,11 +55,35 @@ def __getattr__(name: str):
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext memmagic``: register ``%%gpumem``, ``%gpumem`` and ``%gpusim``."""
+    """``%load_ext memmagic``: register ``%%gpumem``, ``%gpumem`` and ``%gpusim`` (a Ctrl-C
+    meanwhile waits for the imports to finish)."""
+    from .interrupts import held
+
+    try:
+        with held():
+            _load(ipython)
+    except (ImportError, AttributeError, KeyError, RuntimeError) as exc:
+        from IPython.core.error import UsageError
+
+        raise UsageError(_half_imported(exc)) from None
+
+
+def _half_imported(exc: BaseException) -> str:
+    """The one line for an extension that cannot load because a module it needs is broken,
+    most often by a Ctrl-C during its first import (before memmagic was loaded)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return (f"memmagic could not load ({type(exc).__name__}: {first[:160]}): a module it needs "
+            "is half-imported, which happens when an import was interrupted (Ctrl-C) earlier "
+            "in this kernel and Python cannot undo it: restart the kernel, then run "
+            "%load_ext memmagic again")
+
+
+def _load(ipython) -> None:
     from .magics import MemMagics
     from .simmode import sim_mode
 
     ipython.register_magics(MemMagics)
+    _guard_cells(ipython)
     mode = sim_mode(ipython)
     mode.install()
 
@@ -72,6 +96,16 @@ def load_ipython_extension(ipython) -> None:
     ipython.register_magic_function(gpusim, "line", "gpusim")
 
 
+def _guard_cells(ipython) -> None:
+    """No Ctrl-C lands inside an import or memmagic's bookkeeping in this shell's cells."""
+    from .interrupts import guard_cells
+
+    stop = ipython.__dict__.pop("_memmagic_stop_guard", None)
+    if stop is not None:  # a second %load_ext: one guard
+        stop()
+    ipython._memmagic_stop_guard = guard_cells(ipython)
+
+
 def unload_ipython_extension(ipython) -> None:
     """``%unload_ext memmagic``: remove the magics and the %gpusim switch again."""
     mm = ipython.magics_manager
@@ -79,8 +113,9 @@ def unload_ipython_extension(ipython) -> None:
         mm.magics[kind].pop("gpumem", None)
     mm.magics["line"].pop("gpusim", None)
     mm.registry.pop("MemMagics", None)
+    stop = ipython.__dict__.pop("_memmagic_stop_guard", None)
+    if stop is not None:
+        stop()
     mode = getattr(ipython, "_memmagic_sim_mode", None)
     if mode is not None:
-        mode.on = False
-        mode.gpu = mode.gpu_memory = None  # a new load starts with no card chosen
-        mode.uninstall()
+        mode.unload()  # a new load starts with no card chosen; a %reload_ext resumes the mode

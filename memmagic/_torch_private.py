@@ -37,6 +37,7 @@ __all__ = [
     "dynamo_stance_callback_slot",
     "memory_snapshot",
     "record_memory_history",
+    "zipfile_writer_slot",
 ]
 
 # TorchDispatchMode (torch.utils._python_dispatch): the base of memmagic's trackers, through
@@ -293,6 +294,16 @@ def accelerator_slot() -> tuple[Any, str]:
     torch's own Python code asks for (FSDP2's default mesh, c10d's default device): the
     simulation answers "cuda" there, as ``torch.accelerator`` does."""
     return torch._C, "_get_accelerator"
+
+
+def zipfile_writer_slot() -> tuple[Any, str]:
+    """(module, attribute) of ``torch.serialization._open_zipfile_writer_file``, the class
+    ``torch.save`` opens a path with (its C++ writer opens the file itself, past Python's
+    ``open``); every ``torch.save`` to a path, however the caller bound the function,
+    looks it up there."""
+    import torch.serialization as serialization
+
+    return serialization, "_open_zipfile_writer_file"
 
 
 def make_wrapper_subclass_slot() -> tuple[type, str]:
@@ -629,7 +640,38 @@ def clear_fake_dispatch_cache() -> None:
     FakeTensorMode.cache_clear()
 
 
-__all__ += ["clear_fake_dispatch_cache"]
+def fake_dispatch_cache_size() -> int:
+    """Entries in FakeTensorMode's own (class-wide) dispatch cache (``cache_info().size``)."""
+    return FakeTensorMode.cache_info().size
+
+
+def forget_dead_constants(mode: FakeTensorMode) -> int:
+    """Drop what ``mode``'s converter keeps for fake constants that are gone; the number
+    of storages dropped. The converter maps each constant's storage to weak references to
+    the fake tensors carrying it (so that a write through an alias makes them forget their
+    value) and never drops an entry while the mode lives: a simulated GPU that lasts a
+    notebook kept about 2 KB for each training step (Adam's step counts, ``torch.tensor``
+    of a Python number)."""
+    mapping = mode.fake_tensor_converter.constant_storage_mapping
+    dropped = 0
+    for weak_st, refs in list(mapping.items()):
+        alive = [r for r in refs if r() is not None]
+        if not alive:
+            del mapping[weak_st]
+            dropped += 1
+        elif len(alive) < len(refs):
+            mapping[weak_st] = alive
+    return dropped
+
+
+def fake_constant_storages(mode: FakeTensorMode) -> int:
+    """Constant storages ``mode``'s converter maps to fake tensors (see
+    :func:`forget_dead_constants`)."""
+    return len(mode.fake_tensor_converter.constant_storage_mapping)
+
+
+__all__ += ["clear_fake_dispatch_cache", "fake_dispatch_cache_size", "forget_dead_constants",
+            "fake_constant_storages"]
 
 
 def meta_kernels(mode: FakeTensorMode):

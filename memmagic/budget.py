@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .backends.sim.errors import SimulatedOutOfMemoryError
+from .backends.sim.gpus import resolve_target
 from .report import MemoryReport, format_bytes, parse_bytes
 
 __all__ = ["BudgetExceeded", "check_budget"]
@@ -50,6 +51,10 @@ def check_budget(fn: Callable[[], Any], budget: int | str | None = None, *,
     limit = parse_bytes(budget) if isinstance(budget, str) else budget
     if limit is not None and (not isinstance(limit, int) or limit <= 0):
         raise ValueError(f"budget must be a positive size like '2GiB', not {budget!r}")
+    try:  # the card first: its error from here, in one line, not from the backend's depths
+        resolve_target(gpu, options.get("gpu_memory"))
+    except ValueError as exc:
+        raise ValueError(str(exc)) from None
     name = getattr(fn, "__name__", None) or repr(fn)
     try:
         report = measure(fn, backend="sim", gpu=gpu, **options)

@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping
 
 from .backends import Outcome, get_backend
 from .failures import release_own_frames
+from .interrupts import guarded, reraise_interrupt
 from .knobs import KNOBS, Applier, KnobError, Setting, knob_value, setting_of
 from .report import MemoryReport, Note
 
@@ -324,11 +325,12 @@ class Cell:
         """Re-run the cell under ``setting`` (and/or knob keywords) and return its report.
 
         The cell's own exception never propagates: the report says it failed
-        (``report.error``; an out-of-memory run has ``fits`` False). A setting that cannot
+        (``report.error``; an out-of-memory run has ``fits`` False); a Ctrl-C does. A setting that cannot
         apply raises :class:`KnobError` (with ``strict``, also one found only in the run:
         the cell names no batch or token tensor to resize)."""
         outcome = self.execute(setting, **knobs)
         error = outcome.error
+        reraise_interrupt(error)  # a Ctrl-C stops whoever asked for the run
         if error is not None:
             release_own_frames(error.__traceback__)
             traceback.clear_frames(error.__traceback__)
@@ -356,7 +358,8 @@ class Cell:
         saved = dict(ns) if self.isolated else None
         run = self._runner(full, info, "cpu" if backend.name == "cpu" else "cuda")
         try:
-            outcome = backend.execute(run, ns)
+            with guarded(strict=backend.name == "sim"):
+                outcome = backend.execute(run, ns)
         finally:
             if saved is not None:
                 _restore_names(ns, saved)

@@ -1,25 +1,21 @@
-"""The command line (issue 26, item 1): ``python -m memmagic run train.py [script args]
---gpu A100-80GB [--steps N]`` runs a training script on the simulated GPU (its ``__main__``,
-its argparse, its loop cut after N optimizer steps) through the same pipeline as a
-``%%gpumem`` cell, prints the report (and the doctor's ranked fixes after an out of
-memory) and can write the JSON report, the timeline PNG and a memory_viz snapshot."""
+"""The command line: ``python -m memmagic run train.py [script args] --gpu A100-80GB
+[--steps N] [--time-limit SECONDS]`` runs a training script on the simulated GPU (as
+``__main__``, with its own argparse: :mod:`.scriptrun`) through the same pipeline as a
+``%%gpumem`` cell, over a scratch disk that keeps the script's file changes off the real
+one (:mod:`.scratchdisk`); prints the report (and the doctor's ranked fixes after an out of
+memory) and can write the JSON report, the timeline PNG and a memory_viz snapshot. Bad
+input gets one line on stderr and exit code 2, before the script runs."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 __all__ = ["main"]
-
-
-class _StepsDone(BaseException):
-    """Raised after the last optimizer step asked for (``--steps``): a BaseException, so the
-    script's own ``except Exception`` does not catch it."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,7 +30,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", default="sim", choices=("sim", "cpu", "cuda", "auto"),
                      help="where to run (default: the simulated GPU)")
     run.add_argument("--steps", type=int, default=None,
-                     help="stop the script after this many optimizer steps")
+                     help="stop the script after this many optimizer steps (forward passes "
+                          "when it makes no optimizer)")
+    run.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                     help="stop the script after this many seconds")
     run.add_argument("--whatif", action="append", default=None, metavar="KNOB=VALUE",
                      help="run with a memory-saving knob applied, as %%%%gpumem's options: "
                           "amp=bf16, checkpointing=on, weights_dtype=bf16, optimizer=sgd, "
@@ -46,185 +45,6 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script", type=Path, help="the Python script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     return p
-
-
-class _ScratchWrites:
-    """While installed, the files and directories a script makes go to a scratch directory
-    instead of the disk (``open`` for writing, ``os.makedirs`` / ``os.mkdir``, and so
-    ``pathlib``'s); reads of them, and ``os.path.exists`` / ``isdir`` / ``isfile``, find them
-    there. C extensions that write on their own (safetensors' Rust writer) are not seen.
-    ``written``: the paths the script wrote (absolute), for the report."""
-
-    _CHECKS = ("exists", "isdir", "isfile")
-
-    def __init__(self) -> None:
-        import builtins
-
-        self.written: list[str] = []
-        self.scratch = ""
-        self.made: dict[str, str] = {}  # real path -> its scratch twin
-        self.real = {"open": builtins.open, "mkdir": os.mkdir,  # (os.makedirs calls mkdir)
-                     **{name: getattr(os.path, name) for name in self._CHECKS}}
-
-    def _note(self, path: Any) -> str:
-        """The scratch twin of ``path``, which the script writes."""
-        p = os.path.abspath(os.fspath(path))
-        if p not in self.made:
-            self.written.append(p)
-            self.made[p] = os.path.join(self.scratch, p.lstrip(os.sep))
-        return self.made[p]
-
-    def _makedirs(self, path: str) -> None:  # mkdir -p with the real os.mkdir
-        if path and not self.real["isdir"](path):
-            self._makedirs(os.path.dirname(path))
-            self.real["mkdir"](path)
-
-    def open(self, file, mode="r", *args, **kwargs):
-        if isinstance(file, int):
-            return self.real["open"](file, mode, *args, **kwargs)
-        if any(c in mode for c in "wax+"):
-            target = self._note(file)
-            self._makedirs(os.path.dirname(target))
-            return self.real["open"](target, mode, *args, **kwargs)
-        p = os.path.abspath(os.fspath(file))
-        return self.real["open"](self.made.get(p, file), mode, *args, **kwargs)
-
-    def makedirs(self, name, mode=0o777, exist_ok=False) -> None:
-        self._makedirs(self._note(name))
-
-    def mkdir(self, path, mode=0o777, *, dir_fd=None) -> None:
-        self._makedirs(self._note(path))
-
-    def _check(self, name: str) -> Any:
-        real = self.real[name]
-
-        def check(path) -> bool:
-            if real(path):
-                return True
-            p = os.path.abspath(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else None
-            return p in self.made and real(self.made[p])
-        return check
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        import builtins
-        import io
-        import shutil
-        import tempfile
-
-        from .patching import Patches
-
-        self.scratch, self.made = tempfile.mkdtemp(prefix="memmagic-script-writes-"), {}
-        patches = Patches()
-        try:
-            for mod in (builtins, io):
-                patches.set(mod, "open", self.open)
-            patches.set(os, "makedirs", self.makedirs)
-            patches.set(os, "mkdir", self.mkdir)
-            for name in self._CHECKS:
-                patches.set(os.path, name, self._check(name))
-            yield
-        finally:
-            patches.restore()
-            shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-class _ScriptRun:
-    """``run(namespace)``: the script as ``__main__`` with its argv and folder on sys.path
-    (as ``python script.py`` sets them), cut after ``steps`` optimizer steps; ``done``: the
-    steps it ran. sys.argv and sys.path are put back as they were in ``finally``."""
-
-    def __init__(self, source: str, path: Path, argv: list[str], steps: int | None) -> None:
-        self.code = compile(source, str(path), "exec")
-        self.path, self.argv, self.steps = path, argv, steps
-        self.done = 0
-        # knob variables the script takes from its command line (``--batch_size 16``): the
-        # what-if engine and the doctor set them in the namespace, the run puts them in argv
-        self.flags = _knob_flags(argv)
-        self.knob_reads = frozenset(self.flags)
-        self.base: dict[str, Any] = {"__name__": "__main__", "__file__": str(path),
-                                     "__builtins__": __builtins__}
-        self.writes = _ScratchWrites()
-
-    def initial_values(self) -> dict[str, int]:
-        """The knob variables' values as the command line gives them."""
-        return {var: int(_flag_value(self.argv, flag)) for var, flag in self.flags.items()}
-
-    def _argv(self, ns: dict) -> list[str]:
-        argv = list(self.argv)
-        for var, flag in self.flags.items():
-            value = ns.get(var)
-            if isinstance(value, int) and not isinstance(value, bool):
-                argv = _with_flag_value(argv, flag, str(value))
-        return argv
-
-    def _count(self, *_: Any) -> None:
-        self.done += 1
-        if self.steps is not None and self.done >= self.steps:
-            raise _StepsDone
-
-    def __call__(self, ns: dict) -> None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        self.done = 0
-        # each run (the doctor's and the what-if re-runs too) starts from a fresh __main__,
-        # as `python script.py` does, with the knob values it is given
-        keep = {var: ns[var] for var in self.knob_reads if var in ns}
-        ns.clear()
-        ns.update(self.base)
-        ns.update(keep)
-        saved_argv, saved_path = sys.argv, list(sys.path)
-        sys.argv = [str(self.path), *self._argv(ns)]
-        sys.path.insert(0, str(self.path.parent))
-        handle = register_optimizer_step_post_hook(self._count)
-        try:
-            with self.writes.installed():
-                exec(self.code, ns)
-        except _StepsDone:
-            pass
-        except SystemExit as exc:  # the script's own sys.exit() / argparse's
-            if exc.code not in (None, 0):
-                raise
-        finally:
-            handle.remove()
-            sys.argv = saved_argv
-            sys.path[:] = saved_path
-
-
-# a script's own options that carry a knob's value (argparse's dest is the knob's variable)
-_KNOB_FLAGS = {"batch_size": ("--batch_size", "--batch-size"),
-               "seq_len": ("--seq_len", "--seq-len"),
-               "accum_steps": ("--accum_steps", "--accum-steps")}
-
-
-def _knob_flags(argv: Sequence[str]) -> dict[str, str]:
-    """knob variable -> the option of ``argv`` that gives it a whole number."""
-    out = {}
-    for var, flags in _KNOB_FLAGS.items():
-        for flag in flags:
-            value = _flag_value(argv, flag)
-            if value is not None and value.isdigit():
-                out[var] = flag
-    return out
-
-
-def _flag_value(argv: Sequence[str], flag: str) -> str | None:
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a[len(flag) + 1:]
-    return None
-
-
-def _with_flag_value(argv: list[str], flag: str, value: str) -> list[str]:
-    out = list(argv)
-    for i, a in enumerate(out):
-        if a == flag and i + 1 < len(out):
-            out[i + 1] = value
-        elif a.startswith(flag + "="):
-            out[i] = f"{flag}={value}"
-    return out
 
 
 def _write(report: Any, args: argparse.Namespace) -> list[str]:
@@ -248,43 +68,110 @@ def _write(report: Any, args: argparse.Namespace) -> list[str]:
 
 def run_script(args: argparse.Namespace) -> int:
     """``python -m memmagic run``: 0 when the script ran (and fits the card), 1 when it
-    failed or ran out of memory, 2 for bad input."""
+    failed or ran out of memory, 130 when it was interrupted (Ctrl-C), 2 for bad input (one
+    line on stderr, before the run) and for a script that did what the run cannot keep off
+    the disk (refused before it changed anything)."""
     from .pipeline import CellRequest, RequestError, run_cell
+    from .scriptrun import ScriptRun, load_script
 
-    path = args.script
-    if not path.is_file():
-        print(f"memmagic: no script at {path}: give the path of a Python file", file=sys.stderr)
-        return 2
-    if args.steps is not None and args.steps < 1:
-        print("memmagic: --steps needs a positive number of optimizer steps", file=sys.stderr)
-        return 2
-    try:
-        knobs = _whatif_knobs(args.whatif or ())
-    except ValueError as exc:
-        print(f"memmagic: {exc}", file=sys.stderr)
-        return 2
+    problem = _bad_input(args)
+    if problem is None:
+        try:
+            knobs = _whatif_knobs(args.whatif or ())
+            source, code = load_script(args.script)
+        except ValueError as exc:
+            problem = str(exc)
+    if problem is not None:
+        return _fail(problem)
     script_args = args.args[1:] if args.args[:1] == ["--"] else list(args.args)
-    source = path.read_text()
-    runner = _ScriptRun(source, path, script_args, args.steps)
+    runner = ScriptRun(code, args.script, script_args, args.steps, args.time_limit)
+    problem = _knob_not_taken(knobs, runner.flags)
+    if problem is not None:
+        return _fail(problem)
     ns: dict[str, Any] = {**runner.base, **runner.initial_values()}
     request = CellRequest(source, ns, backend=args.backend, gpu=args.gpu,
                           gpu_memory=args.gpu_memory, run=runner, knobs=knobs)
     try:
         result = run_cell(request)
     except RequestError as exc:
-        print(f"memmagic: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc))
+    return _show(result, runner, args)
+
+
+# knobs a script can only be given through its own command line (a fresh __main__ holds
+# no batch to resize, and a whole script is not repeated per micro-step)
+_TAKEN_FROM_ARGV = {"batch_size": "its batch size", "seq_len": "its sequence length",
+                    "accum_steps": "its accumulation steps"}
+
+
+def _knob_not_taken(knobs: dict[str, Any], flags: dict[str, str]) -> str | None:
+    """Why a ``--whatif`` knob cannot apply to the script (None: they all can)."""
+    for name, what in _TAKEN_FROM_ARGV.items():
+        if name in knobs and name not in flags:
+            return (f"--whatif {name} needs a script that takes {what} on its command line "
+                    f"(--{name} N, which memmagic then sets for each run)")
+    return None
+
+
+def _fail(message: str) -> int:
+    print(f"memmagic: {message}", file=sys.stderr)
+    return 2
+
+
+def _bad_input(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line (one line that says what to do), or None."""
+    if not args.script.is_file():
+        return f"no script at {args.script}: give the path of a Python file"
+    if args.steps is not None and args.steps < 1:
+        return "--steps needs a positive number of optimizer steps"
+    if args.time_limit is not None and not args.time_limit > 0:
+        return "--time-limit needs a positive number of seconds"
+    for option in ("gpu", "gpu_memory"):
+        value = getattr(args, option)
+        if value is not None and not value.strip():
+            return (f"--{option.replace('_', '-')} is empty: give a card (--gpu T4, --gpu "
+                    "A100-80GB) or its size (--gpu-memory 16GiB), or leave the option out")
+    for option in ("json", "timeline", "snapshot"):
+        path = getattr(args, option)
+        why = None if path is None else _unwritable(path)
+        if why is not None:
+            return f"--{option} {path}: {why}"
+    return None
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why memmagic could not write its output to ``path`` after the run (None: it can)."""
+    if path.is_dir():
+        return "is a directory: give the path of a file"
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "cannot be written: give one you can write"
+    folder = path.parent
+    if not folder.is_dir():
+        return f"the folder {folder} does not exist: make it, or give a path in one that does"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} cannot be written: give a path you can write"
+    return None
+
+
+def _show(result: Any, runner: Any, args: argparse.Namespace) -> int:
+    """Print the run's report, notes and outcome; write the files asked for."""
+    from .scratchdisk import RefusedCall
+
     report, error = result.report, result.error
+    if isinstance(error, RefusedCall):
+        return _fail(f"{_script_line(error, args.script)}{error}")
     print(report.summary())
-    if args.steps is not None and error is None:
-        ran = runner.done
-        print(f"  note: stopped after {ran} optimizer step(s) (--steps {args.steps})"
-              if ran >= args.steps else
-              f"  note: the script ended after {ran} optimizer step(s), before --steps {args.steps}")
-    if runner.writes.written:
-        print(_writes_note(runner.writes.written))
-    for line in _write(report, args):
-        print(line)
+    for line in _run_notes(runner, args, error):
+        print(f"  note: {line}")
+    try:
+        for line in _write(report, args):
+            print(line)
+    except OSError as exc:
+        return _fail(f"could not write {exc.filename or 'the output'}: {exc.strerror or exc}")
+    if isinstance(error, KeyboardInterrupt):  # Ctrl-C: the report so far, and the shell's code
+        print("memmagic: interrupted (Ctrl-C); the report covers the run until then",
+              file=sys.stderr)
+        return 130
     if error is not None:
         if result.out_of_memory:
             print(result.oom_message(), file=sys.stderr)
@@ -297,12 +184,38 @@ def run_script(args: argparse.Namespace) -> int:
     return 0 if report.fits is not False else 1
 
 
-def _writes_note(paths: Sequence[str]) -> str:
-    here = os.getcwd()
-    shown = sorted({os.path.relpath(p, here) if p.startswith(here) else p for p in paths})
-    more = f" and {len(shown) - 5} more" if len(shown) > 5 else ""
-    return (f"  note: the script wrote {', '.join(shown[:5])}{more}: to a scratch directory, "
-            "removed after the run (nothing was written to disk)")
+def _run_notes(runner: Any, args: argparse.Namespace, error: BaseException | None) -> list[str]:
+    """What cut the run (or that it ended early), and what the script changed on its
+    scratch disk."""
+    p, notes = runner.progress, []
+    if p.cut == "steps":
+        notes.append(f"stopped after {p.steps} optimizer step(s) (--steps {args.steps})")
+    elif p.cut == "forwards":
+        notes.append(f"stopped after {p.forwards} forward passes (--steps {args.steps}: the "
+                     "script made no optimizer, so its forward passes were counted)")
+    elif p.cut == "time":
+        notes.append(f"stopped at --time-limit {args.time_limit:g} s, after {p}")
+    elif args.steps is not None and error is None:
+        done = (f"{p.steps} optimizer step(s)" if p.made_optimizer
+                else f"{p.forwards} forward passes")
+        notes.append(f"the script ended after {done}, before --steps {args.steps}")
+    changes = runner.changes.note()
+    if changes:
+        notes.append(changes)
+    if runner.changes.refused:
+        notes.append("the script carried on without what memmagic run refused to do: "
+                     + "; ".join(runner.changes.refused))
+    return notes
+
+
+def _script_line(error: BaseException, script: Path) -> str:
+    """``train.py line 7: `` for the script's line in the error's traceback ('' if none)."""
+    tb, line = error.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == str(script):
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return "" if line is None else f"{script} line {line}: "
 
 
 def _whatif_knobs(items: Sequence[str]) -> dict[str, Any]:

@@ -183,6 +183,9 @@ _DISPATCH_MACHINERY = ("/torch/_compile.py", "/torch/_dynamo/", "/torch/_subclas
                        "/torch/_decomp/", "/torch/_meta_registrations.py")
 
 
+_FAKE_TENSORS = "/torch/_subclasses/fake_tensor.py"  # a frame there: the op ran on fake tensors
+
+
 def _own(tb: Any) -> bool:
     return tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR)
 
@@ -191,28 +194,57 @@ def strip_own_frames(tb: Any, error: BaseException) -> Any:
     """The traceback without memmagic's frames, so the user sees their code and torch's.
 
     Frames after the last frame of the user's (where memmagic itself raised) are kept,
-    except for the simulator's own errors, which stand for an error of the code being run.
+    except for a Ctrl-C (raised where memmagic had held it), the simulator's own errors, which stand for an error of the code being run,
+    and errors an op raised on fake tensors (a simulated op: a shape that does not match),
+    which a GPU raises from C++ under the op: the frames cut below the user's are cleared
+    (still held elsewhere, by a logging handler's record of the error, they would keep the
+    op's simulated tensors alive).
     """
     frames = []
     while tb is not None:
         frames.append(tb)
         tb = tb.tb_next
-    simulated = isinstance(error, simulated_error_types())
-    keep_tail = not simulated
+    simulated = isinstance(error, simulated_error_types()) or any(
+        _FAKE_TENSORS in t.tb_frame.f_code.co_filename for t in frames)
+    # a Ctrl-C raised where memmagic held it (memmagic.interrupts) came at the user's line
+    keep_tail = not simulated and not isinstance(error, KeyboardInterrupt)
     last_user = max((i for i, t in enumerate(frames) if not _own(t)), default=-1)
     kept = [t for i, t in enumerate(frames) if not _own(t) or (keep_tail and i > last_user)]
     if simulated:
-        # a simulated error stands for one a GPU raises from C++ under the op: the user's
-        # code and torch's Python (nn modules, optim) stay, the machinery the simulation
-        # runs through (dispatch modes, dynamo's wrappers, fake tensors) is cut
+        # the error stands for one a GPU raises from C++ under the op: the user's code and
+        # torch's Python (nn modules, optim) stay, the machinery the simulation runs through
+        # (dispatch modes, dynamo's wrappers, fake tensors) is cut below the user's last frame
+        # (a user's own function that the machinery called stays)
+        users = [i for i, t in enumerate(kept) if is_user_file(t.tb_frame.f_code.co_filename)]
         for i, t in enumerate(kept):
             name = t.tb_frame.f_code.co_filename
-            if name.startswith(PACKAGE_DIR) or any(m in name for m in _DISPATCH_MACHINERY):
+            if (i > max(users, default=-1) and (name.startswith(PACKAGE_DIR)
+                                                or any(m in name for m in _DISPATCH_MACHINERY))):
                 kept = kept[:i]
                 break
+        if kept:
+            _clear_finished(frames[frames.index(kept[-1]) + 1:])
     for a, b in zip(kept, kept[1:] + [None]):
         a.tb_next = b
     return kept[0] if kept else None
+
+
+def _clear_finished(tbs: list[Any]) -> None:
+    """Clear the variables of the finished frames of ``tbs`` (not generators': clearing one
+    would close it). A deeper frame still held (a logging handler's record of the error
+    holds the frame that logged it) keeps them alive through ``f_back``."""
+    for t in tbs:
+        f = t.tb_frame
+        if f.f_code.co_flags & GENERATOR_FLAGS:
+            continue
+        try:
+            f.clear()
+        except RuntimeError:  # still running
+            continue
+        try:
+            f.f_locals  # re-synced: the snapshot of the variables drops them (Python < 3.13)
+        except Exception:
+            pass
 
 
 def simulated_error_types() -> tuple[type[BaseException], ...]:

@@ -18,7 +18,7 @@ from IPython.core.magic_arguments import argument, construct_parser, parse_argst
 from IPython.display import display
 
 from .knobs import KNOBS
-from .options import OPTIONS
+from .options import OPTIONS, check_options, line_problem, unquote
 from .pipeline import CellRequest, RequestError, make_cell, run_cell
 from .report import MemoryReport
 
@@ -113,9 +113,11 @@ class MemMagics(Magics):
         if func.knob_names != tuple(KNOBS):  # a knob was added since: its option too
             _with_options(func)
         try:
-            args = parse_argstring(func, line)
+            args = check_options(unquote(parse_argstring(func, line)))
         except UsageError as exc:
             raise UsageError(f"{exc} (see %%gpumem? for the options)") from None
+        except ValueError as exc:  # a quote left open (shlex); --gpu "", --whatif --sweep
+            raise UsageError(line_problem(exc)) from None
         if cell is not None and args.statement:
             raise UsageError(
                 f"unexpected {' '.join(args.statement)!r} after %%gpumem: options start with '-', "

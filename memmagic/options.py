@@ -8,7 +8,7 @@ import argparse
 
 from .backends import BACKEND_NAMES
 
-__all__ = ["OPTIONS"]
+__all__ = ["OPTIONS", "check_card_options", "check_options", "unquote", "line_problem"]
 
 # (flags, argparse options) of the options that are not knobs; the knobs' go between the two
 OPTIONS = [
@@ -25,8 +25,8 @@ OPTIONS = [
                            "the report says whether the cell fits.")),
     (("--gpu-memory",), dict(
         default=None, metavar="SIZE",
-        help="Target GPU memory for --backend sim, with a unit: 10GiB, 16GB, 512MiB (at least "
-             "64 MiB). With --gpu it replaces the card's memory: --gpu T4 --gpu-memory 6GiB "
+        help="Target GPU memory for --backend sim, with a unit: 10GiB, 16GB, 512MiB (64 MiB "
+             "to 4 TiB). With --gpu it replaces the card's memory: --gpu T4 --gpu-memory 6GiB "
              "simulates a T4 (its kernels) with 6 GiB, named 'T4 with 6.00 GiB' in the report, "
              "with a note.")),
     (("--world-size",), dict(
@@ -78,3 +78,53 @@ OPTIONS = [
              "without it.")),
     (("statement",), dict(nargs=argparse.REMAINDER, help="Line magic: the statement to measure.")),
 ]
+
+
+def check_card_options(gpu: str | None, gpu_memory: str | None, *,
+                       no_card: str = "leave --gpu out") -> None:
+    """Raise ValueError when ``--gpu`` or ``--gpu-memory`` was given an empty value
+    (``--gpu ""``), which would otherwise run with no target card and no word. ``no_card``
+    says how to do without a card (``%gpusim on`` has ``--gpu none``)."""
+    if gpu is not None and not gpu.strip():
+        from .backends.sim.gpus import GPUS
+
+        names = ", ".join(g.name for g in GPUS.values())
+        raise ValueError(f"--gpu needs a card name, one of {names}; or {no_card}")
+    if gpu_memory is not None and not gpu_memory.strip():
+        raise ValueError("--gpu-memory needs a size with a unit, like --gpu-memory 6GiB; "
+                         "or leave --gpu-memory out")
+
+
+def check_options(args: argparse.Namespace) -> argparse.Namespace:
+    """``args``, or ValueError in one line that says what to do for options of ``%%gpumem``
+    that cannot run as given: an empty card, options that do not go together."""
+    check_card_options(args.gpu, args.gpu_memory)
+    if args.whatif and args.sweep is not None:
+        raise ValueError("--whatif and --sweep are two views of the cell: give one (the "
+                         "panel's 'sweep batch size' button runs a sweep inside it)")
+    if args.range and not args.whatif:
+        raise ValueError("--range sets a knob's range in the --whatif panel: add --whatif "
+                         "(a sweep takes its range itself: --sweep batch_size=1:512)")
+    return args
+
+
+def unquote(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the quotes taken off the options' values: IPython splits a magic's line
+    keeping them (``--gpu "T4"`` reads '"T4"'); the line magic's statement keeps its own."""
+    def bare(value):
+        if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] in "'\"":
+            return value[1:-1]
+        return value
+
+    for name, value in vars(args).items():
+        if name != "statement":
+            setattr(args, name, [bare(v) for v in value] if isinstance(value, list) else bare(value))
+    return args
+
+
+def line_problem(error: ValueError) -> str:
+    """The one line to show for a magic's line that cannot be read: shlex's "No closing
+    quotation" says what to do; other messages (:func:`check_options`') already do."""
+    if str(error) == "No closing quotation":
+        return 'a quote is not closed: close it (--gpu "A100-80GB") or leave the quotes out'
+    return str(error)

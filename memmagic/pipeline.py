@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping
 from .backends import BACKEND_NAMES, BackendUnavailable, Outcome, get_backend
 from .failures import (NO_GPU_HINT, add_note_once, cuda_usable, is_out_of_memory,
                        needs_missing_cuda, release_own_frames, requested_text, strip_own_frames)
+from .interrupts import guarded, is_interrupt
 from .knobs import KNOBS, KnobError
 from .report import MemoryReport, Note, format_bytes
 
@@ -207,7 +208,14 @@ def run_cell(request: CellRequest) -> CellResult:
 
     Raises :class:`RequestError` when the request cannot run as asked (a bad option, a
     measurement inside a simulated one, a card too small to start); the cell's own
-    exception is returned, never raised."""
+    exception is returned, never raised (a Ctrl-C too, with no advice: the caller raises
+    it). While it runs, a Ctrl-C waits for memmagic's bookkeeping to end
+    (:mod:`memmagic.interrupts`)."""
+    with guarded(strict=request.backend == "sim"):
+        return _run_cell(request)
+
+
+def _run_cell(request: CellRequest) -> CellResult:
     from .backends.sim.errors import SimulationError
 
     values, cell_options = knob_values(request.knobs)
@@ -231,7 +239,7 @@ def run_cell(request: CellRequest) -> CellResult:
     error = outcome.error
     if error is not None:  # before the doctor reads the traceback's frames
         release_own_frames(error.__traceback__)
-    advice = _advise(request, report, error, before)
+    advice = None if is_interrupt(error) else _advise(request, report, error, before)
     if advice is not None:
         report = replace(report, advice=advice)
     if error is not None:

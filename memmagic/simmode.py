@@ -36,6 +36,9 @@ class SimMode:
         self.gpu_memory: str | None = None
         self._busy = 0
         self._carried = False  # the transformer simulates the code after "%gpusim on"
+        # (the package's load function, on, gpu, gpu_memory) at %unload_ext: resumed by the
+        # load of a %reload_ext
+        self._parked: tuple[Any, bool, str | None, str | None] | None = None
 
     # -- the input transformer ---------------------------------------------------------
     def transform(self, lines: list[str]) -> list[str]:
@@ -75,9 +78,23 @@ class SimMode:
         return (None if gpu is not None and gpu.lower() == "none" else gpu), gpu_memory
 
     def install(self) -> None:
+        """Put the transformer in place; after ``%reload_ext memmagic``, with the mode as it
+        was (on, on the same card: the card's tensors and the user's objects never left)."""
+        parked, self._parked = self._parked, None
+        if parked is not None and parked[0] is not _load_function():  # the package re-ran
+            self.on, self.gpu, self.gpu_memory = parked[1:]
         cleanup = self.shell.input_transformers_cleanup
         if self.transform not in cleanup:
             cleanup.append(self.transform)
+
+    def unload(self) -> None:
+        """``%unload_ext memmagic``: cells run for real, and a later ``%load_ext`` starts
+        with no card chosen; ``%reload_ext`` (this, the package run again, a load) resumes
+        the mode (see :meth:`install`)."""
+        self._parked = (_load_function(), self.on, self.gpu, self.gpu_memory)
+        self.on = False
+        self.gpu = self.gpu_memory = None
+        self.uninstall()
 
     def uninstall(self) -> None:
         cleanup = self.shell.input_transformers_cleanup
@@ -99,11 +116,12 @@ class SimMode:
         from .backends import simulation_running
         from .backends.sim.gpus import resolve_target
         from .backends.sim.session import shell_session
+        from .options import line_problem
 
         try:
             words = shlex.split(line)
-        except ValueError as exc:
-            raise UsageError(f"%gpusim: {exc}; {_USAGE}") from None
+        except ValueError as exc:  # a quote left open
+            raise UsageError(f"%gpusim: {line_problem(exc)}") from None
         if not words or words == ["status"]:
             state = "on" if self.on else "off"
             return f"%gpusim is {state}; " + shell_session(self.shell).status()
@@ -118,21 +136,12 @@ class SimMode:
             return f"the simulated GPU was emptied ({format_bytes(held)} freed)"
         if verb != "on":
             raise UsageError(f"%gpusim: unknown {' '.join(words)!r}; {_USAGE}")
-        gpu = gpu_memory = None
-        it = iter(rest)
-        for word in it:
-            if word in ("--gpu", "--gpu-memory"):
-                value = next(it, None)
-                if value is None:
-                    raise UsageError(f"%gpusim: {word} needs a value; {_USAGE}")
-                if word == "--gpu":
-                    gpu = value
-                else:
-                    gpu_memory = value
-            else:
-                raise UsageError(f"%gpusim: unknown option {word!r}; {_USAGE}")
         from .backends.sim.gpus import option_spelling
 
+        try:
+            gpu, gpu_memory = _on_options(rest)
+        except ValueError as exc:
+            raise UsageError(f"%gpusim: {exc}") from None
         resumed = gpu is None and gpu_memory is None and (self.gpu or self.gpu_memory)
         gpu, gpu_memory = self.card(gpu, gpu_memory)
         try:
@@ -150,6 +159,24 @@ class SimMode:
             card += " as before (--gpu NAME for another, --gpu none for none)"
         return (f"%gpusim on: every cell runs on the simulated GPU, {card}, with a one-line "
                 "memory footer; %%gpumem cells give the full report; %gpusim off to stop")
+
+
+def _on_options(words: list[str]) -> tuple[str | None, str | None]:
+    """(gpu, gpu_memory) of the words after ``%gpusim on``; ValueError saying what to write."""
+    from .options import check_card_options
+
+    opts: dict[str, str] = {}
+    it = iter(words)
+    for word in it:
+        if word not in ("--gpu", "--gpu-memory"):
+            raise ValueError(f"unknown option {word!r}; {_USAGE}")
+        value = next(it, None)
+        if value is None:
+            raise ValueError(f"{word} needs a value; {_USAGE}")
+        opts[word] = value
+    gpu, gpu_memory = opts.get("--gpu"), opts.get("--gpu-memory")
+    check_card_options(gpu, gpu_memory, no_card="--gpu none for no target card")
+    return gpu, gpu_memory
 
 
 def _code_after_switch(cell: str, line: str) -> bool:
@@ -211,10 +238,22 @@ def _switch_on(line: str) -> tuple[str | None, str | None] | None:
     words = _words(line)
     if words[:2] != ["%gpusim", "on"]:
         return None
+    try:  # the values as the magic reads them: --gpu "T4" is T4
+        words = shlex.split(line.split("#", 1)[0])
+    except ValueError:  # a quote left open: the magic's line, run first, says so
+        pass
     opts = dict(zip(words[2::2], words[3::2]))
     if len(words[2:]) % 2 or set(opts) - {"--gpu", "--gpu-memory"}:
         return None
     return opts.get("--gpu"), opts.get("--gpu-memory")
+
+
+def _load_function() -> Any:
+    """memmagic's ``load_ipython_extension`` now: a new function once ``%reload_ext`` has run
+    the package again."""
+    import sys
+
+    return getattr(sys.modules.get(__name__.rpartition(".")[0]), "load_ipython_extension", None)
 
 
 def sim_mode(shell: Any) -> SimMode:

@@ -32,6 +32,7 @@ from torch.optim.optimizer import (
 
 from . import _torch_private as _priv
 from . import objgraph
+from .interrupts import atomic
 from .failures import is_machinery
 from .trace import PRIORITY as _PRIORITY, Category, Trace
 
@@ -95,6 +96,7 @@ class TrackResult:
     peak_label: str | None = None  # the autograd node (backward) or optimizer (step) at the peak
 
 
+@atomic
 class StorageTracker(_priv.TrackerMode):
     """Records live storages op by op.
 
@@ -482,6 +484,7 @@ def _with_saved(found: list[tuple[torch.Tensor, Category]]) -> list[tuple[torch.
     return found
 
 
+@atomic
 def scan_existing() -> list[tuple[torch.Tensor, Category]]:
     """Every tensor reachable from Python objects now, with its category.
 
@@ -515,6 +518,7 @@ def scan_existing() -> list[tuple[torch.Tensor, Category]]:
     return _with_saved(found)
 
 
+@atomic
 def reachable_existing(roots: Iterable[object], max_objects: int = objgraph.MAX_OBJECTS
                        ) -> list[tuple[torch.Tensor, Category]] | None:
     """Tensors reachable from ``roots`` (a notebook's namespace), with their categories,
@@ -531,6 +535,7 @@ def reachable_existing(roots: Iterable[object], max_objects: int = objgraph.MAX_
     return _with_saved(found) if done else None
 
 
+@atomic
 class _Channel:
     """How saved tensors reach one tracker; cut when the tracking ends, so the autograd
     graphs that outlive a measurement hold this stub, never the tracker and its tables."""
@@ -548,6 +553,7 @@ _PLAIN_HINT = (" Hint: enable anomaly detection to find the operation that faile
                "its gradient, with torch.autograd.set_detect_anomaly(True, check_nan=False).")
 
 
+@atomic
 class _Saved:
     """What our pack hook hands autograd in place of a saved tensor. It must change nothing
     about the program autograd runs:
@@ -638,6 +644,7 @@ def _note_quantization_state(t: StorageTracker, p: torch.Tensor) -> None:
         objgraph.walk(held, lambda x, *_: t.note(x, Category.PARAMETERS), names=False)
 
 
+@atomic
 class RoleHooks:
     """Global module / optimizer / saved-tensor hooks that tell the tracker what storages are."""
 
@@ -936,6 +943,9 @@ class EagerCompiled:
                     stance.__exit__(None, None, None)
 
 
+atomic(EagerCompiled.install)  # (not its callback: that one runs the user's compiled code)
+atomic(EagerCompiled.uninstall)
+
 _HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
 
 
@@ -978,6 +988,7 @@ def _namespaces(roots) -> list[dict]:
     return [r for r in (roots or ()) if isinstance(r, dict)]
 
 
+@atomic
 class Tracking:
     """Track live storages while the body runs; ``result`` is set on exit (also on error).
 

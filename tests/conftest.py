@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import signal
 import sys
 from pathlib import Path
 
@@ -59,6 +60,8 @@ def global_state() -> dict:
         "default_device": str(torch.get_default_device()),
         "default_dtype": torch.get_default_dtype(),
         "grad_enabled": torch.is_grad_enabled(),
+        "sigint_handler": signal.getsignal(signal.SIGINT),  # memmagic.interrupts' guard
+        "trace_function": sys.gettrace(),
     }
 
 

@@ -101,3 +101,77 @@ def test_the_course_transformer_step_stays_under_128_mib():
 @pytest.mark.memory_budget("128MiB", gpu="T4")
 def test_the_course_nanogpt_step_stays_under_128_mib():
     _step("nanogpt")
+
+
+# -- misuse: one line that says what to do (issue 36, item 7) ---------------------------------
+MISUSE_TESTS = '''
+import pytest
+import torch
+
+@pytest.mark.memory_budget("64MiB", gpu="GTX9999")
+def test_unknown_card():
+    torch.ones(3, device="cuda")
+
+@pytest.mark.memory_budget("lots", gpu="T4")
+def test_bad_budget():
+    torch.ones(3, device="cuda")
+
+def test_unknown_card_with_the_fixture(memory_budget):
+    memory_budget(lambda: torch.ones(3, device="cuda"), "64MiB", gpu="GTX9999")
+
+@pytest.fixture
+def weights():
+    return torch.ones(4, device="cuda")
+
+@pytest.mark.memory_budget("64MiB", gpu="T4")
+def test_cuda_fixture(weights):
+    weights.sum()
+
+def test_cuda_fixture_with_the_fixture(weights, memory_budget):
+    memory_budget(lambda: weights.sum(), "64MiB", gpu="T4")
+
+@pytest.mark.memory_budget("64MiB", gpu="T4")
+def test_own_error():
+    raise ValueError("the test's own")
+'''
+
+
+def _sections(out: str) -> dict[str, list[str]]:
+    """pytest's report by test: the lines under each ``____ name ____`` header."""
+    sections: dict[str, list[str]] = {}
+    lines = None
+    for line in out.splitlines():
+        head = line.strip("_ ")
+        if line.startswith("____") and head:
+            lines = sections.setdefault(head.removeprefix("ERROR at setup of "), [])
+        elif line.startswith("===="):
+            lines = None
+        elif lines is not None and line.strip():
+            lines.append(line)
+    return sections
+
+
+def test_plugin_misuse_is_one_line(tmp_path):
+    (tmp_path / "test_misuse_here.py").write_text(textwrap.dedent(MISUSE_TESTS))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                          "-c", "/dev/null", str(tmp_path)],
+                         capture_output=True, text=True, cwd=tmp_path)
+    out = run.stdout
+    got = _sections(out)
+    for name in ("test_unknown_card", "test_bad_budget"):
+        assert len(got[name]) == 1, got[name]
+    assert got["test_unknown_card"][0].startswith("memory_budget: unknown GPU 'GTX9999'; choose one of")
+    assert "T4" in got["test_unknown_card"][0]
+    assert got["test_bad_budget"][0].startswith("memory_budget: cannot read 'lots' as a size")
+    # check_budget called by the test: the test's line and the error, not the backend's depths
+    fixture = "\n".join(got["test_unknown_card_with_the_fixture"])
+    assert "E       ValueError: unknown GPU 'GTX9999'" in fixture and "gpus.py" not in fixture
+    assert len(got["test_unknown_card_with_the_fixture"]) <= 6, fixture
+    assert "ValueError: the test's own" in "\n".join(got["test_own_error"])  # not the marker's
+    if not torch.cuda.is_available():  # a fixture that makes CUDA tensors without a GPU
+        for name in ("test_cuda_fixture", "test_cuda_fixture_with_the_fixture"):
+            line, = got[name]
+            assert line.startswith("memory_budget: a fixture needs a GPU at "
+                                   "test_misuse_here.py:18 in weights"), line
+            assert "fixtures run before the test, outside the simulated GPU" in line
+            assert "make the CUDA tensors in the test itself" in line

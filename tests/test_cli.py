@@ -1,10 +1,13 @@
-"""The command line (issue 26, item 1): ``python -m memmagic run train.py`` on a
-nanoGPT-like script (its argparse, its loop cut after N optimizer steps)."""
+"""The command line: ``python -m memmagic run train.py`` on a nanoGPT-like script (its
+argparse, its loop cut after N optimizer steps, forward passes or seconds), and the one
+line it answers bad input with, before the run. The scratch disk the script runs over:
+tests/test_cli_disk.py."""
 
 from __future__ import annotations
 
 import json
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -134,7 +137,7 @@ def test_a_transformers_trainer_script_built_from_a_config(tmp_path, monkeypatch
     assert report["breakdown"]["activations"] > 0 and "fits" in text
     # Trainer made its output_dir in the scratch directory, not here
     assert not (tmp_path / "hf_out").exists()
-    assert "note: the script wrote " in text and "hf_out" in text and "nothing was written" in text
+    assert "note: the script made hf_out" in text and "nothing on disk was changed" in text
 
 
 def test_whatif_knobs_apply_to_the_script_and_bad_ones_get_one_line(script, capsys, clean_state):
@@ -196,3 +199,110 @@ def test_files_the_script_writes_go_to_a_scratch_directory(tmp_path, monkeypatch
     assert sorted(os.listdir(tmp_path)) == ["w.py"]  # nothing written here
     assert "note: the script wrote ckpt" in text
     assert builtins.open is opened and os.makedirs.__module__ == "os"  # put back
+
+
+EVAL = textwrap.dedent('''
+    import torch
+    model = torch.nn.Linear(64, 64).cuda().eval()
+    with torch.no_grad():
+        for i in range(200):
+            model(torch.randn(8, 64, device="cuda"))
+    print("evaluated", i + 1)
+''')
+
+
+def test_steps_end_a_script_that_makes_no_optimizer_after_its_forward_passes(tmp_path, capsys,
+                                                                            clean_state):
+    (tmp_path / "ev.py").write_text(EVAL)
+    rc = cli.main(["run", "--gpu", "T4", "--steps", "3", str(tmp_path / "ev.py")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "evaluated" not in text
+    assert "note: stopped after 3 forward passes (--steps 3: the script made no optimizer" in text
+
+
+def test_steps_count_optimizer_steps_when_the_script_evaluates_first(tmp_path, capsys,
+                                                                    clean_state):
+    """A training script that evaluates before its first step (nanoGPT's estimate_loss)
+    is cut at its optimizer steps, not at its evaluation's forward passes."""
+    (tmp_path / "t.py").write_text(textwrap.dedent('''
+        import torch
+        model = torch.nn.Linear(64, 64).cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        with torch.no_grad():
+            for _ in range(5):
+                model(torch.randn(8, 64, device="cuda"))
+        for _ in range(10):
+            model(torch.randn(8, 64, device="cuda")).sum().backward()
+            opt.step()
+    '''))
+    rc = cli.main(["run", "--gpu", "T4", "--steps", "2", str(tmp_path / "t.py")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "note: stopped after 2 optimizer step(s) (--steps 2)" in text
+
+
+def test_a_time_limit_cuts_the_run_and_a_long_run_shows_progress(tmp_path, capsys, monkeypatch,
+                                                                clean_state):
+    from memmagic import scriptrun
+
+    monkeypatch.setattr(scriptrun.ScriptRun, "progress_every_s", 0.3)
+    (tmp_path / "slow.py").write_text(textwrap.dedent('''
+        import time
+        while True:  # no model, no optimizer: only the clock ends it
+            time.sleep(0.05)
+    '''))
+    rc = cli.main(["run", "--gpu", "T4", "--time-limit", "1", str(tmp_path / "slow.py")])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "note: stopped at --time-limit 1 s, after" in out.out
+    assert re.search(r"memmagic: slow.py running: \d+ s, 0 optimizer step\(s\), "
+                     r"0 forward pass\(es\)", out.err)
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--json", "no/such/folder/r.json"],
+     "--json no/such/folder/r.json: the folder no/such/folder does not exist"),
+    (["--timeline", "."], "--timeline .: is a directory"),
+    (["--snapshot", "nowhere/s.pickle"],
+     "--snapshot nowhere/s.pickle: the folder nowhere does not exist"),
+    (["--gpu", ""], "--gpu is empty: give a card"),
+    (["--gpu-memory", " "], "--gpu-memory is empty"),
+    (["--gpu-memory", "99999999999999TiB"], "--gpu-memory 99999999999999TiB is "),
+    (["--time-limit", "0"], "--time-limit needs a positive number of seconds"),
+    (["--whatif", "accum_steps=2"],
+     "--whatif accum_steps needs a script that takes its accumulation steps on its command "
+     "line (--accum_steps N"),
+    (["--whatif", "seq_len=64"], "--whatif seq_len needs a script that takes its sequence"),
+], ids=["json", "timeline", "snapshot", "gpu", "gpu-memory", "huge-card", "time-limit",
+        "accum_steps", "seq_len"])
+def test_bad_input_gets_one_line_before_the_run(tmp_path, monkeypatch, capsys, options, says):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.py").write_text("print('the script ran')\n")
+    rc = cli.main(["run", "--gpu-memory", "1GiB", *options, "s.py", "--batch_size", "8"])
+    out = capsys.readouterr()
+    assert rc == 2
+    assert out.err.startswith(f"memmagic: {says}") and len(out.err.strip().splitlines()) == 1
+    assert "the script ran" not in out.out
+
+
+@pytest.mark.parametrize("source, says", [
+    (b"import torch\nx = (\n", "bad.py line 2: '(' was never closed: fix the script"),
+    (b"print('caf\xe9')\n",
+     "bad.py line 1: byte 0xe9 is not utf-8 text: save the script as UTF-8"),
+], ids=["syntax", "encoding"])
+def test_a_script_that_does_not_compile_gets_one_line(tmp_path, monkeypatch, capsys, source,
+                                                      says):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.py").write_bytes(source)
+    rc = cli.main(["run", "--gpu", "T4", "bad.py"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith(f"memmagic: {says}") and len(err.strip().splitlines()) == 1
+
+
+def test_a_script_that_declares_its_encoding_runs(tmp_path, monkeypatch, capsys, clean_state):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "latin.py").write_bytes(b"# -*- coding: latin-1 -*-\nprint('caf\xe9')\n")
+    assert cli.main(["run", "--gpu", "T4", "latin.py"]) == 0
+    assert "caf\u00e9" in capsys.readouterr().out

@@ -207,3 +207,136 @@ def test_a_failed_start_raises_its_own_error_not_an_assertion(clean_state):
 
     with pytest.raises(RuntimeError, match="cannot start"):
         Broken().measure(lambda: None)
+
+
+# -- bad input gets one line that says what to do (issue 36, item 7) ------------------------
+def _shown(ip, capsys, source: str):
+    """(the cell's error, the lines IPython printed for it)."""
+    res = ip.run_cell(source)
+    out = capsys.readouterr()
+    return res.error_in_exec, [ln for ln in (out.out + out.err).splitlines() if ln.strip()]
+
+
+@pytest.mark.parametrize("source", ['%%gpumem --backend sim --gpu "T4\nx = 1',
+                                    '%gpumem --backend cpu --gpu "T4 x = 1',
+                                    '%gpusim on --gpu "T4'])
+def test_an_open_quote_is_one_line(ip, capsys, source):
+    error, lines = _shown(ip, capsys, source)
+    assert isinstance(error, UsageError) and len(lines) == 1, lines
+    assert "a quote is not closed: close it" in lines[0]
+    assert "x" not in ip.user_ns and not ip._memmagic_sim_mode.on
+
+
+def test_quoted_values_are_read_without_their_quotes(ip):
+    r = gpumem(ip, "x = torch.ones(4, device='cuda')", '--backend sim -o -q --gpu "T4"')
+    assert r.gpu_name == "T4"
+    r = gpumem(ip, "x = 1", "--backend sim -o -q --gpu 'T4' --gpu-memory \"6GiB\"")
+    assert r.gpu_name == "T4 with 6.00 GiB"
+
+
+@pytest.mark.parametrize("line", ["--backend sim --gpu-memory 99999999999999TiB",
+                                  "--backend sim --gpu T4 --gpu-memory 16TB"])
+def test_gpu_memory_above_the_largest_card_is_one_line(ip, capsys, line):
+    error, lines = _shown(ip, capsys, f"%%gpumem {line}\nx = 1")
+    assert isinstance(error, UsageError) and len(lines) == 1, lines
+    assert "above the largest card simulated (4.00 TiB)" in lines[0]
+    assert "like --gpu-memory 6GiB" in lines[0] and "x" not in ip.user_ns
+    error, lines = _shown(ip, capsys, "%gpusim on --gpu-memory 99999999999999TiB")
+    assert isinstance(error, UsageError) and len(lines) == 1 and "4.00 TiB" in lines[0]
+    assert not ip._memmagic_sim_mode.on
+
+
+def test_api_gpu_memory_above_the_largest_card_is_an_error():
+    with pytest.raises(ValueError, match=r"gpu_memory='5TiB' is 5.00 TiB, above the largest"):
+        resolve_target(None, "5TiB")
+    assert resolve_target(None, "4TiB").total_memory == 4 << 40
+
+
+@pytest.mark.parametrize("value", ['""', "''", '"  "'])
+def test_an_empty_card_name_says_to_name_one(ip, capsys, value):
+    for source, no_card in ((f"%%gpumem --backend sim --gpu {value}\nx = 1", "leave --gpu out"),
+                            (f"%gpusim on --gpu {value}", "--gpu none")):
+        error, lines = _shown(ip, capsys, source)
+        assert isinstance(error, UsageError) and len(lines) == 1, lines
+        assert "--gpu needs a card name" in lines[0] and "A100-80GB" in lines[0]
+        assert no_card in lines[0]
+    error, lines = _shown(ip, capsys, f"%%gpumem --backend sim --gpu-memory {value}\nx = 1")
+    assert isinstance(error, UsageError) and len(lines) == 1, lines
+    assert "--gpu-memory needs a size with a unit" in lines[0]
+    assert "x" not in ip.user_ns and not ip._memmagic_sim_mode.on
+
+
+def test_an_empty_card_under_gpusim_is_not_the_notebooks_card(ip):
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    try:
+        with pytest.raises(UsageError, match="--gpu needs a card name"):
+            gpumem(ip, "x = 1", '-o -q --gpu ""')
+    finally:
+        ip.run_line_magic("gpusim", "off")
+    assert "x" not in ip.user_ns
+
+
+@pytest.mark.parametrize("line, says", [
+    ("--whatif --sweep batch_size=1:4", "--whatif and --sweep are two views of the cell"),
+    ("--sweep batch_size=1:4 --range batch_size=1:8", "add --whatif"),
+])
+def test_options_that_do_not_go_together_are_one_line(ip, capsys, line, says):
+    ip.user_ns["batch_size"] = 2
+    error, lines = _shown(ip, capsys, f"%%gpumem {line}\nx = torch.ones(batch_size)")
+    assert isinstance(error, UsageError) and len(lines) == 1, lines
+    assert says in lines[0] and "x" not in ip.user_ns
+
+
+# -- a tensor whose sizes overflow, on the simulated GPU ---------------------------------------
+@pytest.mark.parametrize("code, cuda", [
+    ("x = torch.randn(10**12, 10**12, device='cuda')",
+     "Storage size calculation overflowed with sizes=[1000000000000, 1000000000000]"),
+    ("x = torch.zeros(10**12, 10**12)",
+     "Storage size calculation overflowed with sizes=[1000000000000, 1000000000000]"),
+    ("x = torch.ones(1, device='cuda').expand(10**12, 10**12)",
+     "numel: integer multiplication overflow"),
+])
+def test_sizes_past_64_bits_fail_as_on_a_gpu_in_a_short_traceback(ip, capsys, clean_state, code, cuda):
+    from memmagic.backends.sim import SimulatedSizeError
+    from memmagic.backends.sim.session import shell_session
+
+    ip.run_cell_magic("gpumem", "--backend sim -q", "kept = torch.ones(256, device='cuda')")
+    held = shell_session(ip).status()
+    error, lines = _shown(ip, capsys, f"%%gpumem --backend sim -q\n{code}")
+    # RuntimeError, as torch raises it on a GPU; CUDA's words, the line, what to do
+    assert isinstance(error, SimulatedSizeError) and isinstance(error, RuntimeError)
+    message = str(error)
+    assert "\n" not in message and cuda in message and "check them" in message
+    assert message.startswith("line 1 (`x = ") and error.op
+    text = "\n".join(lines)
+    assert "fake_tensor" not in text and "_subclasses" not in text and "memmagic/" not in text
+    assert len(lines) <= 10, text  # IPython's frame for the magic, the cell's line, the error
+    assert shell_session(ip).status() == held and "x" not in ip.user_ns  # the card as it was
+
+
+def test_an_op_error_on_fake_tensors_shows_the_users_line_not_the_dispatch(ip, capsys):
+    error, lines = _shown(ip, capsys, "%%gpumem --backend sim -q\n"
+                                      "a = torch.ones(3, 4, device='cuda')\n"
+                                      "b = a @ torch.ones(5, 6, device='cuda')")
+    assert isinstance(error, RuntimeError) and "cannot be multiplied" in str(error)
+    text = "\n".join(lines)
+    assert "b = a @ torch.ones(5, 6" in text
+    assert "fake_tensor" not in text and "torch/_ops.py" not in text and len(lines) <= 10, text
+
+
+def test_fake_tensors_log_nothing_of_an_op_error_they_raise(ip):
+    import logging
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        result = ip.run_cell("%%gpumem --backend sim -q\n"
+                             "m = torch.nn.Linear(4, 4).cuda()\n"
+                             "y = m(torch.randn(2, 5, device='cuda'))")
+    finally:
+        logger.removeHandler(handler)
+    assert isinstance(result.error_in_exec, RuntimeError)
+    assert records == [] and not logger.disabled  # muted for the run only

@@ -112,6 +112,39 @@ def test_gpusim_bad_input_is_one_line(ip):
     assert not ip._memmagic_sim_mode.on
 
 
+def test_reload_ext_keeps_gpusim_on_with_its_card_and_objects(ip, capsys):
+    """%reload_ext memmagic under %gpusim on (issue 36, item 7): the mode stays on, on the
+    same card, with what it holds; %unload_ext then %load_ext starts with the mode off."""
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    try:
+        assert not ip.run_cell(SETUP).error_in_exec
+        ip.run_line_magic("reload_ext", "memmagic")
+        mode = ip._memmagic_sim_mode
+        assert mode.on and mode.gpu == "T4"
+        capsys.readouterr()
+        assert not ip.run_cell("z = torch.cuda.memory_allocated()").error_in_exec
+        assert "[sim: simulated cuda:0 (T4)]" in capsys.readouterr().out
+        assert ip.user_ns["z"] == PARAMS and isinstance(ip.user_ns["model"], SimulatedValue)
+        ip.run_line_magic("unload_ext", "memmagic")
+        ip.run_line_magic("load_ext", "memmagic")
+        assert not mode.on and mode.gpu is None
+    finally:
+        ip.run_line_magic("gpusim", "off")
+        ip.run_line_magic("gpusim", "reset")
+
+
+def test_gpusim_on_with_a_quoted_card_on_top_of_a_cell(ip):
+    r = ip.run_cell('%gpusim on --gpu "T4"\nx = torch.ones(1024, device="cuda")\n',
+                    store_history=True)
+    try:
+        assert r.error_in_exec is None, r.error_in_exec
+        assert ip._memmagic_sim_mode.gpu == "T4"
+        assert ip.run_cell_magic("gpumem", "-o -q", "y = 1").before == 4096  # x on the card
+    finally:
+        ip.run_line_magic("gpusim", "off")
+        ip.run_line_magic("gpusim", "reset")
+
+
 @pytest.mark.slow
 def test_a_student_notebook_runs_all_on_the_simulated_gpu(tmp_path):
     nb = nbformat.v4.new_notebook()

@@ -145,6 +145,29 @@ def test_deleting_frees_the_simulated_memory():
     assert nb.ns["r"] > 0
 
 
+def test_the_card_keeps_table_entries_for_live_storages_only():
+    """The card's tracker keeps the pool, role and saver of each storage it made while the
+    storage lives, and the cell that freed it ends: a training cell run again and again
+    leaves its tables as they were (they grew by every storage of every run before), and
+    every report keeps its own cell's (issue 36)."""
+    nb = Notebook()
+    nb.sim(STUDENT[0])
+    tracker = nb.session.card.tracker
+    runs, sizes = [], []
+    for _ in range(4):
+        out = nb.sim(STUDENT[1])
+        assert out.error is None, out.error
+        runs.append(out.report)
+        sizes.append({name: len(getattr(tracker, name)) for name in ("pool_of", "roles", "saver")})
+    assert sizes[1] == sizes[2] == sizes[3]
+    assert runs[1].peak == runs[2].peak == runs[3].peak
+    for report in runs:  # the tables of a cell's trace are its own, whatever came after
+        made = {serial for serial, delta, _ in report.trace.events if delta > 0}
+        assert made and made <= set(report.trace.pool_of)
+    at_peak = [r.trace.breakdown_at(r.trace.peak_event) for r in runs[1:]]
+    assert at_peak[0] == at_peak[1] == at_peak[2]
+
+
 def test_reset_empties_the_card():
     nb = Notebook()
     nb.sim("import torch\nw = torch.empty(2**20, device='cuda')")

@@ -198,3 +198,21 @@ def test_version_error_style_is_this_torchs():
     with pytest.raises(RuntimeError) as info:
         h.sum().backward()
     assert priv.version_error_names_forward_op() == ("SigmoidBackward" not in str(info.value))
+
+
+def test_zipfile_writer_slot_opens_every_path_torch_save_writes(tmp_path):
+    """torch.save hands a path to the class in the slot, also when called as a function
+    bound before (transformers' save_function=torch.save default)."""
+    from memmagic.patching import Patches
+
+    module, name = priv.zipfile_writer_slot()
+    original, seen = getattr(module, name), []
+    save = torch.save
+    patches = Patches()
+    patches.set(module, name, lambda f: seen.append(f) or original(f))
+    try:
+        save({"step": 1}, tmp_path / "a.pt")
+    finally:
+        patches.restore()
+    assert [str(f) for f in seen] == [str(tmp_path / "a.pt")]
+    assert torch.load(tmp_path / "a.pt") == {"step": 1}

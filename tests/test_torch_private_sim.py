@@ -4,6 +4,9 @@ below '# --- simulated device ---'), and the op cache built on them
 
 from __future__ import annotations
 
+import gc
+import math
+
 import pytest
 import torch
 
@@ -468,6 +471,78 @@ def test_op_cache_keys_generators_by_kind():
     assert _geometry(a) == _geometry(b) and c.dtype == torch.int64 and c.shape == (5,)
     assert cache.hits >= 1
     assert torch.equal(g.get_state(), state)  # a fake draw leaves the real generator alone
+
+
+def test_op_cache_keys_step_sizes_by_sign_not_by_value():
+    """Adam's bias-corrected step sizes change at every step, as Python floats in
+    ``_foreach_addcdiv_``'s ``scalars``, ``denom / bias_correction2_sqrt`` or a scheduler's
+    ``alpha=-lr``: numbers that never shape the outputs. Keyed by value, every step made new
+    entries (and ran FakeTensorMode): by their sign, the second step hits."""
+    mode = priv.new_fake_mode()
+    cache = FakeOutputCache(mode, {})
+    with mode:
+        ps = [torch.empty(4, 3), torch.empty(5)]
+        x = torch.empty(4, 3)
+    calls = [lambda s: (torch._foreach_addcdiv_(ps, ps, ps, [-s, -s]), ps[0])[1],
+             lambda s: (torch._foreach_div_(ps, [s, s]), ps[0])[1],
+             lambda s: x / s,                      # div.Tensor with a wrapped number
+             lambda s: x.add(x, alpha=-s),
+             lambda s: torch.clamp(x, min=s)]
+    for step in range(1, 6):
+        s = 0.001 * (1 - 0.9 ** step) ** 0.5 / step
+        for call in calls:
+            _compared(mode, cache, lambda: call(s), x)
+    assert cache.misses == len(calls) and cache.hits == 4 * len(calls)
+    with mode, _Front(cache):
+        assert (x / -0.3).shape == (4, 3) and cache.misses == len(calls) + 1  # the sign counts
+
+
+def test_op_cache_keeps_the_values_code_branches_on_and_those_that_shape():
+    """A float that may shape an output stays keyed by value: a ``float`` argument
+    (``upsample``'s scale factors) and a factory's Scalar (``arange(end)``); so do the
+    values decompositions and Meta kernels branch on (0, 1, -1, 2, 0.5, infinities), and
+    ints."""
+    mode = priv.new_fake_mode()
+    cache = FakeOutputCache(mode, {})
+    with mode:
+        img = torch.empty(1, 1, 4, 4)
+        i = torch.empty(3, dtype=torch.int64)
+    with mode, _Front(cache):
+        assert torch.arange(3.5).shape == (4,) and torch.arange(5.5).shape == (6,)
+        up = torch.nn.functional.interpolate
+        assert up(img, scale_factor=2.0).shape[-1] == 8
+        assert up(img, scale_factor=3.0).shape[-1] == 12
+        assert (i ** 2).dtype == torch.int64 and (i ** 2.5).dtype == torch.float32
+    values = (0.0, 1.0, -1.0, 2.0, 0.5, 0.3, 0.7, -0.3, -0.7, math.inf, math.nan)
+    kinds = {op_cache._number_part(v, op_cache._cache_part, None, None) for v in values}
+    assert len(kinds) == 9  # 0.3 and 0.7 alike, -0.3 and -0.7 alike
+
+
+def test_forget_dead_constants_drops_what_the_converter_keeps_for_freed_constants():
+    """FakeTensorMode's converter maps each fake constant's storage to weak references to
+    its fake tensors and never drops an entry itself: a card that lasts a notebook kept one
+    for every step count it made."""
+    mode = priv.new_fake_mode()
+    with mode:
+        like = torch.empty(())
+    kept = priv.constant_fake(mode, torch.tensor(1.0), like.fake_device)
+    for step in range(5):
+        priv.constant_fake(mode, torch.tensor(float(step)), like.fake_device)
+    gc.collect()
+    assert priv.fake_constant_storages(mode) == 6
+    assert priv.forget_dead_constants(mode) == 5
+    assert priv.fake_constant_storages(mode) == 1
+    with mode:
+        kept.add_(torch.rand(()))  # an unknown value written: the kept entry still works
+    assert priv.fake_constant(kept) is None
+
+
+def test_fake_dispatch_cache_size_counts_fake_tensor_modes_own_cache():
+    priv.clear_fake_dispatch_cache()
+    assert priv.fake_dispatch_cache_size() == 0
+    with priv.new_fake_mode():
+        torch.empty(3, 2) @ torch.empty(2, 4)
+    assert priv.fake_dispatch_cache_size() == len(priv.FakeTensorMode.cache) > 0
 
 
 def test_sdp_priority_order_follows_sdpa_kernel():

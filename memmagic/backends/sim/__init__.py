@@ -26,6 +26,7 @@ from .backend import KERNELS, SIM_NOTES, SimBackend, clear_op_cache
 from .errors import (
     SimulatedDeviceMismatchError,
     SimulatedOutOfMemoryError,
+    SimulatedSizeError,
     SimulatedValueError,
     SimulationBudgetExceeded,
     SimulationError,
@@ -38,5 +39,5 @@ __all__ = [
     "SimBackend", "KERNELS", "SIM_NOTES", "clear_op_cache", "GPUS", "GPUSpec", "resolve_target",
     "SimulationError", "SimulationUnsupported", "SimulationBudgetExceeded",
     "SimulatedOutOfMemoryError", "SimulatedValueError", "SimulatedDeviceMismatchError",
-    "SimulatedValue",
+    "SimulatedSizeError", "SimulatedValue",
 ]

@@ -45,6 +45,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ...interrupts import atomic
+
 __all__ = ["CachingAllocatorModel", "AllocatorLog", "round_request", "segment_size", "AllocatorFull",
            "STAT_NAMES", "AllocatorConfig", "parse_alloc_conf", "alloc_conf_from_env",
            "ALLOC_CONF_VARS", "SIZE_MAX",
@@ -343,6 +345,7 @@ class AllocatorFull(Exception):
 
 
 @dataclass(eq=False)
+@atomic
 class _Block:
     addr: int
     size: int
@@ -359,6 +362,7 @@ class _Block:
 
 
 @dataclass(frozen=True)
+@atomic
 class AllocatorLog:
     """What the model did while its log was on, and what it held when the log was taken.
 
@@ -408,6 +412,7 @@ class AllocatorLog:
 
 
 @dataclass(eq=False)
+@atomic
 class _Segment:
     addr: int
     size: int
@@ -419,6 +424,7 @@ class _Segment:
 _DEFAULT_CONFIG = AllocatorConfig()
 
 
+@atomic
 class CachingAllocatorModel:
     """Replays alloc/free calls; ``reserved`` and ``reserved_peak`` are in bytes.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 import functools
+import logging
 import random
 import re
 import sys
@@ -34,6 +35,7 @@ from .errors import (
     SimulationBudgetExceeded,
     SimulationError,
     SimulationUnsupported,
+    size_error,
 )
 from .gpus import DEFAULT_CAPABILITY, GPUSpec, resolve_target
 from .kernels import install_cuda_kernels
@@ -266,6 +268,7 @@ class SimBackend(Backend):
         state, tracker = card.state, card.tracker
         state.begin_run()
         tracker.rearm(self.max_ops, self.max_seconds)
+        card.begin_cell()
         fast = card.op_cache(self.op_cache)
         tracker.fast = fast
         counts0 = _cache_counts(fast)
@@ -402,6 +405,9 @@ class SimBackend(Backend):
 def _install(patches: Patches, state: SimState, tracker: SimTracker, target: GPUSpec | None,
              autocast: dict[str, Any], notes: list[str]) -> None:
     """Everything a simulated run changes in torch and in libraries."""
+    # a meta kernel's error reaches the user as the op's own error: fake tensors' log of
+    # it (some 40 lines on stderr, with the dispatcher's frames) would only repeat it
+    patches.set(logging.getLogger("torch._subclasses.fake_tensor"), "disabled", True)
     _install_autocast(patches, autocast)
     _install_devices(patches, state)
     SimulatedCuda(tracker, target, notes).install(patches, autocast)
@@ -645,6 +651,7 @@ _SMELLS = ("not compiled with CUDA", "NVIDIA driver", "CUDA driver", "Cannot acc
 def _explain(exc: BaseException) -> BaseException:
     """The cell's exception, or a SimulationUnsupported naming the line when the failure
     comes from what a simulation cannot do."""
+    exc = size_error(exc) or exc  # sizes past 64 bits: CUDA's words, not fake tensors' frames
     if isinstance(exc, (SimulationError, SimulatedOutOfMemoryError)) or not isinstance(exc, Exception):
         if isinstance(exc, SimulatedOutOfMemoryError) and not getattr(exc, "_located", False):
             where = _cell_line(exc.__traceback__)

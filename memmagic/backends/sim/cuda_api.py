@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from ... import _torch_private as _priv
+from ...interrupts import atomic
 from ...report import format_bytes
 from ...snapshot import PICKLE_PROTOCOL
 from .values import SimulatedFloat
@@ -299,6 +300,7 @@ _ACCELERATOR_SAME = ("memory_allocated", "max_memory_allocated", "memory_reserve
                      "reset_accumulated_memory_stats", "empty_cache")
 
 
+@atomic
 class SimulatedCuda:
     """The ``torch.cuda`` of one simulated run: its methods are the simulated functions
     (see the module docstring), answering from ``tracker`` (a

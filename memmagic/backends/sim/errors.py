@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 __all__ = ["SimulationError", "SimulationUnsupported", "SimulationBudgetExceeded",
            "SimulatedOutOfMemoryError", "SimulatedValueError", "SimulatedDeviceMismatchError",
-           "AllocatorConfigError", "RERUN_HINT"]
+           "SimulatedSizeError", "size_error", "AllocatorConfigError", "RERUN_HINT"]
 
 RERUN_HINT = "run the cell with --backend cpu (real run on the CPU) or on a GPU"
 
@@ -53,3 +55,53 @@ class SimulatedDeviceMismatchError(SimulationError):
 
 class SimulatedValueError(SimulationError):
     """A value made by a simulated cell was used outside it (it has no data)."""
+
+
+class SimulatedSizeError(SimulationError):
+    """A tensor whose sizes multiply past a 64-bit count (``torch.randn(10**12, 10**12)``),
+    which torch refuses on a GPU too, before any allocation. The message is CUDA's, after
+    "would fail on a GPU", with what to do; ``op`` names the aten op."""
+
+    def __init__(self, message: str, *, op: str | None = None) -> None:
+        super().__init__(message)
+        self.op = op
+
+
+# torch's words for it: its C++ size checks (CUDA and the CPU) and fake tensors' meta kernels
+_OVERFLOW = re.compile(r"^(Storage size calculation overflowed with sizes=\[[^\]]*\]|"
+                       r"numel: integer multiplication overflow)")
+
+
+def size_error(error: BaseException) -> SimulatedSizeError | None:
+    """The :class:`SimulatedSizeError` for an op of the simulated run that failed because
+    its sizes overflow (None for any other error), with the failed op's traceback; it
+    stands for the error, whose fake-tensor internals it hides."""
+    m = _OVERFLOW.match(str(error)) if isinstance(error, RuntimeError) else None
+    if m is None:
+        return None
+    func, args = _failed_op(error.__traceback__)
+    cuda = m.group(1)
+    sizes = args[0] if args else None
+    if (cuda.startswith("numel") and isinstance(sizes, (list, tuple)) and sizes
+            and all(isinstance(n, int) for n in sizes)
+            and not any(isinstance(a, torch.Tensor) for a in args)):
+        # a factory (randn, rand, ...): CUDA allocates its output first, and says so there
+        cuda = f"Storage size calculation overflowed with sizes={list(sizes)}"
+    new = SimulatedSizeError(f"would fail on a GPU: {cuda}; the sizes multiply past what a "
+                             "64-bit count holds: check them", op=getattr(func, "__name__", None))
+    new.__suppress_context__ = True
+    return new.with_traceback(error.__traceback__)
+
+
+def _failed_op(tb) -> tuple[object, tuple]:
+    """(aten op, its arguments) of the outermost dispatch of the failed op in ``tb``: the op
+    the user's code called, before any decomposition."""
+    from ..._torch_private import OpOverload
+
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        func, args = local.get("func"), local.get("args")
+        if isinstance(func, OpOverload) and isinstance(args, tuple):
+            return func, args
+        tb = tb.tb_next
+    return None, ()

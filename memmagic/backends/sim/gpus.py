@@ -10,7 +10,7 @@ from typing import Callable, Mapping
 from ...report import format_bytes, parse_bytes
 
 __all__ = ["GPUSpec", "GPUS", "resolve_target", "DEFAULT_CAPABILITY", "MIN_GPU_MEMORY",
-           "api_spelling", "option_spelling", "CudaContext", "cuda_context"]
+           "MAX_GPU_MEMORY", "api_spelling", "option_spelling", "CudaContext", "cuda_context"]
 
 _GiB = 1 << 30
 _MiB = 1 << 20
@@ -18,6 +18,10 @@ _MiB = 1 << 20
 # The smallest card size accepted: a bare number below it is almost always a size
 # without its unit (``--gpu-memory 6`` meant 6 GiB, not 6 bytes).
 MIN_GPU_MEMORY = 64 * _MiB
+# The largest card size accepted: 4 TiB, well above any GPU sold or announced (under
+# 300 GB today): a size above it is a slip (16TB for 16GB). No size at all is no target
+# card, on which nothing runs out.
+MAX_GPU_MEMORY = 4 << 40
 
 # When no card is named, kernels are chosen as on an Ampere-class card (sm_80).
 DEFAULT_CAPABILITY = (8, 0)
@@ -94,8 +98,8 @@ def resolve_target(gpu: str | GPUSpec | None = None,
                    gpu_memory: int | str | None = None, *,
                    spell: Callable[[str, object], str] = api_spelling) -> GPUSpec | None:
     """The card to simulate: ``gpu`` names one of :data:`GPUS` (case-insensitive),
-    ``gpu_memory`` is its size (``int`` bytes or ``'10GiB'``, at least
-    :data:`MIN_GPU_MEMORY`); both None means no target (nothing can run out).
+    ``gpu_memory`` is its size (``int`` bytes or ``'10GiB'``, from :data:`MIN_GPU_MEMORY`
+    to :data:`MAX_GPU_MEMORY`); both None means no target (nothing can run out).
 
     Both given: the named card (its kernels, e.g. flash attention or not) with that much
     memory, named so (``'T4 with 6.00 GiB'``, ``resized_from`` the T4). ``spell(name,
@@ -139,6 +143,10 @@ def _size(gpu_memory: int | str, spell: Callable[[str, object], str]) -> int:
         raise ValueError(f"{spell('gpu_memory', gpu_memory)} is {format_bytes(size)}, below the "
                          f"smallest card simulated ({format_bytes(MIN_GPU_MEMORY)}): give the "
                          f"size with a unit, like {example}")
+    if size > MAX_GPU_MEMORY:
+        raise ValueError(f"{spell('gpu_memory', gpu_memory)} is {format_bytes(size)}, above the "
+                         f"largest card simulated ({format_bytes(MAX_GPU_MEMORY)}): give the "
+                         f"card's size, like {example}")
     return int(size)
 
 

@@ -3,18 +3,22 @@
 An engine, not a shim: it lives with its user (the simulated device) and reaches torch's
 private APIs only through :mod:`memmagic._torch_private` (the primitives it needs there:
 ``no_dispatch``, ``op_schema``, ``bare_fake``, ``register_fake_constant``,
-``dispatch_keys``, ``FAKE_DEVICE_ATTR``, ``fake_debug_enabled``, ``storage_key``).
+``dispatch_keys``, ``FAKE_DEVICE_ATTR``, ``fake_debug_enabled``, ``storage_key``,
+``fake_dispatch_cache_size``, ``clear_fake_dispatch_cache``).
 Tested in tests/test_torch_private_sim.py (the op-cache section).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from ... import _torch_private as _priv
 from ..._torch_private import FakeTensor, FakeTensorMode
 
-__all__ = ["FakeOutputCache", "FAKE_CACHE_MAX_ENTRIES"]
+__all__ = ["FakeOutputCache", "FAKE_CACHE_MAX_ENTRIES", "FAKE_MODE_CACHE_MAX_ENTRIES",
+           "bound_caches"]
 
 _storage_key = _priv.storage_key
 # torch.tensor(x) of at most this many elements is lifted by the fast path (FakeTensorMode's
@@ -30,7 +34,9 @@ class FakeOutputCache:
     (two thirds of it building that cache's key). This cache sits in front of it, in the
     simulation's dispatch mode: the key is the op, the default dtype, inference mode and,
     for each argument, a tensor's dtype/sizes/strides/offset/device or a plain value with
-    its type; the entry is what FakeTensorMode returned: the metadata of fresh outputs, the
+    its type (a float where the op takes a number beside a tensor, which cannot shape the
+    outputs, only by its sign: Adam's step sizes change at every step, see _number_args);
+    the entry is what FakeTensorMode returned: the metadata of fresh outputs, the
     geometry of views of the first argument, or that an in-place op returns its first
     argument (or nothing). On a hit the outputs are made directly (``empty_strided`` on
     meta wrapped in a FakeTensor), as FakeTensorMode's own cache does. Errors are never
@@ -64,8 +70,7 @@ class FakeOutputCache:
         the classes' verdicts (keys starting with "class")."""
         self.mode = mode
         self.entries: dict = {} if entries is None else entries
-        if len(self.entries) > FAKE_CACHE_MAX_ENTRIES:
-            self.entries.clear()
+        bound_caches(self.entries)
         self.rules = _FAKE_CACHE_RULES  # func -> _fake_cache_rule(func)
         self.hits = 0
         self.misses = 0
@@ -130,7 +135,25 @@ class FakeOutputCache:
         return outs if kind == "list" else tuple(outs)
 
 
+# bounds of the op cache's entries and of FakeTensorMode's own dispatch cache: a safety net
+# (a notebook makes a few hundred entries for each model and batch size it runs; a key made
+# from a value that changes every step would be a bug). An entry takes 2-3 KB (a foreach
+# op's over many parameters more), so a full cache holds about 0.5 GB
 FAKE_CACHE_MAX_ENTRIES = 200_000
+FAKE_MODE_CACHE_MAX_ENTRIES = 200_000
+
+
+def bound_caches(entries: dict | None = None) -> None:
+    """Keep the op cache's ``entries`` and FakeTensorMode's own (class-wide) dispatch cache
+    within their bounds: each is emptied once past it (the next calls fill it again from
+    FakeTensorMode). Called when a card is made and before each of its cells, never
+    during a run."""
+    if entries is not None and len(entries) > FAKE_CACHE_MAX_ENTRIES:
+        entries.clear()
+    if _priv.fake_dispatch_cache_size() > FAKE_MODE_CACHE_MAX_ENTRIES:
+        _priv.clear_fake_dispatch_cache()
+
+
 _FAKE_CACHE_RULES: dict = {}
 _NO_CACHE_TAGS = frozenset({torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output,
                             torch.Tag.inplace_view})
@@ -240,6 +263,71 @@ def _cache_part(a, unknown: list | None):
     return None  # a real tensor, a SymInt, anything else: not keyed
 
 
+# floats a number argument keeps in its key (see _number_args): values code branches on (a
+# decomposition's ``alpha == 1``, ``exponent == 2`` or ``0.5``; a Meta kernel's check of
+# ``p > 0`` or of an infinite norm's order); other floats count by their sign
+_KEPT_FLOATS = frozenset({0.0, 1.0, -1.0, 2.0, 0.5, math.inf, -math.inf})
+# Scalar, Scalar?, Scalar[] as a schema spells them, and a tensor that may be a number
+_NUMBER_TYPES = frozenset({"number", "Optional[number]", "List[number]", "Tensor",
+                           "Optional[Tensor]"})
+_NUMBER_ARGS: dict = {}  # func -> _number_args(func)
+
+
+def _number_args(func) -> frozenset:
+    """Positions and names of ``func``'s arguments where a Python float is a number that
+    never shapes the outputs, when it takes a tensor (empty otherwise): a ``Scalar``
+    (``Scalar?``, ``Scalar[]``), or a ``Tensor`` given a Python number (``t / 0.5`` is
+    ``div.Tensor(t, 0.5)``: a 0-d "wrapped number"). Sizes, strides and dtype follow from
+    the tensors and the numbers' types, so :func:`_number_part` keys a float by its sign.
+    Without a tensor argument a Scalar may well shape them (``arange(end)``); a ``float``
+    argument is left keyed by value (``upsample``'s scale factors). Adam's bias-corrected
+    step sizes (``_foreach_addcdiv_``'s ``scalars``, or ``denom / bias_correction2_sqrt``)
+    and a scheduler's learning rate (``alpha=-lr``) change at every step: keyed by value,
+    every step made new entries, each a miss through FakeTensorMode (whose own cache grew
+    too)."""
+    schema = _priv.op_schema(func)
+    if schema is None:
+        return frozenset()
+    types = [str(p.type) for p in schema.arguments]
+    if not any("Tensor" in t for t in types):
+        return frozenset()
+    out: set = set()
+    for i, (p, t) in enumerate(zip(schema.arguments, types)):
+        if t in _NUMBER_TYPES:
+            out.update((i, p.name))  # passed by position or by keyword
+    return frozenset(out)
+
+
+def _numbers_of(func) -> frozenset:
+    numbers = _NUMBER_ARGS.get(func)
+    if numbers is None:
+        numbers = _NUMBER_ARGS[func] = _number_args(func)
+    return numbers
+
+
+def _float_kind(x: float):
+    return x if x in _KEPT_FLOATS else "nan" if x != x else "+" if x > 0 else "-"
+
+
+def _number_part(a, part, arg, item_arg):
+    """``part(a, arg)`` for an argument at a position of :func:`_number_args`, but a Python
+    float keyed by its sign (or by its value when it is one of ``_KEPT_FLOATS``; NaN as
+    NaN), in a list too (its other items: ``part(x, item_arg)``). Ints and bools stay keyed
+    by value: they rarely change from step to step, and code branches on more of them."""
+    cls = a.__class__
+    if cls is float:
+        return (float, _float_kind(a))
+    if (cls is list or cls is tuple) and any(x.__class__ is float for x in a):
+        parts = []
+        for x in a:
+            p = (float, _float_kind(x)) if x.__class__ is float else part(x, item_arg)
+            if p is None:
+                return None
+            parts.append(p)
+        return (cls, tuple(parts))
+    return part(a, arg)
+
+
 def _each(items, part, arg) -> tuple | None:
     """``part(x, arg)`` of each item of a list argument, or None when one is not keyed."""
     parts = []
@@ -265,14 +353,24 @@ def _cache_key(func, args, kwargs, loose: bool = False):
     if loose:
         parts.append("loose")
     append = parts.append
-    for a in args:
-        p = _cache_part(a, unknown)
-        if p is None:
-            return None
-        append(p)
+    numbers = _numbers_of(func)
+    if not numbers:
+        for a in args:
+            p = _cache_part(a, unknown)
+            if p is None:
+                return None
+            append(p)
+    else:
+        for i, a in enumerate(args):
+            p = (_number_part(a, _cache_part, unknown, unknown) if i in numbers
+                 else _cache_part(a, unknown))
+            if p is None:
+                return None
+            append(p)
     if kwargs:
         for k, a in kwargs.items():
-            p = _cache_part(a, unknown)
+            p = (_number_part(a, _cache_part, unknown, unknown) if k in numbers
+                 else _cache_part(a, unknown))
             if p is None:
                 return None
             append(k)
@@ -413,8 +511,9 @@ def _class_key(func, args, kwargs):
     argument, or an argument _class_part does not know). Never equal to an op key."""
     parts = ["class", func, torch.get_default_dtype(), torch.is_inference_mode_enabled()]
     fake = False
+    numbers = _numbers_of(func)
     for k, a in (*enumerate(args), *kwargs.items()):
-        p = _class_part(a)
+        p = _number_part(a, _class_part, False, True) if k in numbers else _class_part(a)
         if p is None:
             return None
         fake = fake or isinstance(a, FakeTensor) or (isinstance(a, (list, tuple)) and any(

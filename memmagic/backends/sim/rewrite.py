@@ -20,6 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ... import _torch_private as _priv
+from ...interrupts import atomic
 from .errors import RERUN_HINT, SimulationUnsupported
 from ...tracking import held_by
 from .state import CPU, CUDA0, SimState, is_cuda_device
@@ -53,6 +54,7 @@ def _over_storage(storage, kwargs: dict) -> int:
     return nbytes // dtype.itemsize
 
 
+@atomic
 class DeviceRewriteMode(TorchFunctionMode):
     """See the module docstring. Cheap for ordinary calls: one dict lookup and a kwargs check."""
 

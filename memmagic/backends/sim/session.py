@@ -29,11 +29,12 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ... import _torch_private as _priv
+from ...interrupts import atomic
 from ...report import Category, format_bytes
 from .allocator import AllocatorConfig, AllocatorFull, CachingAllocatorModel, alloc_conf_from_env
 from .errors import AllocatorConfigError, SimulationUnsupported
 from .gpus import CudaContext, GPUSpec, cuda_context
-from .op_cache import FakeOutputCache
+from .op_cache import FakeOutputCache, bound_caches
 from ...patching import Patches
 from .frames import release_tracebacks
 from .sandbox import Shadow, reachable_tensors
@@ -46,6 +47,7 @@ from .workspaces import Workspaces
 __all__ = ["SimSession", "Card", "shell_session", "session_of"]
 
 
+@atomic
 class Card:
     """The simulated GPU itself (see the module docstring).
 
@@ -92,6 +94,14 @@ class Card:
         if self.fast is None:
             self.fast = FakeOutputCache(self.fake_mode, self._entries if self._entries is not None else {})
         return self.fast
+
+    def begin_cell(self) -> None:
+        """Before each cell on this card: what the fake mode keeps for fake constants freed
+        since is dropped, and the op caches are kept within their bounds (a card lasts the
+        whole notebook; with the tracker's own tables, see ``SimTracker.rearm``, a training
+        step re-run a thousand times leaves the host's memory where it was)."""
+        _priv.forget_dead_constants(self.fake_mode)
+        bound_caches(self.fast.entries if self.fast is not None else self._entries)
 
     def _hold_context(self, context: CudaContext | None, target: GPUSpec | None) -> None:
         """The card holds ``context`` (None: none counted) beside the allocator."""
@@ -390,6 +400,7 @@ def _copy_allocator(old: SimTracker, tr: SimTracker, allocator: CachingAllocator
     tr.cuda_context = old.cuda_context
 
 
+@atomic
 class SimSession:
     """The simulated GPU of one notebook (one IPython shell): see the module docstring."""
 

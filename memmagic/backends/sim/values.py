@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from ... import _torch_private as _priv
+from ...interrupts import atomic
 from .errors import SimulatedValueError
 
 __all__ = ["SimulatedFloat", "SimulatedInt", "placeholder_scalar", "marked", "tensor_tolist",
@@ -177,6 +178,7 @@ _LIVE = ("use it in simulated cells (%%gpumem --backend sim, or every cell after
 _GONE = "the simulated GPU was reset since: rerun the cell that made it"
 
 
+@atomic
 class SimulatedValue:
     """Stands for a value a simulated cell made: it has no data. Its repr says so; any
     other use raises :class:`SimulatedValueError` with a one-line message. ``live``: the
