@@ -160,7 +160,7 @@ class Figure:
     columns: list[tuple[str, str, str]]
     rows: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    metric: tuple[str, str] | None = None  # (row key, kind) summarised in the README
+    metric: tuple[str, str] | None = None  # (row key, kind) summarised in docs/benchmarks.md
 
     @property
     def status(self) -> str:

@@ -20,7 +20,7 @@ cuBLAS / cuBLASLt / cuDNN / SDPA call, with lazy and with eager module loading.
 ``--probe`` adds what SDPA's kernels and cuDNN's RNNs allocate on a grid of shapes (the
 figures the simulation's models of them are checked against). ``--diff CHECK`` shows the
 blocks live at one cell's allocated peak, real (from the traces) against simulated;
-``--readme`` writes the fidelity tables into README.md.
+``--docs`` writes the fidelity tables into docs/fidelity.md (``--readme`` is its old name).
 
 Writes ``results/gpu-check-<device>.json``. Needs no IPython.
 """
@@ -638,9 +638,10 @@ def diff(name: str, traces_dir: Path, options: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# -- the README's fidelity section ------------------------------------------------------------
+# -- the fidelity page's tables (docs/fidelity.md) --------------------------------------------
 ALLOCATED_TARGET, RESERVED_TARGET = 0.02, 0.05
-README_START, README_END = "<!-- fidelity:start -->", "<!-- fidelity:end -->"
+FIDELITY_PAGE = ROOT / "docs" / "fidelity.md"
+FIDELITY_START, FIDELITY_END = "<!-- fidelity:start -->", "<!-- fidelity:end -->"
 
 
 def _err(sim: Any, real: Any) -> float | None:
@@ -761,21 +762,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--diff", default=None, metavar="CHECK",
                    help="blocks live at the allocated peak, real (from --traces-dir) against simulated")
     p.add_argument("--traces-dir", default=str(ROOT / "results"))
-    p.add_argument("--readme", nargs="?", const=str(ROOT / "README.md"), default=None, metavar="FILE",
+    p.add_argument("--docs", "--readme", dest="docs", nargs="?", const=str(FIDELITY_PAGE), default=None,
+                   metavar="FILE",
                    help="write the fidelity tables of --merge's file (default: the newest "
-                        "results/gpu-check-*.json) into FILE between its fidelity markers")
+                        "results/gpu-check-*.json) into FILE (default: docs/fidelity.md) between its "
+                        "fidelity markers; --readme is the old name")
     args = p.parse_args(argv)
-    if args.readme:
+    if args.docs:
         from .readme import update_readme
 
         src = Path(args.merge) if args.merge else max((ROOT / "results").glob("gpu-check-*.json"))
         tables = fidelity_markdown(json.loads(src.read_text(encoding="utf-8")))
-        readme = Path(args.readme)
-        text = update_readme(readme.read_text(encoding="utf-8"), tables, README_START, README_END)
+        page = Path(args.docs)
+        text = update_readme(page.read_text(encoding="utf-8"), tables, FIDELITY_START, FIDELITY_END)
         if text is None:
             print(tables)
             return 0
-        readme.write_text(text, encoding="utf-8")
+        page.write_text(text, encoding="utf-8")
         return 0
     if args.diff:
         print(diff(args.diff, Path(args.traces_dir), json.loads(args.sim_options or '{"gpu": "H100-80GB"}')))

@@ -1,4 +1,4 @@
-"""Memory budgets as tests (issue 26, item 2): run a function on a fresh simulated GPU and
+"""Memory budgets as tests: run a function on a fresh simulated GPU and
 fail when it needs more than its budget, with the report in the failure. Fast enough for
 every commit of a CPU-only CI: the simulation runs on fake tensors.
 
@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .backends.sim.errors import SimulatedOutOfMemoryError
-from .backends.sim.gpus import resolve_target
+from .backends.sim import SimulatedOutOfMemoryError, resolve_target
 from .report import MemoryReport, format_bytes, parse_bytes
 
 __all__ = ["BudgetExceeded", "check_budget"]

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from .backends import Outcome, get_backend
-from .failures import release_own_frames
-from .interrupts import guarded, reraise_interrupt
+from .failures import release_own_frames, strip_own_frames
+from .interrupts import guarded, is_interrupt
 from .knobs import KNOBS, Applier, KnobError, Setting, knob_value, setting_of
 from .report import MemoryReport, Note
 
@@ -330,9 +330,11 @@ class Cell:
         the cell names no batch or token tensor to resize)."""
         outcome = self.execute(setting, **knobs)
         error = outcome.error
-        reraise_interrupt(error)  # a Ctrl-C stops whoever asked for the run
         if error is not None:
             release_own_frames(error.__traceback__)
+            if is_interrupt(error):  # a Ctrl-C stops whoever asked for the run
+                del outcome
+                raise error.with_traceback(strip_own_frames(error.__traceback__, error))
             traceback.clear_frames(error.__traceback__)
         report = outcome.report
         cannot = str(error) if strict and isinstance(error, KnobError) else None

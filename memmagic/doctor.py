@@ -1082,7 +1082,7 @@ def _has_tp_plan(namespace: Mapping[str, Any] | None) -> bool:
     tensor-parallel plan."""
     import torch
 
-    from .backends.sim.session import session_of
+    from .backends.sim import session_of
 
     ns = dict(namespace or {})
     session = session_of(ns)

@@ -21,6 +21,7 @@ from .report import parse_bytes
 __all__ = ["PACKAGE_DIR", "GENERATOR_FLAGS", "frames_of", "release_call_closures", "is_machinery", "is_user_file", "is_out_of_memory",
            "requested_bytes", "requested_text", "release_own_frames", "strip_own_frames",
            "needs_missing_cuda", "add_note_once", "NO_GPU_HINT", "simulated_error_types",
+           "register_simulated_errors",
            "error_text"]
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -247,13 +248,19 @@ def _clear_finished(tbs: list[Any]) -> None:
             pass
 
 
+_SIMULATED_ERRORS: list[type[BaseException]] = []
+
+
+def register_simulated_errors(*types: type[BaseException]) -> None:
+    """The simulator names the exception types it raises in place of an error of the
+    simulated code (it imports this module; this module never imports the simulator)."""
+    _SIMULATED_ERRORS.extend(t for t in types if t not in _SIMULATED_ERRORS)
+
+
 def simulated_error_types() -> tuple[type[BaseException], ...]:
-    """Exception types the simulator raises in place of an error of the simulated code."""
-    try:
-        from .backends.sim.errors import SimulatedOutOfMemoryError, SimulationError
-    except ImportError:  # pragma: no cover
-        return ()
-    return (SimulationError, SimulatedOutOfMemoryError)
+    """Exception types the simulator raises in place of an error of the simulated code
+    (none before the simulator is imported: none can have been raised)."""
+    return tuple(_SIMULATED_ERRORS)
 
 
 # torch's errors for CUDA code on a machine without a usable CUDA GPU (a CPU-only build,

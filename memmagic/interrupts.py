@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from .patching import Patches
 
-__all__ = ["atomic", "guarded", "guard_cells", "held", "is_interrupt", "reraise_interrupt"]
+__all__ = ["atomic", "guarded", "guard_cells", "held", "is_interrupt"]
 
 T = TypeVar("T")
 
@@ -317,12 +317,6 @@ def is_interrupt(error: BaseException | None) -> bool:
     """Whether ``error`` is a Ctrl-C (it stops whoever asked for the run, never a report's
     verdict)."""
     return isinstance(error, KeyboardInterrupt)
-
-
-def reraise_interrupt(error: BaseException | None) -> None:
-    """Raise ``error`` again when it is a Ctrl-C."""
-    if is_interrupt(error):
-        raise error
 
 
 # this module's own bookkeeping is no place for an interrupt either

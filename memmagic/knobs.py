@@ -238,7 +238,7 @@ class Knob:
 def _check_gpu(value: Any) -> str | None:
     if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
         return None
-    from .backends.sim.gpus import GPUS
+    from .backends.sim import GPUS
 
     key = str(value).lower()
     if key not in GPUS:
@@ -249,7 +249,7 @@ def _check_gpu(value: Any) -> str | None:
 
 def _gpu_names() -> tuple[str, ...]:
     try:
-        from .backends.sim.gpus import GPUS
+        from .backends.sim import GPUS
     except ImportError:  # pragma: no cover
         return ()
     return tuple(g.name for g in GPUS.values())

@@ -144,7 +144,7 @@ class MemMagics(Magics):
                 gpu, gpu_memory = mode.gpu, mode.gpu_memory
         session = None
         if backend == "sim" or args.advise:
-            from .backends.sim.session import shell_session
+            from .backends.sim import shell_session
 
             session = shell_session(self.shell)  # one simulated GPU per notebook
         knobs = {k.name: getattr(args, k.name) for k in KNOBS.values() if k.help is not None}

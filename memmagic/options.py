@@ -86,7 +86,7 @@ def check_card_options(gpu: str | None, gpu_memory: str | None, *,
     (``--gpu ""``), which would otherwise run with no target card and no word. ``no_card``
     says how to do without a card (``%gpusim on`` has ``--gpu none``)."""
     if gpu is not None and not gpu.strip():
-        from .backends.sim.gpus import GPUS
+        from .backends.sim import GPUS
 
         names = ", ".join(g.name for g in GPUS.values())
         raise ValueError(f"--gpu needs a card name, one of {names}; or {no_card}")

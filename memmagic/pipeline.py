@@ -134,7 +134,7 @@ def backend_spec(request: CellRequest, *, persistent: bool = True) -> tuple[str,
         raise RequestError("--device picks a CUDA device: use it with --backend cuda on a GPU machine")
     options: dict[str, Any] = {}
     if name == "sim" and (request.gpu or request.gpu_memory):
-        from .backends.sim.gpus import option_spelling, resolve_target
+        from .backends.sim import option_spelling, resolve_target
 
         try:  # errors name the options as typed
             options["gpu"] = resolve_target(request.gpu, request.gpu_memory, spell=option_spelling)
@@ -216,7 +216,7 @@ def run_cell(request: CellRequest) -> CellResult:
 
 
 def _run_cell(request: CellRequest) -> CellResult:
-    from .backends.sim.errors import SimulationError
+    from .backends.sim import SimulationError
 
     values, cell_options = knob_values(request.knobs)
     backend = _backend(request)

@@ -23,7 +23,7 @@ import weakref
 from .failures import is_out_of_memory
 from .report import MemoryReport, format_bytes
 from . import _torch_private as _priv
-from .backends.sim.ranks import rank_zero_of
+from .backends.sim import rank_zero_of
 
 __all__ = ["ShardResult", "simulate_fsdp", "simulate_tp", "shard_memory", "ShardingUnsupported",
            "WORLD_SIZES", "rank_zero_of", "tp_plan", "parallelize"]
@@ -330,7 +330,7 @@ def _notebook_run(backend_cls: Any, session: Any, gpu: Any, gpu_memory: Any, aut
     """The cell on a copy of the notebook's simulated GPU (``session``): a first run shards
     the models of its optimizers (:func:`_shard_existing`), the cell then runs on what that
     left, from an emptied cache (rank 0 of a job that never held the whole model)."""
-    from .backends.sim.session import SimSession
+    from .backends.sim import SimSession
 
     work = SimSession()
     work.card, _notes = session.card.copy()
@@ -378,9 +378,7 @@ def simulate_tp(cell: str | RunFn, namespace: Mapping[str, Any] | None = None, *
 def _simulate(cell: str | RunFn, namespace: Mapping[str, Any] | None, world_size: int,
               style: str, gpu: Any, gpu_memory: Any, session: Any) -> ShardResult:
     from . import _torch_private as dist_priv
-    from .backends.sim import SimBackend
-    from .backends.sim.errors import SimulationUnsupported
-    from .backends.sim.session import session_of
+    from .backends.sim import SimBackend, SimulationUnsupported, session_of
 
     world_size = int(world_size)
     if world_size < 2:

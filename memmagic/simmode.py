@@ -114,8 +114,7 @@ class SimMode:
         from IPython.core.error import UsageError
 
         from .backends import simulation_running
-        from .backends.sim.gpus import resolve_target
-        from .backends.sim.session import shell_session
+        from .backends.sim import resolve_target, shell_session
         from .options import line_problem
 
         try:
@@ -136,7 +135,7 @@ class SimMode:
             return f"the simulated GPU was emptied ({format_bytes(held)} freed)"
         if verb != "on":
             raise UsageError(f"%gpusim: unknown {' '.join(words)!r}; {_USAGE}")
-        from .backends.sim.gpus import option_spelling
+        from .backends.sim import option_spelling
 
         try:
             gpu, gpu_memory = _on_options(rest)

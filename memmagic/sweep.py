@@ -176,7 +176,7 @@ def _device_events(trace: Any, entries: list[dict]) -> list[tuple[int, int]] | N
     """The tracker's device events as (code, bytes requested): the bytes its allocator
     entry asked for (the tracker holds them rounded up to 512), or the event's own for a
     storage from before the log; None where an event is not one allocator entry's."""
-    from .backends.sim.allocator import round_request
+    from .backends.sim import round_request
 
     asked: dict[Any, list[int]] = {}
     for e in entries:
@@ -241,7 +241,7 @@ class _Lines:
     def at(self, v: int) -> tuple[int, int] | None:
         """(peak, reserved peak) at ``v``: the tracker's live bytes at their highest and the
         allocator model's reserved peak, replaying the allocations at ``v``'s sizes."""
-        from .backends.sim.allocator import round_request
+        from .backends.sim import round_request
 
         sizes = self.sizes_at(v) if self.ok else None
         if sizes is None:

@@ -29,11 +29,13 @@ class Kernel:
     def send(self, code: str) -> str:
         return self.kc.execute(code)
 
-    def started(self, msg_id: str, timeout: float = 60) -> None:
-        """Wait until the cell ``msg_id`` begins to run."""
+    def printed(self, msg_id: str, text: str, timeout: float = 60) -> None:
+        """Wait until the cell ``msg_id`` prints ``text`` (it runs the user's code: a
+        SIGINT sent before that can land in the kernel's own code, not the cell's)."""
         while True:
             msg = self.kc.get_iopub_msg(timeout=timeout)
-            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input":
+            if (msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "stream"
+                    and text in msg["content"]["text"]):
                 return
 
     def reply(self, msg_id: str, timeout: float = 120) -> Reply:

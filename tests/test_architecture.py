@@ -90,3 +90,37 @@ def test_the_magic_is_thin():
                        "memmagic.backends.cpu", "memmagic.backends.cuda",
                        "memmagic.backends.sim.backend"} == set()
     assert "memmagic.pipeline" in imported
+
+
+def test_the_simulator_has_one_door():
+    """Code outside ``memmagic.backends.sim`` imports its names from the package, never
+    from its modules (the names it exports are its interface)."""
+    inside = "memmagic.backends.sim"
+    found = sorted(f"{m} imports {t}" for m, p in MODULES.items()
+                   if not (m == inside or m.startswith(inside + "."))
+                   for t, _ in _imports(m, p) if t.startswith(inside + "."))
+    assert found == []
+
+
+# the measurement core: what every backend and front end stands on, standing on nothing of
+# theirs (a layer's imports point down only)
+CORE = {"memmagic._torch_private", "memmagic.patching", "memmagic.interrupts",
+        "memmagic.failures", "memmagic.report", "memmagic.trace", "memmagic.objgraph",
+        "memmagic.tracking", "memmagic.snapshot"}
+
+
+def test_the_measurement_core_imports_nothing_above_it():
+    found = sorted(f"{m} imports {t}" for m in CORE for t, _ in _imports(m, MODULES[m])
+                   if t not in CORE and t != "memmagic")
+    assert found == []
+
+
+def test_the_code_explains_itself_without_issue_numbers():
+    """A docstring or comment says why, not which issue asked (torch's issue numbers, as
+    sources of a fact, are fine)."""
+    import re
+
+    ours = re.compile(r"(?<!pytorch )\bissue \d+", re.I)
+    found = [f"{name}:{i}" for name, path in MODULES.items()
+             for i, line in enumerate(path.read_text().splitlines(), 1) if ours.search(line)]
+    assert found == []

@@ -1,5 +1,6 @@
 """The benchmarks' quick mode runs end to end (so it cannot rot), writes a results file
-with machine, torch version and date, and the README generator touches only its block."""
+with machine, torch version and date, and the tables' generator touches only its block of
+the docs page (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pytest
 import torch
 
 from benchmarks import readme
+from benchmarks.render import markdown_results
 from benchmarks.run import main
+
+ROOT = Path(__file__).resolve().parent.parent
 
 FIGURES = {"a_overhead", "a_profile", "b_sim_speed", "c_accuracy", "c_loops", "d_peers",
            "e_whatif"}
@@ -106,25 +110,36 @@ def test_sim_rows_hold_numbers_once_the_simulator_works(quick):
         assert isinstance(row["sim"], int) or row["sim"].startswith("sim failed"), row
 
 
-def test_readme_replaces_only_its_block(quick, tmp_path, capsys):
+def test_docs_page_replaces_only_its_block(quick, tmp_path, capsys):
     out, _ = quick
     before, after = "# title\n\nintro\n\n", "\n\n## Layout\nrest\n"
-    md = tmp_path / "README.md"
+    md = tmp_path / "benchmarks.md"
     md.write_text(f"{before}{readme.START}\nold table\n{readme.END}{after}")
-    args = ["--results", str(out), "--readme", str(md), "--include-quick"]
+    args = ["--results", str(out), "--docs", str(md), "--include-quick"]
     assert readme.main(args) == 0
     text = md.read_text()
     assert text.startswith(before + readme.START) and text.endswith(readme.END + after)
     assert "old table" not in text and "| case |" in text and "| figure | result |" in text
     assert "torch " + torch.__version__ in text and "Taken on" in text
-    # without markers: printed, file untouched
+    # the folded tables are markdown inside HTML: marked for mkdocs' md_in_html
+    assert '<details markdown="1"><summary>' in text
+    # without markers: printed, file untouched (--readme: the option's old name)
     md.write_text("no markers here\n")
     capsys.readouterr()
-    assert readme.main(args) == 0
+    assert readme.main(["--results", str(out), "--readme", str(md), "--include-quick"]) == 0
     assert md.read_text() == "no markers here\n"
     assert "| case |" in capsys.readouterr().out
-    # quick results are not README material unless asked for
+    # quick results are not docs material unless asked for
     assert readme.latest_results(out) == []
+
+
+def test_docs_benchmarks_page_is_the_results_files():
+    """docs/benchmarks.md holds what `python -m benchmarks.readme` (its default target) writes
+    from results/: regenerate it after adding a results file."""
+    assert readme.DOCS_PAGE == ROOT / "docs" / "benchmarks.md"
+    text = readme.DOCS_PAGE.read_text(encoding="utf-8")
+    start = text.index(readme.START) + len(readme.START) + 1
+    assert text[start:text.index(readme.END)] == markdown_results(readme.latest_results(ROOT / "results"))
 
 
 def test_readme_takes_the_newest_run_of_each_figure(tmp_path):

@@ -19,7 +19,7 @@ RESULTS = ROOT / "results" / "gpu-check-nvidia-h100-80gb-hbm3.json"
 H100 = json.loads(RESULTS.read_text(encoding="utf-8"))
 SMS = H100["versions"]["multiprocessors"]
 
-# Checks the simulation still misses, and why (the README's fidelity section lists them with
+# Checks the simulation still misses, and why (docs/fidelity.md lists them with
 # their sizes): cuDNN's convolution workspaces (the algorithm cuDNN picks decides their size),
 # cuDNN's transient RNN workspace, GradScaler skipping both steps on the real GPU (inf
 # gradients at the first scales: no AdamW state), and the reserved memory of two cases not
@@ -48,7 +48,7 @@ def _within(sim: dict, real: dict) -> bool:
     pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n])) if n in KNOWN_MISSES
     else n for n in H100["real"]])
 def test_simulation_matches_the_real_h100(name):
-    """Known misses must still miss (strict): a fixed one leaves the list and the README's."""
+    """Known misses must still miss (strict): a fixed one leaves the list and docs/fidelity.md's."""
     check = next(c for c in gpu_check.CHECKS if c.name == name)
     real = H100["real"][name]
     sim = gpu_check.sim_run(check, {"gpu": "H100-80GB"})
@@ -140,7 +140,18 @@ def test_sdpa_picks_and_lays_out_as_the_gpu(gpu, backend):
     assert any(f"{backend} 1x" in n for n in out.report.notes), out.report.notes
 
 
-def test_readme_fidelity_section_is_the_results_file():
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = text.index(gpu_check.README_START) + len(gpu_check.README_START) + 1
-    assert text[start:text.index(gpu_check.README_END)] == gpu_check.fidelity_markdown(H100)
+def test_docs_fidelity_page_is_the_results_file():
+    """docs/fidelity.md holds what `python -m benchmarks.gpu_check --docs` writes."""
+    assert gpu_check.FIDELITY_PAGE == ROOT / "docs" / "fidelity.md"
+    text = gpu_check.FIDELITY_PAGE.read_text(encoding="utf-8")
+    start = text.index(gpu_check.FIDELITY_START) + len(gpu_check.FIDELITY_START) + 1
+    assert text[start:text.index(gpu_check.FIDELITY_END)] == gpu_check.fidelity_markdown(H100)
+
+
+@pytest.mark.parametrize("option", ["--docs", "--readme"])  # --readme: the option's old name
+def test_gpu_check_writes_the_tables_between_the_markers(option, tmp_path):
+    page = tmp_path / "fidelity.md"
+    page.write_text(f"# Fidelity\n\n{gpu_check.FIDELITY_START}\nold\n{gpu_check.FIDELITY_END}\n\nafter\n")
+    assert gpu_check.main([option, str(page), "--merge", str(RESULTS)]) == 0
+    assert page.read_text() == (f"# Fidelity\n\n{gpu_check.FIDELITY_START}\n"
+                                f"{gpu_check.fidelity_markdown(H100)}{gpu_check.FIDELITY_END}\n\nafter\n")

@@ -4,6 +4,7 @@ the allocator model's update, torch's Python under fake tensors or an import in 
 
 from __future__ import annotations
 
+import gc
 import queue
 import random
 import signal
@@ -126,6 +127,11 @@ def test_ctrl_c_while_the_whatif_panel_is_built_stops_the_cell(ip):
     """))
     assert isinstance(result.error_in_exec, KeyboardInterrupt)
     assert "panel" not in ip.user_ns  # no panel was made from the interrupted run
+    # the traceback IPython keeps holds the user's frames, not the simulation's
+    gc.collect()
+    card = getattr(getattr(ip, "_memmagic_sim_session", None), "card", None)
+    assert not [o for o in gc.get_objects() if type(o).__name__ == "SimTracker"
+                and o is not getattr(card, "tracker", None)]
 
 
 def test_a_ctrl_c_in_a_panel_rerun_stops_it(ip):
@@ -160,6 +166,7 @@ model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), tor
 opt = torch.optim.AdamW(model.parameters())
 """
 _LOOP = """
+print("looping", flush=True)
 for i in range(10**6):
     xb = torch.randn(64, 256, device="cuda")
     loss = model(xb).pow(2).mean()
@@ -211,7 +218,7 @@ def test_real_sigints_at_random_moments_are_all_honoured_and_the_card_stays_exac
     waits = []
     for i in range(120):
         msg_id = kernel.send(_LOOP)
-        kernel.started(msg_id)
+        kernel.printed(msg_id, "looping")
         time.sleep(rng.uniform(0.0, 0.25))
         sent = time.monotonic()
         kernel.interrupt()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import nbformat
 import pytest
+import torch
 from nbclient import NotebookClient
 
 from memmagic.backends.sim import SimulatedValue
@@ -140,6 +141,38 @@ def test_gpusim_on_with_a_quoted_card_on_top_of_a_cell(ip):
         assert r.error_in_exec is None, r.error_in_exec
         assert ip._memmagic_sim_mode.gpu == "T4"
         assert ip.run_cell_magic("gpumem", "-o -q", "y = 1").before == 4096  # x on the card
+    finally:
+        ip.run_line_magic("gpusim", "off")
+        ip.run_line_magic("gpusim", "reset")
+
+
+def test_a_card_name_with_a_space_in_quotes_works_in_later_cells(ip):
+    ip.run_cell('%gpusim on --gpu "RTX 4090"')
+    try:
+        r = ip.run_cell('x = torch.ones(1024, device="cuda")')
+        assert r.error_in_exec is None and r.error_before_exec is None
+        assert ip._memmagic_sim_session.card.target.name == "RTX4090"
+        report = ip.run_cell_magic("gpumem", '-o -q --gpu "A100 80GB"', "y = 1")
+        assert "A100-80GB" in report.device
+    finally:
+        ip.run_line_magic("gpusim", "off")
+        ip.run_line_magic("gpusim", "reset")
+
+
+def test_a_checkpoint_saved_in_one_simulated_cell_loads_in_the_next(ip, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    try:
+        ip.run_cell("m = torch.nn.Linear(8, 4).cuda()\ntorch.save(m.state_dict(), 'ckpt.pt')")
+        r = ip.run_cell("sd = torch.load('ckpt.pt')\nshape = tuple(sd['weight'].shape)")
+        assert r.error_in_exec is None, r.error_in_exec
+        ip.run_line_magic("gpusim", "off")
+        assert ip.user_ns["shape"] == (4, 8) and not (tmp_path / "ckpt.pt").exists()
+        # a real file written there since is what a later simulated load reads
+        torch.save({"real": torch.ones(2)}, tmp_path / "ckpt.pt")
+        ip.run_line_magic("gpusim", "on")
+        r = ip.run_cell("keys = sorted(torch.load('ckpt.pt'))")
+        assert r.error_in_exec is None and ip.user_ns["keys"] == ["real"]
     finally:
         ip.run_line_magic("gpusim", "off")
         ip.run_line_magic("gpusim", "reset")

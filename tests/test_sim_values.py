@@ -270,3 +270,25 @@ def test_one_random_draw_decides_a_path_for_real_and_gpu_draws_leave_the_host_ge
     torch.manual_seed(0)
     assert seen["host"] == torch.randint(0, 100, (4,)).tolist()
     assert "depend on data were read" not in " ".join(out.report.notes)
+
+
+def test_a_tensor_formats_as_torch_formats_it():
+    """``f"{loss:.4f}"`` (nanoGPT's and build-nanogpt's logging): a 0-d tensor formats its
+    value, a placeholder with its mark; ``f"{t}"`` prints as ``print(t)`` does."""
+    seen = {}
+    out, _ = run("""
+        import torch
+        model = torch.nn.Linear(8, 1).cuda()
+        loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
+        three = torch.ones((), device="cuda") * 3
+        seen["spec"] = f"{loss:.4f} {three:.2f} {three.long():>3d}"
+        seen["plain"] = f"{loss} {three} {torch.ones(2, device='cuda')}"
+        try:
+            f"{torch.ones(2, device='cuda'):.2f}"
+        except TypeError as exc:  # as torch: a spec on a tensor of several values
+            seen["many"] = type(exc).__name__
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["spec"] == "1.0000(simulated) 3.00   3"
+    assert seen["plain"] == "1.0(simulated) 3.0 tensor([1., 1.], device='cuda:0')"
+    assert seen["many"] == "TypeError"

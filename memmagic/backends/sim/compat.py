@@ -50,6 +50,7 @@ import importlib.abc
 import os
 import pickle
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -476,6 +477,28 @@ def _safetensors_save(run: _Run, original: Callable) -> Callable:
     return save
 
 
+# what simulated cells' torch.save left at each path: the simulated disk lasts as the real
+# one does (a path maps to the shapes of what was saved, a few hundred bytes a tensor)
+_SAVED_FILES: dict[str, tuple[Any, Any, float]] = {}
+
+
+def _saved_file(key: Any) -> tuple[Any, Any] | None:
+    """(tree, file) of what a simulated torch.save left at path ``key``; None when there is
+    none, or when the real file was written since (a real cell's save wins)."""
+    entry = _SAVED_FILES.get(key) if isinstance(key, str) else None
+    if entry is None:
+        return None
+    tree, f, when = entry
+    try:
+        newer = os.path.getmtime(key) > when
+    except OSError:
+        newer = False
+    if newer:
+        del _SAVED_FILES[key]
+        return None
+    return tree, f
+
+
 def _torch_save(run: _Run, original: Callable) -> Callable:
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any):
         if run.active:
@@ -486,7 +509,10 @@ def _torch_save(run: _Run, original: Callable) -> Callable:
                     tree = _describe(obj, {})
                 except Exception:  # a container that cannot be copied empty: load says so
                     tree = ("missing", type(obj).__name__)
-                run.saved[_file_key(f)] = (tree, f)
+                key = _file_key(f)
+                run.saved[key] = (tree, f)
+                if isinstance(key, str):  # a later cell's torch.load finds it too
+                    _SAVED_FILES[key] = (tree, f, time.time())
                 return None
         return original(obj, f, *args, **kwargs)
     save.__wrapped__ = original  # type: ignore[attr-defined]
@@ -496,7 +522,8 @@ def _torch_save(run: _Run, original: Callable) -> Callable:
 def _torch_load(run: _Run, original: Callable) -> Callable:
     def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any):
         if run.active and not isinstance(f, int):
-            hit = run.saved.get(_file_key(f))
+            key = _file_key(f)
+            hit = run.saved.get(key) or _saved_file(key)
             if hit is not None:
                 name = _label(f)
                 missing = _missing(hit[0], set())

@@ -6,6 +6,8 @@ import re
 
 import torch
 
+from ...failures import register_simulated_errors
+
 __all__ = ["SimulationError", "SimulationUnsupported", "SimulationBudgetExceeded",
            "SimulatedOutOfMemoryError", "SimulatedValueError", "SimulatedDeviceMismatchError",
            "SimulatedSizeError", "size_error", "AllocatorConfigError", "RERUN_HINT"]
@@ -65,6 +67,10 @@ class SimulatedSizeError(SimulationError):
     def __init__(self, message: str, *, op: str | None = None) -> None:
         super().__init__(message)
         self.op = op
+
+
+# they stand for an error of the simulated code (the traceback is cut below the user's line)
+register_simulated_errors(SimulationError, SimulatedOutOfMemoryError)
 
 
 # torch's words for it: its C++ size checks (CUDA and the CPU) and fake tensors' meta kernels

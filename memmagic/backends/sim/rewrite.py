@@ -68,7 +68,7 @@ class DeviceRewriteMode(TorchFunctionMode):
             T.type_as: lambda f, a, k: self._to(T.to, (a[0], a[1]), {}),
             T.new_tensor: self._new, T.new: self._new,
             T.tolist: self._tolist, T.numpy: self._numpy, T.__array__: self._array,
-            T.__repr__: self._repr, T.__str__: self._repr,
+            T.__repr__: self._repr, T.__str__: self._repr, T.__format__: self._format,
             _priv.PARSE_TO_FUNCTION: self._parse_to, T.__deepcopy__: self._deepcopy,
             T.item: self._marked_read,  # (int(t) and float(t) return plain numbers: Python
                                         # makes exact ints and floats of what __int__ gives)
@@ -260,6 +260,16 @@ class DeviceRewriteMode(TorchFunctionMode):
         arr = self._numpy(func, args[:1], {})
         dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
         return arr.astype(dtype) if dtype is not None else arr
+
+    def _format(self, func, args, kwargs):
+        """``f"{t:.4f}"`` as torch formats a tensor: a 0-d one by its value (a marked
+        placeholder where the simulation has none, as ``t.item()``), any other by its str."""
+        t, spec = args[0], (args[1] if len(args) > 1 else "")
+        if t.dim() == 0:
+            return format(self._marked_read(torch.Tensor.item, (t,), {}), spec)
+        if not spec:
+            return self._repr(func, args, kwargs)
+        return func(*args, **kwargs)  # torch's TypeError for a spec on a tensor of values
 
     def _repr(self, func, args, kwargs):
         t = args[0]

@@ -39,7 +39,7 @@ class SimulatedFloat(float):
     __str__ = __repr__
 
     def __format__(self, spec: str) -> str:
-        return float.__format__(self, spec) + "(simulated)"
+        return float.__format__(self, spec) + "(simulated)" if spec else repr(self)
 
 
 class SimulatedInt(int):
@@ -53,7 +53,7 @@ class SimulatedInt(int):
     __str__ = __repr__
 
     def __format__(self, spec: str) -> str:
-        return int.__format__(self, spec) + "(simulated)"
+        return int.__format__(self, spec) + "(simulated)" if spec else repr(self)
 
 
 def marked(value: Any) -> Any:
