@@ -120,17 +120,18 @@ def _fail(message: str) -> int:
 
 def _bad_input(args: argparse.Namespace) -> str | None:
     """What is wrong with the command line (one line that says what to do), or None."""
+    from .options import check_card_options
+
     if not args.script.is_file():
         return f"no script at {args.script}: give the path of a Python file"
     if args.steps is not None and args.steps < 1:
         return "--steps needs a positive number of optimizer steps"
     if args.time_limit is not None and not args.time_limit > 0:
         return "--time-limit needs a positive number of seconds"
-    for option in ("gpu", "gpu_memory"):
-        value = getattr(args, option)
-        if value is not None and not value.strip():
-            return (f"--{option.replace('_', '-')} is empty: give a card (--gpu T4, --gpu "
-                    "A100-80GB) or its size (--gpu-memory 16GiB), or leave the option out")
+    try:  # the magic's own check: an empty card would run with no target and no word
+        check_card_options(args.gpu, args.gpu_memory)
+    except ValueError as exc:
+        return str(exc)
     for option in ("json", "timeline", "snapshot"):
         path = getattr(args, option)
         why = None if path is None else _unwritable(path)

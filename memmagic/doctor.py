@@ -30,8 +30,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-from .failures import (is_machinery, is_out_of_memory, is_user_file, release_call_closures,
-                       requested_bytes)
+from .failures import (clear_frame, is_machinery, is_out_of_memory, is_user_file,
+                       release_call_closures, requested_bytes)
 from .report import MemoryReport, format_bytes, needed
 from .objgraph import saved_tensors, walk
 from .trace import Category
@@ -584,24 +584,10 @@ def free_traceback(error: BaseException | None = None) -> int:
             if id(f) in seen or f.f_locals is f.f_globals:
                 continue
             seen.add(id(f))
-            if _clear_frame(f):
+            if clear_frame(f):
                 cleared += 1
     gc.collect()
     return cleared
-
-
-def _clear_frame(f: Any) -> bool:
-    """Clear a finished frame's variables, and the dict snapshot of them that reading
-    ``f_locals`` leaves on the frame (Python < 3.13 keeps it, with its references)."""
-    try:
-        f.clear()
-    except RuntimeError:  # a frame still running
-        return False
-    try:
-        f.f_locals  # re-synced from the cleared frame: the snapshot drops its entries
-    except Exception:
-        pass
-    return True
 
 
 def release_failed_cell(error: BaseException, namespace: Mapping[str, Any] | None = None
@@ -612,7 +598,7 @@ def release_failed_cell(error: BaseException, namespace: Mapping[str, Any] | Non
     release_call_closures(_tb_of(error))
     for f in _frames(_tb_of(error)):
         if f.f_locals is not f.f_globals:
-            _clear_frame(f)
+            clear_frame(f)
     import gc
 
     gc.collect()

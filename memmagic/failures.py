@@ -21,7 +21,7 @@ from .report import parse_bytes
 __all__ = ["PACKAGE_DIR", "GENERATOR_FLAGS", "frames_of", "release_call_closures", "is_machinery", "is_user_file", "is_out_of_memory",
            "requested_bytes", "requested_text", "release_own_frames", "strip_own_frames",
            "needs_missing_cuda", "add_note_once", "NO_GPU_HINT", "simulated_error_types",
-           "register_simulated_errors",
+           "register_simulated_errors", "clear_frame",
            "error_text"]
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -235,17 +235,23 @@ def _clear_finished(tbs: list[Any]) -> None:
     would close it). A deeper frame still held (a logging handler's record of the error
     holds the frame that logged it) keeps them alive through ``f_back``."""
     for t in tbs:
-        f = t.tb_frame
-        if f.f_code.co_flags & GENERATOR_FLAGS:
-            continue
-        try:
-            f.clear()
-        except RuntimeError:  # still running
-            continue
-        try:
-            f.f_locals  # re-synced: the snapshot of the variables drops them (Python < 3.13)
-        except Exception:
-            pass
+        if not t.tb_frame.f_code.co_flags & GENERATOR_FLAGS:
+            clear_frame(t.tb_frame)
+
+
+def clear_frame(f: Any) -> bool:
+    """Clear a finished frame's variables, and the dict snapshot of them that reading
+    ``f_locals`` leaves on the frame (Python < 3.13 keeps it, with its references); False
+    for a frame still running."""
+    try:
+        f.clear()
+    except RuntimeError:  # a frame still running
+        return False
+    try:
+        f.f_locals  # re-synced from the cleared frame: the snapshot drops its entries
+    except Exception:
+        pass
+    return True
 
 
 _SIMULATED_ERRORS: list[type[BaseException]] = []

@@ -305,7 +305,7 @@ class _Run:
         self.patches = patches
         self.notes = notes
         self.skips = _Skips(notes)
-        self.saved: dict[Any, tuple[Any, Any]] = {}  # file key -> (tree, the file object)
+        self.saved: dict[Any, tuple[Any, Any]] = {}  # a file object's key -> (tree, the file)
         self.loaded: list[str] = []
         self.paged = 0  # bytes of bitsandbytes' paged (unified-memory) tensors made
         self.paged_note = 0  # where in notes their note is
@@ -482,10 +482,10 @@ def _safetensors_save(run: _Run, original: Callable) -> Callable:
 _SAVED_FILES: dict[str, tuple[Any, Any, float]] = {}
 
 
-def _saved_file(key: Any) -> tuple[Any, Any] | None:
+def _saved_file(key: str) -> tuple[Any, Any] | None:
     """(tree, file) of what a simulated torch.save left at path ``key``; None when there is
     none, or when the real file was written since (a real cell's save wins)."""
-    entry = _SAVED_FILES.get(key) if isinstance(key, str) else None
+    entry = _SAVED_FILES.get(key)
     if entry is None:
         return None
     tree, f, when = entry
@@ -510,9 +510,10 @@ def _torch_save(run: _Run, original: Callable) -> Callable:
                 except Exception:  # a container that cannot be copied empty: load says so
                     tree = ("missing", type(obj).__name__)
                 key = _file_key(f)
-                run.saved[key] = (tree, f)
-                if isinstance(key, str):  # a later cell's torch.load finds it too
+                if isinstance(key, str):  # a path: a later cell's torch.load finds it too
                     _SAVED_FILES[key] = (tree, f, time.time())
+                else:  # a file object: this run's
+                    run.saved[key] = (tree, f)
                 return None
         return original(obj, f, *args, **kwargs)
     save.__wrapped__ = original  # type: ignore[attr-defined]
@@ -523,7 +524,7 @@ def _torch_load(run: _Run, original: Callable) -> Callable:
     def load(f: Any, map_location: Any = None, *args: Any, **kwargs: Any):
         if run.active and not isinstance(f, int):
             key = _file_key(f)
-            hit = run.saved.get(key) or _saved_file(key)
+            hit = _saved_file(key) if isinstance(key, str) else run.saved.get(key)
             if hit is not None:
                 name = _label(f)
                 missing = _missing(hit[0], set())
