@@ -95,7 +95,7 @@ def overhead_profile(cfg: Config, reps: int) -> Figure:
     """Where the CPU backend's time goes, for one case: fixed cost per measurement
     (finding the tensors that already exist, installing hooks, the result) and the
     per-op cost of the dispatch-mode tracker."""
-    from memmagic.tracking import Tracking, reachable_existing, scan_existing
+    from memmagic.core.tracking import Tracking, reachable_existing, scan_existing
 
     fig = Figure(
         "a_profile", f"3a'. Where the CPU backend's overhead goes ({cfg.label}, {cfg.size} size)",
@@ -597,8 +597,7 @@ def whatif_cell(case: str, size: str) -> str:
 def _panel(case: str, size: str):
     """A what-if panel on the tutorial cell (no cache: every change re-runs), or (None, why)."""
     try:
-        from memmagic.cell import Cell
-        from memmagic.widgets import WhatIfPanel
+        from memmagic import Cell, WhatIfPanel  # names every commit compared has
     except Exception as exc:  # noqa: BLE001 - say why, never invent a number
         return None, f"what-if panel unavailable: {type(exc).__name__}: {exc}"[:160]
     batch = zoo.CASES[size][case].input_size[0]
@@ -720,8 +719,11 @@ def whatif_sweep_row(size: str, case: str, reps: int) -> dict[str, Any]:
     """The 4 x 10 sweep of one tutorial cell: the first sweep after one baseline run, then
     ``reps`` repeats."""
     try:
-        from memmagic.cell import Cell
-        from memmagic.sweep import sweep
+        from memmagic import Cell
+        try:  # the module path before the sub-packages, for --against an older commit
+            from memmagic.whatif import sweep
+        except ImportError:
+            from memmagic.sweep import sweep
     except Exception as exc:  # noqa: BLE001
         return {"case": case, "first_s": f"unavailable: {exc}"[:120]}
     cell = Cell(whatif_cell(case, size), {},
@@ -749,7 +751,7 @@ def whatif_sweep_row(size: str, case: str, reps: int) -> dict[str, Any]:
 def whatif_sweep(size: str, case: str = "transformer", reps: int = 2, against: Any = None) -> Figure:
     fig = Figure(
         "w_whatif_sweep", f"3w'. What-if sweep: 4 strategies x 10 batch sizes ({case})",
-        "memmagic.sweep.sweep() of the tutorial cell over batch_size 1:512 (1, 2, 4, ..., 512) "
+        "memmagic.whatif.sweep() of the tutorial cell over batch_size 1:512 (1, 2, 4, ..., 512) "
         "for fp32 / fp32 + ckpt / AMP bf16 / AMP bf16 + ckpt on the simulated GPU (no card), "
         "wall time of the whole sweep; 'first' is the first sweep of the process after one "
         "baseline run (every new batch shape is new to the op cache), 'again' the "

@@ -268,7 +268,7 @@ def _let_go(ns: dict[str, Any]) -> None:
 def real_run(check: Check, trace: bool, strings: dict[str, int]) -> dict[str, Any]:
     import torch
 
-    from memmagic import _torch_private as priv
+    from memmagic.core import _torch_private as priv
 
     row: dict[str, Any] = {}
     ns: dict[str, Any] = {}
@@ -325,7 +325,7 @@ def _allocs(fn) -> list[list[Any]]:
     """The allocator's (action, size) events while ``fn`` runs (alloc and free only)."""
     import torch
 
-    from memmagic import _torch_private as priv
+    from memmagic.core import _torch_private as priv
 
     torch.cuda.synchronize()
     priv.record_memory_history("all", device=0, max_entries=1 << 18, clear_history=True)
@@ -605,7 +605,7 @@ def real_events(traces_dir: Path, name: str) -> list[tuple[str, int, int, str]]:
 
 def sim_events(check: Check, options: dict[str, Any]) -> list[tuple[str, int, int, str]]:
     from memmagic.backends import get_backend
-    from memmagic.snapshot import snapshot_dict
+    from memmagic.core.snapshot import snapshot_dict
 
     code = compile(cell_source(check), f"<{check.name}>", "exec")
     out = get_backend("sim", **options).execute(lambda ns: exec(code, ns), {})

@@ -19,7 +19,7 @@ import torch
 
 from memmagic import zoo
 from memmagic.backends import get_backend
-from memmagic.tracking import StorageTracker
+from memmagic.core.tracking import StorageTracker
 
 from .cases import Config, cell_source, cpu_cannot_run, runner, sim_backend, warm_step
 from .common import Figure, paired, status_of

@@ -14,6 +14,9 @@ In scripts: :func:`measure` and :func:`track` return the same :class:`MemoryRepo
 from __future__ import annotations
 
 from .report import Category, MemoryReport, format_bytes, parse_bytes
+from ._moved import install as _install_moved
+
+_install_moved()  # the module paths of before the sub-packages: see memmagic._moved
 
 __all__ = [
     "Category", "MemoryReport", "format_bytes", "parse_bytes", "measure", "track",
@@ -35,20 +38,16 @@ def __getattr__(name: str):
         from . import pipeline
 
         return getattr(pipeline, name)
-    if name in ("Cell", "Setting", "KNOBS"):  # the what-if engine
-        from . import cell, knobs
+    if name in ("Cell", "Setting", "KNOBS", "find_batch_size", "find_seq_len"):  # what-if
+        from . import whatif
 
-        return getattr(cell, name, None) or getattr(knobs, name)
-    if name in ("find_batch_size", "find_seq_len"):  # memmagic.sweep.sweep() is the sweep itself
-        import importlib
-
-        return getattr(importlib.import_module(f"{__name__}.sweep"), name)
+        return getattr(whatif, name)
     if name in ("check_budget", "BudgetExceeded"):  # memory budgets as tests
-        from . import budget
+        from .frontends import budget
 
         return getattr(budget, name)
     if name == "WhatIfPanel":
-        from .widgets import WhatIfPanel
+        from .frontends.widgets import WhatIfPanel
 
         return WhatIfPanel
     raise AttributeError(f"module 'memmagic' has no attribute {name!r}")
@@ -57,7 +56,7 @@ def __getattr__(name: str):
 def load_ipython_extension(ipython) -> None:
     """``%load_ext memmagic``: register ``%%gpumem``, ``%gpumem`` and ``%gpusim`` (a Ctrl-C
     meanwhile waits for the imports to finish)."""
-    from .interrupts import held
+    from .core.interrupts import held
 
     try:
         with held():
@@ -79,8 +78,8 @@ def _half_imported(exc: BaseException) -> str:
 
 
 def _load(ipython) -> None:
-    from .magics import MemMagics
-    from .simmode import sim_mode
+    from .frontends.magics import MemMagics
+    from .frontends.simmode import sim_mode
 
     ipython.register_magics(MemMagics)
     _guard_cells(ipython)
@@ -98,7 +97,7 @@ def _load(ipython) -> None:
 
 def _guard_cells(ipython) -> None:
     """No Ctrl-C lands inside an import or memmagic's bookkeeping in this shell's cells."""
-    from .interrupts import guard_cells
+    from .core.interrupts import guard_cells
 
     stop = ipython.__dict__.pop("_memmagic_stop_guard", None)
     if stop is not None:  # a second %load_ext: one guard

@@ -1,5 +1,5 @@
-"""``python -m memmagic run train.py ...``: see :mod:`memmagic.cli`."""
+"""``python -m memmagic run train.py ...``: see :mod:`memmagic.frontends.cli`."""
 
-from .cli import main
+from .frontends.cli import main
 
 raise SystemExit(main())

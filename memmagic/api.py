@@ -9,33 +9,37 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from .backends import Measurement, get_backend
-from .failures import NO_GPU_HINT, add_note_once, needs_missing_cuda, release_own_frames
+from .core.failures import NO_GPU_HINT, add_note_once, needs_missing_cuda
+from .pipeline import CellRequest, RequestError, run_cell
 from .report import MemoryReport
 
 __all__ = ["measure", "track"]
+
+_SIMULATE = 'memmagic.measure(fn, backend="sim")'  # how a script says "simulate a GPU"
 
 
 def measure(fn: Callable[[], Any], *, backend: str = "auto", **options: Any) -> MemoryReport:
     """Run ``fn()`` and return the :class:`MemoryReport` of what it did to memory.
 
     ``backend`` is "auto" (cuda when a GPU is usable, else cpu), "cuda", "cpu" or "sim";
-    ``options`` go to the backend (``gpu=``, ``gpu_memory=`` for sim, ...).
+    ``options`` go to the backend (``gpu=``, ``gpu_memory=`` for sim, ...). The call takes
+    the pipeline's road (:func:`memmagic.pipeline.run_cell`), as a cell of the magic does.
     If ``fn`` raises, the same exception propagates with the report up to the failure
     attached as ``exc.memmagic_report`` (and, where CUDA code failed for want of a GPU, a
     note that ``backend="sim"`` simulates one).
     """
     if not callable(fn):
         raise TypeError(f"measure() needs a function to call, got {type(fn).__name__}")
-    be = get_backend(backend, **options)
-    outcome = be.measure(fn)
-    error = outcome.error
-    if error is not None:
-        release_own_frames(error.__traceback__)
-        _attach(error, outcome.report)
-        if be.name != "sim" and needs_missing_cuda(error):
-            add_note_once(error, NO_GPU_HINT.format(how='memmagic.measure(fn, backend="sim")'))
-        raise error
-    return outcome.report
+    request = CellRequest("", backend=backend, run=lambda _namespace: fn(),
+                          backend_options=options, simulate=_SIMULATE)
+    try:
+        result = run_cell(request)
+    except RequestError as exc:  # the backend's own error, as get_backend raised it
+        raise (exc.__cause__ or exc) from None
+    if result.error is not None:
+        _attach(result.error, result.report)
+        raise result.error
+    return result.report
 
 
 @contextmanager
@@ -56,7 +60,7 @@ def track(*, backend: str = "auto", **options: Any) -> Iterator[Measurement]:
         if holder is not None and holder.report is not None:
             _attach(exc, holder.report)
         if needs_missing_cuda(exc):
-            add_note_once(exc, NO_GPU_HINT.format(how='memmagic.measure(fn, backend="sim")'))
+            add_note_once(exc, NO_GPU_HINT.format(how=_SIMULATE))
         raise
 
 

@@ -16,18 +16,21 @@ call these; nothing here knows IPython.
 from __future__ import annotations
 
 import gc
+import sys
 import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
+from . import doctor
 from .backends import BACKEND_NAMES, BackendUnavailable, Outcome, get_backend
-from .failures import (NO_GPU_HINT, add_note_once, cuda_usable, is_out_of_memory,
+from .core.failures import (NO_GPU_HINT, add_note_once, cuda_usable, is_out_of_memory,
                        needs_missing_cuda, release_own_frames, requested_text, strip_own_frames)
-from .interrupts import guarded, is_interrupt
-from .knobs import KNOBS, KnobError
+from .core.interrupts import guarded, is_interrupt
+from .whatif.knobs import KNOBS, KnobError
 from .report import MemoryReport, Note, format_bytes
 
-__all__ = ["CellRequest", "CellResult", "RequestError", "run_cell", "make_cell", "knob_values"]
+__all__ = ["CellRequest", "CellResult", "RequestError", "run_cell", "make_cell", "knob_values",
+           "ranking_engine"]
 
 
 class RequestError(ValueError):
@@ -47,7 +50,10 @@ class CellRequest:
     ``knobs``: knob name -> value or option text (``{"amp": "fp16"}``); ``advise``: the
     memory doctor's full advice, also after a cell that ran; ``world_size``: the simulated
     GPU is rank 0 of that many (the cell's tensor parallel, FSDP2, DTensors), the cell runs
-    on a copy of the notebook's simulated GPU."""
+    on a copy of the notebook's simulated GPU. ``backend_options`` go to the backend as
+    they are (the Python API's keyword arguments); ``simulate`` is how the front end says
+    "run it on the simulated GPU" in its notes; ``unit``, what it runs in its words ("cell",
+    "script")."""
 
     source: str
     namespace: dict = field(default_factory=dict, repr=False)
@@ -61,6 +67,9 @@ class CellRequest:
     advise: bool = False
     run: Callable[[dict], Any] | None = field(default=None, repr=False)
     world_size: int | None = None
+    backend_options: Mapping[str, Any] = field(default_factory=dict)
+    simulate: str = "--backend sim"
+    unit: str = "cell"
 
 
 @dataclass
@@ -85,7 +94,7 @@ class CellResult:
         return (f"memmagic: out of memory on {r.device}: tried to allocate "
                 f"{requested_text(self.error) or 'an unknown amount'} while "
                 f"{format_bytes(r.after)} of tensors were live (peak {format_bytes(r.peak)}). "
-                "The failed cell's local variables were released." + _left_text(r))
+                f"The failed {r.unit}'s local variables were released." + _left_text(r))
 
 
 def _left_text(report: MemoryReport) -> str:
@@ -158,36 +167,37 @@ def backend_spec(request: CellRequest, *, persistent: bool = True) -> tuple[str,
             options["breakdown"] = False
     elif not request.breakdown:
         raise RequestError("--no-breakdown applies to --backend cuda only")
-    return name, options
+    return name, {**options, **request.backend_options}
 
 
 def _backend(request: CellRequest):
     name, options = backend_spec(request)
     try:
         return get_backend(name, **options)
-    except (BackendUnavailable, ValueError, TypeError) as exc:
-        raise RequestError(str(exc)) from None
+    except (BackendUnavailable, ValueError, TypeError) as exc:  # the cause: the backend's own
+        raise RequestError(str(exc)) from exc
 
 
 def make_cell(request: CellRequest, *, isolated: bool = True, leave_out: tuple[str, ...] = ()):
-    """The what-if engine (:class:`memmagic.cell.Cell`) of this request: its knobs are the
+    """The what-if engine (:class:`memmagic.whatif.engine.Cell`) of this request: its knobs are the
     baseline; ``isolated`` runs leave the namespace's names as they were and start from a
     copy of the notebook's simulated GPU (``leave_out``: names whose simulated objects that
     copy goes without)."""
-    from .cell import Cell
-    from .knobs import Setting
+    from .whatif.engine import Cell
+    from .whatif.knobs import Setting, for_backend_option
 
     values, cell_options = knob_values(request.knobs)
     name, options = backend_spec(request, persistent=not isolated)
     if leave_out and "start_from" in options:
         options["leave_out"] = leave_out
-    if isolated and name == "sim" and request.gpu and not request.gpu_memory:
-        try:  # a card of the table: the panel's gpu knob starts there
-            Setting(gpu=request.gpu)
+    card = for_backend_option("gpu")  # the knob that stands for the sim backend's gpu=
+    if isolated and name == "sim" and request.gpu and not request.gpu_memory and card:
+        try:  # a card of the table: the panel's target GPU knob starts there
+            Setting(**{card.name: request.gpu})
         except KnobError:
             pass
         else:
-            values["gpu"] = request.gpu
+            values[card.name] = request.gpu
             options.pop("gpu", None)
     try:
         return Cell(request.source, request.namespace, backend=name, backend_options=options,
@@ -210,7 +220,7 @@ def run_cell(request: CellRequest) -> CellResult:
     measurement inside a simulated one, a card too small to start); the cell's own
     exception is returned, never raised (a Ctrl-C too, with no advice: the caller raises
     it). While it runs, a Ctrl-C waits for memmagic's bookkeeping to end
-    (:mod:`memmagic.interrupts`)."""
+    (:mod:`memmagic.core.interrupts`)."""
     with guarded(strict=request.backend == "sim"):
         return _run_cell(request)
 
@@ -231,11 +241,11 @@ def _run_cell(request: CellRequest) -> CellResult:
             ns = dict(request.namespace) if isolated else request.namespace
             outcome = backend.execute(_runner(request), ns)
     except (KnobError, SimulationError) as exc:  # refused before the cell ran
-        raise RequestError(str(exc)) from None
+        raise RequestError(str(exc)) from exc
     if isinstance(outcome.error, KnobError):  # memmagic's, in the run: a knob that cannot
         release_own_frames(outcome.error.__traceback__)  # apply to this cell
         raise RequestError(str(outcome.error)) from None
-    report = _with_notes(outcome, request, backend)
+    report = replace(_with_notes(outcome, request, backend), unit=request.unit)
     error = outcome.error
     if error is not None:  # before the doctor reads the traceback's frames
         release_own_frames(error.__traceback__)
@@ -252,7 +262,7 @@ def _run_cell(request: CellRequest) -> CellResult:
 def _runner(request: CellRequest) -> Callable[[dict], Any]:
     if request.run is not None:
         return request.run
-    from .cell import compile_cell
+    from .whatif.engine import compile_cell
 
     return compile_cell(request.source)
 
@@ -263,7 +273,7 @@ def _with_notes(outcome: Outcome, request: CellRequest, backend: Any) -> MemoryR
     notes: list[Note] = []
     if request.backend == "auto" and backend.name == "cpu":
         notes.append(Note("auto picked the cpu backend: no usable CUDA GPU here "
-                          "(use --backend sim to predict what a GPU would use)", "backend"))
+                          f"(use {request.simulate} to predict what a GPU would use)", "backend"))
     target = getattr(backend, "target", None)
     card = getattr(target, "resized_from", None)
     if request.gpu and request.gpu_memory and card is not None:
@@ -272,8 +282,8 @@ def _with_notes(outcome: Outcome, request: CellRequest, backend: Any) -> MemoryR
                           f"with the {card.name}'s kernels", "card"))
     if error is not None and backend.name != "sim" and needs_missing_cuda(error):
         notes.append(Note("the cell needs a CUDA GPU, which this machine lacks: "
-                          "--backend sim runs it on a simulated one", "backend"))
-        add_note_once(error, NO_GPU_HINT.format(how="--backend sim"))
+                          f"{request.simulate} runs it on a simulated one", "backend"))
+        add_note_once(error, NO_GPU_HINT.format(how=request.simulate))
     if not notes:
         return report
     own = report.notes
@@ -284,55 +294,32 @@ def _with_notes(outcome: Outcome, request: CellRequest, backend: Any) -> MemoryR
 
 def _release_failed_cell(error: BaseException) -> None:
     """Free what the failed cell's frames hold so that the next cell can run."""
-    from . import doctor
-
     doctor.release_failed_cell(error)  # clears the frames (and f_locals snapshots)
     traceback.clear_frames(error.__traceback__)
     gc.collect()
 
 
 # -- the memory doctor ------------------------------------------------------------------------
-def _doctor_view(request: CellRequest) -> dict:
-    """The namespace as the doctor walks it (simulated objects of the notebook's GPU stand
-    for their placeholders)."""
-    from . import doctor
-
-    session = request.session if request.backend == "sim" else None
-    return doctor.namespace_view(request.namespace, session)
+def _sim_session(request: CellRequest) -> Any:
+    return request.session if request.backend == "sim" else None
 
 
 def _doctor_snapshot(request: CellRequest):
     """What the namespace holds before the cell (--advise lists what the cell left)."""
-    if not request.advise:
-        return None
-    from . import doctor
-
-    return doctor.snapshot(_doctor_view(request))
+    return doctor.before_cell(request.namespace, _sim_session(request)) if request.advise else None
 
 
 def _advise(request: CellRequest, report: MemoryReport, error: BaseException | None,
             before: Any) -> Any:
     """The doctor's advice: with ``advise`` always; after a failed cell, the short one (an
-    out of memory on the simulated GPU is ranked too: its re-runs are cheap)."""
-    if error is None and not request.advise:
-        return None
-    import sys
-
-    from . import doctor
-
+    out of memory on the simulated GPU is ranked too: its re-runs are cheap, through the
+    engine :func:`ranking_engine` gives)."""
+    ranked = bool(request.source) and (request.advise or request.backend == "sim")
     try:
-        view = _doctor_view(request)
-        if error is None:
-            return doctor.advise(view, report=report, since=before)
-        if not is_out_of_memory(error):
-            return doctor.advise(view, report=report, error=error)
-        cell = None
-        if request.advise or request.backend == "sim":
-            cell = _ranking_cell(request)
-        return doctor.advise(view, report=report, error=error, cell=cell,
-                             strategies=cell is not None,
-                             world_sizes=(2, 4, 8) if request.advise else (),
-                             bound=_bound_names(request), on_device=_on_device(request))
+        return doctor.after_cell(request.namespace, report, error, full=request.advise,
+                                 session=_sim_session(request), since=before,
+                                 engine=(lambda: _ranking_cell(request)) if ranked else None,
+                                 bound=_bound_names(request), unit=request.unit)
     except RequestError:
         return None
     except Exception as exc:  # the doctor never hides the cell's own outcome
@@ -341,38 +328,32 @@ def _advise(request: CellRequest, report: MemoryReport, error: BaseException | N
         return None
 
 
-def _on_device(request: CellRequest) -> Callable[[Any], bool] | None:
-    """On the notebook's simulated GPU: whether a simulated tensor is on the card (the
-    card's tracker knows; the host's tensors are fake too). None elsewhere."""
-    card = getattr(request.session, "card", None) if request.backend == "sim" else None
-    tracker = getattr(card, "tracker", None)
-    if tracker is None:
-        return None
-
-    def on_device(t: Any) -> bool:
-        entry = tracker.entry_of(t)
-        return entry is None or entry.pool == "device"
-
-    return on_device
+def ranking_engine(source: str, namespace: Mapping[str, Any] | None = None, *,
+                   gpu: str | None = None, gpu_memory: int | str | None = None):
+    """The what-if engine the doctor ranks fixes of ``source`` with: the cell on the
+    simulated GPU (``gpu``/``gpu_memory``: its card), leaving ``namespace`` as it was."""
+    request = CellRequest(source, dict(namespace or {}), backend="sim", gpu=gpu,
+                          gpu_memory=None if gpu_memory is None else str(gpu_memory))
+    return make_cell(request, isolated=True)
 
 
 def _bound_names(request: CellRequest) -> list[str]:
     """The names the cell's source binds in the notebook's namespace (none for a function
     run)."""
-    from .cell import assigned_names
+    from .whatif.engine import assigned_names
 
     return sorted(assigned_names(request.source)) if request.source else []
 
 
 def _ranking_cell(request: CellRequest):
-    """The engine the doctor ranks fixes with: the cell as written on the simulated GPU (a
+    """The engine the doctor ranks fixes with: the cell as it ran on the simulated GPU (a
     card of the real one's size after a real out of memory), from the state before the cell
     ran (what it bound before failing, a model it builds, stays out of the copy)."""
     sim = request
     if request.backend != "sim":
         sim = replace(request, backend="sim", gpu=None, gpu_memory=_real_card_memory(request),
                       device=None, breakdown=True)
-    sim = replace(sim, knobs={})
+    # with the request's knobs: the fixes are for what ran (--batch-size 64), not the text
     return make_cell(sim, isolated=True, leave_out=tuple(_bound_names(request)))
 
 

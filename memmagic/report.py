@@ -193,6 +193,8 @@ class MemoryReport:
     # the memory doctor's advice on this cell (memmagic.doctor.Advice), when asked for
     # (--advise) or after a failed cell
     advice: Any = field(default=None, repr=False, compare=False)
+    # what ran, in the report's words: "cell" (the magic, the API), "script" (the command line)
+    unit: str = field(default="cell", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -300,7 +302,7 @@ class MemoryReport:
             line += f" {verdict} {self.gpu_name or 'GPU'} ({format_bytes(self.gpu_memory)})"
         if self.error:
             err = self.error if len(self.error) <= 90 else self.error[:89] + "…"
-            line += f" (cell failed: {err})"
+            line += f" ({self.unit} failed: {err})"
         return line
 
     def _rows(self) -> list[tuple[str, str]]:
@@ -421,7 +423,7 @@ class MemoryReport:
             for r in rows:
                 lines.append(f"    {r.module:<28}{format_bytes(r.activations):>12}  {r.share:6.1%}")
         if self.error:
-            lines.append(f"  cell failed: {self.error}")
+            lines.append(f"  {self.unit} failed: {self.error}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -473,7 +475,7 @@ class MemoryReport:
             notes = (f"<details style='{_MUTED}'><summary>{count} note{'s' if count != 1 else ''}: "
                      f"where these numbers come from and what they leave out</summary>"
                      f"<ul>{items}</ul></details>")
-        err = f"<p style='{_ERROR}'>cell failed: {esc(self.error)}</p>" if self.error else ""
+        err = f"<p style='{_ERROR}'>{self.unit} failed: {esc(self.error)}</p>" if self.error else ""
         return (
             f"<div class='memmagic-report'>{head}{err}"
             f"<table>{rows}</table>"

@@ -2,7 +2,7 @@
 it was freed, and the allocations and frees in order. Plain data; importing this module
 needs no torch.
 
-A :class:`Trace` is what the tracker (:mod:`memmagic.tracking`) leaves behind; the report
+A :class:`Trace` is what the tracker (:mod:`memmagic.core.tracking`) leaves behind; the report
 summarises it, and the timeline, the per-module table and the snapshot writer read it.
 Op indices count the tracked ops of the run from 1; index 0 is "before the run".
 All sizes are ``int`` bytes, as the allocator would hold them (512-byte rounding on a

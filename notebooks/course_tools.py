@@ -2,7 +2,7 @@
 
 Each notebook keeps its own copy in a cell, so a student reads (and can change) the code
 where it runs; this module is the one definition of each, and
-``tests/test_notebook_sources.py`` checks that every copy in ``notebooks/src/`` is
+``tests/course/test_notebook_sources.py`` checks that every copy in ``notebooks/src/`` is
 character for character the same. Change a snippet here and in the sources together.
 
     import course_tools                      # from notebooks/ (a notebook's working directory)

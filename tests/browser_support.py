@@ -1,6 +1,6 @@
 """Harness for the real-browser tests: Jupyter servers on a free port, headless Chromium.
 
-Nothing here is a test. ``tests/test_browser.py`` uses it to start a Jupyter server (which
+Nothing here is a test. ``tests/frontends/test_browser.py`` uses it to start a Jupyter server (which
 serves JupyterLab at ``/lab`` and Notebook 7 at ``/notebooks``) or Voila on ``127.0.0.1`` (a free port, a token, a temporary root and temporary config,
 settings, workspace, runtime and data directories, so nothing from the user's own Jupyter
 setup leaks in and nothing is left behind), to drive Debian's ``chromium`` through

@@ -47,7 +47,7 @@ def ip(_shell):
 
 def global_state() -> dict:
     """Every piece of global torch state memmagic could touch."""
-    from memmagic import _torch_private as priv
+    from memmagic.core import _torch_private as priv
 
     return {
         "dispatch_modes": priv.dispatch_mode_depth(),
@@ -60,7 +60,7 @@ def global_state() -> dict:
         "default_device": str(torch.get_default_device()),
         "default_dtype": torch.get_default_dtype(),
         "grad_enabled": torch.is_grad_enabled(),
-        "sigint_handler": signal.getsignal(signal.SIGINT),  # memmagic.interrupts' guard
+        "sigint_handler": signal.getsignal(signal.SIGINT),  # memmagic.core.interrupts' guard
         "trace_function": sys.gettrace(),
     }
 
@@ -101,6 +101,6 @@ def pytest_collection_finish(session):
         raise pytest.UsageError("no tests were collected: check testpaths in pyproject.toml")
 
 
-# The browser tests' fixture notebook is opened by tests/test_browser.py in a real browser;
+# The browser tests' fixture notebook is opened by tests/frontends/test_browser.py in a real browser;
 # nbval must not collect it (its outputs are not stored).
 collect_ignore = ["browser"]

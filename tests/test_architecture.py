@@ -63,7 +63,7 @@ def test_no_two_modules_import_each_other():
 def test_no_module_uses_another_modules_private_names():
     found = [(m, t, n) for m, p in MODULES.items() for t, n in _imports(m, p)
              if n.startswith("_") and not n.startswith("__")
-             and t != "memmagic._torch_private"]
+             and t != "memmagic.core._torch_private"]
     assert found == []
 
 
@@ -81,12 +81,12 @@ def test_functions_are_short_or_say_why_not():
 
 
 def test_the_magic_is_thin():
-    magic = MODULES["memmagic.magics"]
+    magic = MODULES["memmagic.frontends.magics"]
     assert len(magic.read_text().splitlines()) < 250
-    imported = {t for t, _ in _imports("memmagic.magics", magic)}
+    imported = {t for t, _ in _imports("memmagic.frontends.magics", magic)}
     # the magic reaches the library through the pipeline: it runs no backend, reads no
     # failure and asks no doctor itself (the notebook's simulated GPU is the shell's)
-    assert imported & {"memmagic.doctor", "memmagic.failures", "memmagic.tracking",
+    assert imported & {"memmagic.doctor", "memmagic.core.failures", "memmagic.core.tracking",
                        "memmagic.backends.cpu", "memmagic.backends.cuda",
                        "memmagic.backends.sim.backend"} == set()
     assert "memmagic.pipeline" in imported
@@ -102,17 +102,56 @@ def test_the_simulator_has_one_door():
     assert found == []
 
 
-# the measurement core: what every backend and front end stands on, standing on nothing of
-# theirs (a layer's imports point down only)
-CORE = {"memmagic._torch_private", "memmagic.patching", "memmagic.interrupts",
-        "memmagic.failures", "memmagic.report", "memmagic.trace", "memmagic.objgraph",
-        "memmagic.tracking", "memmagic.snapshot"}
+# The layers, bottom first: a module imports from its own layer or those below, never above
+# (front ends -> pipeline -> doctor -> what-if -> charts -> backends -> measurement core ->
+# the report's data). The folder is the layer: a new module lands in one by where it lives.
+LAYERS = [
+    ("data", ("memmagic.report", "memmagic.trace", "memmagic.zoo")),
+    ("core", ("memmagic.core",)),
+    ("backends", ("memmagic.backends",)),
+    ("charts", ("memmagic.charts",)),
+    ("whatif", ("memmagic.whatif",)),
+    ("doctor", ("memmagic.doctor",)),
+    ("pipeline", ("memmagic.pipeline", "memmagic.api")),
+    ("frontends", ("memmagic.frontends",)),
+    ("package", ("memmagic", "memmagic._moved")),
+]
 
 
-def test_the_measurement_core_imports_nothing_above_it():
-    found = sorted(f"{m} imports {t}" for m in CORE for t, _ in _imports(m, MODULES[m])
-                   if t not in CORE and t != "memmagic")
-    assert found == []
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the layer ``module`` belongs to (its longest matching prefix)."""
+    best, depth = None, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and prefix.count(".") > depth:
+                best, depth = i, prefix.count(".")
+    assert best is not None, f"{module} belongs to no layer: add it to LAYERS"
+    return best
+
+
+def test_every_module_belongs_to_a_layer_and_imports_point_down():
+    up = sorted(f"{m} ({LAYERS[layer_of(m)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
+                for m, p in MODULES.items() for t, _ in _imports(m, p)
+                if layer_of(t) > layer_of(m))
+    assert up == []
+
+
+def test_the_layers_are_the_folders():
+    """Every sub-package of memmagic is a layer of its own (or the backends' simulator), so
+    the folder list reads as the architecture diagram."""
+    folders = {f"memmagic.{p.name}" for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    layered = {prefix for _, prefixes in LAYERS for prefix in prefixes}
+    assert folders <= layered
+    top = sorted(m for m in MODULES if m.count(".") == 1 and m not in layered
+                 and not MODULES[m].name == "__init__.py")
+    assert top == ["memmagic.__main__"]  # python -m memmagic
+
+
+def test_layer_of_reads_the_longest_prefix():
+    assert LAYERS[layer_of("memmagic.core.tracking")][0] == "core"
+    assert LAYERS[layer_of("memmagic.backends.sim.allocator")][0] == "backends"
+    assert LAYERS[layer_of("memmagic.api")][0] == "pipeline"
+    assert LAYERS[layer_of("memmagic")][0] == "package"
 
 
 def test_the_code_explains_itself_without_issue_numbers():

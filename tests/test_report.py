@@ -89,7 +89,7 @@ def test_reading_a_report_needs_no_torch_ipython_or_matplotlib():
 
 
 def test_core_layers_do_not_import_presentation():
-    assert _loaded_by("memmagic.tracking, memmagic.backends.cpu, memmagic.api",
+    assert _loaded_by("memmagic.core.tracking, memmagic.backends.cpu, memmagic.api",
                       ("IPython", "ipywidgets", "matplotlib")) == "[]"
 
 

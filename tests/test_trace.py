@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import memmagic
-from memmagic import _torch_private as priv
+from memmagic.core import _torch_private as priv
 from memmagic import zoo
 from memmagic.report import Category
 from memmagic.trace import NO_MODULE, PHASES, Trace, module_rows_at
@@ -313,7 +313,7 @@ def test_the_trace_needs_no_torch_and_tracking_no_presentation():
                               check=True).stdout.strip()
 
     assert loaded("memmagic.trace", ("torch", "IPython", "matplotlib")) == "[]"
-    assert loaded("memmagic.tracking, memmagic.trace, memmagic.backends.sim",
+    assert loaded("memmagic.core.tracking, memmagic.trace, memmagic.backends.sim",
                   ("IPython", "ipywidgets", "matplotlib")) == "[]"
 
 

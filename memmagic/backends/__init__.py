@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..failures import cuda_usable
+from ..core.failures import cuda_usable
 from .base import Backend, BackendUnavailable, Measurement, Outcome, compiled_note
 
 __all__ = ["Backend", "Outcome", "Measurement", "BackendUnavailable", "get_backend", "BACKEND_NAMES",

@@ -8,10 +8,10 @@ from typing import Any, Iterator
 
 import torch
 
-from .. import _torch_private as _priv
-from ..failures import error_text
+from ..core import _torch_private as _priv
+from ..core.failures import error_text
 from ..report import MemoryReport
-from ..tracking import Tracking
+from ..core.tracking import Tracking
 from .base import Backend, Measurement, compiled_note
 
 __all__ = ["CPUBackend", "CPU_NOTES"]

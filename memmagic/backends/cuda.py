@@ -25,11 +25,11 @@ from typing import Iterator
 
 import torch
 
-from .. import _torch_private as _priv
-from ..failures import error_text
+from ..core import _torch_private as _priv
+from ..core.failures import error_text
 from ..report import MemoryReport
-from ..tracking import Tracking
-from ..failures import cuda_usable
+from ..core.tracking import Tracking
+from ..core.failures import cuda_usable
 from .base import Backend, BackendUnavailable, Measurement
 
 __all__ = ["CUDABackend", "AllocatorProbe", "replay_peak", "CUDA_NOTES"]
@@ -128,7 +128,7 @@ class CUDABackend(Backend):
     def __init__(self, device: int | None = None, breakdown: bool = True,
                  probe: AllocatorProbe | None = None, snapshot: bool = False) -> None:
         """``snapshot=True`` keeps the allocator's own snapshot of the cell on the report
-        (``report.cuda_snapshot``, for :func:`memmagic.snapshot.write_snapshot`)."""
+        (``report.cuda_snapshot``, for :func:`memmagic.core.snapshot.write_snapshot`)."""
         if probe is None:
             if not cuda_usable():
                 raise BackendUnavailable(

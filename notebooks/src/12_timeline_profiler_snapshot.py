@@ -53,7 +53,7 @@ print("peak reached", step.peak_words)
 # the forward pass and fall through backward while the gradients (orange) appear.
 
 # %%
-from memmagic.plots import timeline_chart
+from memmagic.charts.plots import timeline_chart
 timeline_chart(step)
 
 # %% [markdown]
@@ -141,7 +141,7 @@ loss.backward()
 opt.step()
 
 # %%
-from memmagic.snapshot import write_snapshot, snapshot_dict
+from memmagic.core.snapshot import write_snapshot, snapshot_dict
 path = write_snapshot(sim_step, "transformer_step.pickle")
 snap = snapshot_dict(sim_step)
 events = snap["device_traces"][0]

@@ -28,8 +28,8 @@ from memmagic import format_bytes
 
 # %%
 from memmagic import zoo
-from memmagic.cell import Cell
-from memmagic.sweep import sweep, find_batch_size
+from memmagic.whatif import Cell
+from memmagic.whatif import sweep, find_batch_size
 
 STEP = """
 model, _ = zoo.build("transformer", device="cuda")

@@ -51,7 +51,7 @@ for n in (1, 2, 4, 8):
 
 # %%
 from memmagic import zoo
-from memmagic.sharding import shard_memory
+from memmagic.whatif.sharding import shard_memory
 
 STEP = """
 model, batch = zoo.build("transformer", device="cuda")

@@ -57,7 +57,7 @@ for row in report.modules_at(3)[:6]:
 # engine under the panel). `STEP` is the cell above, as text.
 
 # %%
-from memmagic.cell import Cell
+from memmagic.whatif import Cell
 
 STEP = """
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -89,7 +89,7 @@ for what, knobs in [("as written", {}), ("AMP fp16", {"amp": "fp16"}),
 # fragmentation and other processes:
 
 # %%
-from memmagic.sweep import find_batch_size
+from memmagic.whatif import find_batch_size
 print(find_batch_size(cell, margin=0.10, high=256).how)
 
 # %% [markdown]

@@ -27,7 +27,7 @@ import warnings
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*", category=FutureWarning)
 from memmagic import Cell, Setting
-from memmagic.sweep import sweep
+from memmagic.whatif import sweep
 from memmagic.backends.sim.gpus import resolve_target
 
 CARDS = {name: resolve_target(name).total_memory for name in ("T4", "RTX4090", "A100-80GB")}

@@ -29,7 +29,7 @@ the CUDA allocator's history records it (``torch.cuda.memory._record_memory_hist
 "alloc", "free_requested", "free_completed", "segment_alloc", "segment_free" and "oom",
 with the model's addresses; :meth:`~CachingAllocatorModel.take_log` returns them with
 the segments and blocks held at that moment (what ``torch.cuda.memory._snapshot()``
-calls "segments"). :mod:`memmagic.snapshot` writes both as a memory_viz snapshot.
+calls "segments"). :mod:`memmagic.core.snapshot` writes both as a memory_viz snapshot.
 
 :meth:`~CachingAllocatorModel.memory_stats` keeps the allocator's own statistics under
 ``torch.cuda.memory_stats()``'s names ("allocated_bytes.all.current",
@@ -45,7 +45,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ...interrupts import atomic
+from ...core.interrupts import atomic
 
 __all__ = ["CachingAllocatorModel", "AllocatorLog", "round_request", "segment_size", "AllocatorFull",
            "STAT_NAMES", "AllocatorConfig", "parse_alloc_conf", "alloc_conf_from_env",
@@ -820,6 +820,12 @@ class CachingAllocatorModel:
     def size_of(self, key: object) -> int:
         block = self._live.get(key)
         return 0 if block is None else block.size
+
+    def address_of(self, key: object) -> int | None:
+        """The address of ``key``'s block (what ``data_ptr()`` gives on the card); None
+        for a key with no block."""
+        block = self._live.get(key)
+        return None if block is None else block.addr
 
     def empty_cache(self) -> int:
         """Release every segment with no block in use; return the bytes released."""

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.amp.autocast_mode as _amp_mode
 
-from ... import _torch_private as _priv
+from ...core import _torch_private as _priv
 
 __all__ = ["make_autocast_classes", "install_cuda_autocast_policy", "CUDA_POLICY"]
 

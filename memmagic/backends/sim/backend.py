@@ -15,17 +15,18 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ... import _torch_private as _priv
+from ...core import _torch_private as _priv
 from ...report import Category, MemoryReport, Note, format_bytes
-from ...tracking import Tracking, RoleHooks
-from ...failures import is_user_file, release_call_closures, release_own_frames
+from ...core.tracking import Tracking, RoleHooks
+from ...core.failures import is_user_file, release_call_closures, release_own_frames
 from ..base import Backend, Outcome
 from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
 from .compat import install_compat
 from .cuda_api import SimulatedCuda
 from .constants import CONSTANT_NUMEL
-from .ranks import rank_zero_of
+from .files import keep_overwritten_files
+from .ranks import node_gpus, rank_zero_of
 from .rewrite import DeviceRewriteMode
 from .state import CPU, CUDA0, SimState, is_cuda_device
 from .tracker import SimTracker
@@ -37,9 +38,9 @@ from .errors import (
     SimulationUnsupported,
     size_error,
 )
-from .gpus import DEFAULT_CAPABILITY, GPUSpec, resolve_target
+from .gpus import DEFAULT_CAPABILITY, CardSpec, resolve_target
 from .kernels import install_cuda_kernels
-from ...patching import Patches
+from ...core.patching import Patches
 from .sandbox import Sandbox, sanitize_value
 from .session import Card, SimSession
 
@@ -47,9 +48,10 @@ __all__ = ["SimBackend", "SIM_NOTES", "KERNELS", "clear_op_cache"]
 
 KERNELS = ("cuda", "cpu")
 SIM_NOTES = (
-    "simulated on fake tensors: no CUDA context (hundreds of MiB on the card), no cuDNN "
-    "workspaces (a convolution's depends on the algorithm cuDNN picks at run time), no "
-    "buffers kernels allocate and free inside themselves",
+    "simulated on fake tensors: the allocator's figures leave out the CUDA context (hundreds "
+    "of MiB on the card, outside the allocator), cuDNN's workspaces (a convolution's depends "
+    "on the algorithm cuDNN picks at run time) and buffers kernels allocate and free inside "
+    "themselves",
 )
 _CUDA_NOTE = ("CUDA behaviour modeled: 512-byte rounding, flash/memory-efficient attention, "
               "bool dropout masks, foreach optimizers, the CUDA autocast op policy")
@@ -67,6 +69,9 @@ _RANKS_NOTE = ("rank 0 of {n} GPUs: the figures are one GPU's; the cell ran on a
                "process group (init_device_mesh, parallelize_module, fully_shard and DTensors "
                "as on a GPU of the job; collectives return at once), so NCCL's own buffers "
                "(hundreds of MiB a GPU, outside PyTorch's allocator) are not counted")
+# a job's rank has no CPU run to fall back on (--backend cpu takes no --world-size)
+_RANK_HINT = ("as rank 0 of {n} GPUs it has no CPU run to fall back on: run the job on its "
+              "GPUs (torchrun), or simulate the part that fails without --world-size")
 _WORKERS_NOTE = "DataLoader workers ran in-process (num_workers=0) in the simulation"
 _ACTIVE: list = []  # the simulated run in progress (they do not nest)
 
@@ -138,7 +143,7 @@ class SimBackend(Backend):
 
     name = "sim"
 
-    def __init__(self, gpu: str | GPUSpec | None = None, gpu_memory: int | str | None = None,
+    def __init__(self, gpu: str | CardSpec | None = None, gpu_memory: int | str | None = None,
                  kernels: str = "cuda", max_ops: int = 2_000_000, max_seconds: float = 120.0,
                  op_cache: bool = True, session: SimSession | None = None,
                  start_from: SimSession | None = None, leave_out: Iterable[str] = (),
@@ -225,6 +230,7 @@ class SimBackend(Backend):
         if self.world_size is None:
             return self._execute_on(box, run, namespace, notes, copied)
         notes.append(_RANKS_NOTE.format(n=self.world_size))
+        box[0].state.node_gpus = node_gpus(self.world_size)  # the job's card is a copy
         with ExitStack() as stack:
             try:
                 stack.enter_context(rank_zero_of(self.world_size))
@@ -234,7 +240,7 @@ class SimBackend(Backend):
             return self._execute_on(box, run, namespace, notes, copied)
 
     @staticmethod
-    def _copy_card(card: Card, target: GPUSpec | None,
+    def _copy_card(card: Card, target: CardSpec | None,
                    leave_out: frozenset[str]) -> tuple[Card, list[str]]:
         copy, notes = card.copy(leave_out)
         try:
@@ -281,7 +287,7 @@ class SimBackend(Backend):
             value, shown = self._simulate(card, run, namespace, tracking, sandbox, installs,
                                           autocast, notes)
         except BaseException as exc:  # re-raised by the caller after rendering
-            error = _explain(exc)
+            error = _explain(exc, self.world_size)
             # the simulation's own finished frames (dispatch, tracker) hold the op's fake
             # tensors: a caller keeping the error must not keep them on the card
             release_own_frames(exc.__traceback__)
@@ -402,7 +408,7 @@ class SimBackend(Backend):
 
 
 # -- what a run installs (every one through the run's Patches) ---------------------------------
-def _install(patches: Patches, state: SimState, tracker: SimTracker, target: GPUSpec | None,
+def _install(patches: Patches, state: SimState, tracker: SimTracker, target: CardSpec | None,
              autocast: dict[str, Any], notes: list[str]) -> None:
     """Everything a simulated run changes in torch and in libraries."""
     # a meta kernel's error reaches the user as the op's own error: fake tensors' log of
@@ -412,6 +418,7 @@ def _install(patches: Patches, state: SimState, tracker: SimTracker, target: GPU
     _install_devices(patches, state)
     SimulatedCuda(tracker, target, notes).install(patches, autocast)
     install_compat(patches, notes, target)
+    keep_overwritten_files(patches, notes)
     _install_torch_adjustments(patches, notes)
 
 
@@ -469,6 +476,13 @@ def _install_devices(patches: Patches, state: SimState) -> None:
     patches.set(_priv.FakeTensorMode, "__deepcopy__", _priv.fake_mode_deepcopy)
     patches.set(torch, "set_default_device", set_default_device)
     patches.set(torch, "get_default_device", get_default_device)
+    storage_ptr = torch.UntypedStorage.data_ptr
+
+    def data_ptr(storage):  # a simulated storage's address; torch's for the others
+        address = state.storage_ptr(storage)
+        return storage_ptr(storage) if address is None else address
+
+    patches.set(torch.UntypedStorage, "data_ptr", data_ptr)
 
 
 def _install_torch_adjustments(patches: Patches, notes: list[str]) -> None:
@@ -648,9 +662,10 @@ _SMELLS = ("not compiled with CUDA", "NVIDIA driver", "CUDA driver", "Cannot acc
            "accelerator", "CUDA", "cuda")
 
 
-def _explain(exc: BaseException) -> BaseException:
+def _explain(exc: BaseException, world_size: int | None = None) -> BaseException:
     """The cell's exception, or a SimulationUnsupported naming the line when the failure
-    comes from what a simulation cannot do."""
+    comes from what a simulation cannot do (and what to do instead: ``world_size``, a job's
+    rank, has no CPU run)."""
     exc = size_error(exc) or exc  # sizes past 64 bits: CUDA's words, not fake tensors' frames
     if isinstance(exc, (SimulationError, SimulatedOutOfMemoryError)) or not isinstance(exc, Exception):
         if isinstance(exc, SimulatedOutOfMemoryError) and not getattr(exc, "_located", False):
@@ -685,7 +700,8 @@ def _explain(exc: BaseException) -> BaseException:
                "type of that kind is not simulated")
     else:
         why = f"{type(exc).__name__}: {first}"
-    new = SimulationUnsupported(f"{where}: cannot be simulated: {why}; {RERUN_HINT}")
+    hint = RERUN_HINT if world_size is None else _RANK_HINT.format(n=world_size)
+    new = SimulationUnsupported(f"{where}: cannot be simulated: {why}; {hint}")
     new.__cause__ = exc
     new._located = True  # type: ignore[attr-defined]
     return new

@@ -56,12 +56,12 @@ from typing import Any, Callable
 
 import torch
 
-from ... import _torch_private as _priv
+from ...core import _torch_private as _priv
 from .cuda_api import install_default_card_note
 from .errors import RERUN_HINT, SimulationUnsupported
-from .gpus import GPUSpec
-from ...patching import Patches
-from ...tracking import held_by
+from .gpus import CardSpec
+from ...core.patching import Patches
+from ...core.tracking import held_by
 
 __all__ = ["install_compat", "holds_simulated_tensors"]
 
@@ -681,7 +681,7 @@ def _forget_simulated_code_maps() -> None:
             del qmap[key]
 
 
-def install_compat(patches: Patches, notes: list[str], target: GPUSpec | None = None) -> None:
+def install_compat(patches: Patches, notes: list[str], target: CardSpec | None = None) -> None:
     """Install the adjustments for one simulated run (see the module's docstring); every
     one is undone by ``patches.restore()``. ``notes`` is the report's list of notes;
     ``target`` the named card (None: size queries answer for a default card, noted)."""

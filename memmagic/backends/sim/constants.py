@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import _torch_private as _priv
+from ...core import _torch_private as _priv
 from .state import CPU
 
 __all__ = ["CONSTANT_NUMEL", "propagate", "drop_unfounded_in_place"]

@@ -32,21 +32,21 @@ from typing import Any, Callable
 
 import torch
 
-from ... import _torch_private as _priv
-from ...interrupts import atomic
+from ...core import _torch_private as _priv
+from ...core.interrupts import atomic
 from ...report import format_bytes
-from ...snapshot import PICKLE_PROTOCOL
+from ...core.snapshot import PICKLE_PROTOCOL
 from .values import SimulatedFloat
 from .errors import RERUN_HINT, SimulationUnsupported
-from .gpus import DEFAULT_CAPABILITY, GPUS, GPUSpec
-from ...patching import Patches
+from .gpus import DEFAULT_CAPABILITY, GPUS, CardSpec
+from ...core.patching import Patches
 
 __all__ = ["SimDeviceProperties", "SimulatedCuda", "check_device", "install_default_card_note",
            "DEFAULT_CARD"]
 
 # The card the size queries (``mem_get_info``, ``get_device_properties``) answer for when
 # none is named: the sm_80 card whose kernels the simulation picks by default.
-DEFAULT_CARD: GPUSpec = GPUS.get("a100-40gb") or GPUSpec("A100-40GB", 40_536 << 20, (8, 0), 108)
+DEFAULT_CARD: CardSpec = GPUS.get("a100-40gb") or CardSpec("A100-40GB", 40_536 << 20, (8, 0), 108)
 _CARD_QUERIES = ("mem_get_info", "get_device_properties", "get_device_name")
 
 
@@ -312,7 +312,7 @@ class SimulatedCuda:
     device = _DeviceContext
     check_device = staticmethod(check_device)
 
-    def __init__(self, tracker, target: GPUSpec | None, notes: list[str] | None = None) -> None:
+    def __init__(self, tracker, target: CardSpec | None, notes: list[str] | None = None) -> None:
         self.tracker = tracker
         card = target or DEFAULT_CARD  # kernels follow DEFAULT_CAPABILITY without a target
         self.name = card.name
@@ -359,7 +359,7 @@ class SimulatedCuda:
             return
         mem = getattr(acc, "memory", None)
         values: dict[str, Any] = {
-            "is_available": lambda: True, "device_count": lambda: 1,
+            "is_available": lambda: True, "device_count": self.device_count,
             "current_accelerator": lambda check_available=False: torch.device("cuda"),
             "current_device_index": lambda: 0, "current_device_idx": lambda: 0,
             "set_device_index": check_device, "set_device_idx": check_device,
@@ -384,7 +384,8 @@ class SimulatedCuda:
         return True
 
     def device_count(self) -> int:
-        return 1
+        """1; as rank 0 of a job (``--world-size``), the GPUs of its node (up to 8)."""
+        return self.tracker.s.node_gpus
 
     def current_device(self) -> int:
         return 0
@@ -396,12 +397,21 @@ class SimulatedCuda:
         return None
 
     def get_device_name(self, device=None) -> str:
-        check_device(device)
+        self._check_on_node(device)
         return self.name
 
     def get_device_properties(self, device=None) -> SimDeviceProperties:
-        check_device(device)
+        self._check_on_node(device)
         return self.props
+
+    def _check_on_node(self, device) -> None:
+        """A GPU of the node may be asked about (as rank 0 of a job, the other ranks' GPUs
+        are the same card); only cuda:0 runs anything."""
+        idx = device if isinstance(device, int) else None
+        if idx is None and device is not None and not isinstance(device, int):
+            idx = torch.device(device).index
+        if idx is None or not 0 <= idx < self.device_count():
+            check_device(device)
 
     def get_device_capability(self, device=None) -> tuple[int, int]:
         return (self.props.major, self.props.minor)

@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from ...failures import register_simulated_errors
+from ...core.failures import register_simulated_errors
 
 __all__ = ["SimulationError", "SimulationUnsupported", "SimulationBudgetExceeded",
            "SimulatedOutOfMemoryError", "SimulatedValueError", "SimulatedDeviceMismatchError",
@@ -102,7 +102,7 @@ def size_error(error: BaseException) -> SimulatedSizeError | None:
 def _failed_op(tb) -> tuple[object, tuple]:
     """(aten op, its arguments) of the outermost dispatch of the failed op in ``tb``: the op
     the user's code called, before any decomposition."""
-    from ..._torch_private import OpOverload
+    from ...core._torch_private import OpOverload
 
     while tb is not None:
         local = tb.tb_frame.f_locals

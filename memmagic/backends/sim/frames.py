@@ -22,7 +22,7 @@ import sys
 import types
 from typing import Any, Callable, Iterator
 
-from ...failures import GENERATOR_FLAGS, frames_of, release_call_closures
+from ...core.failures import GENERATOR_FLAGS, frames_of, release_call_closures
 
 __all__ = ["release_call_closures", "release_tracebacks"]
 

@@ -9,7 +9,7 @@ from typing import Callable, Mapping
 
 from ...report import format_bytes, parse_bytes
 
-__all__ = ["GPUSpec", "GPUS", "resolve_target", "DEFAULT_CAPABILITY", "MIN_GPU_MEMORY",
+__all__ = ["CardSpec", "GPUS", "resolve_target", "DEFAULT_CAPABILITY", "MIN_GPU_MEMORY",
            "MAX_GPU_MEMORY", "api_spelling", "option_spelling", "CudaContext", "cuda_context"]
 
 _GiB = 1 << 30
@@ -28,7 +28,7 @@ DEFAULT_CAPABILITY = (8, 0)
 
 
 @dataclass(frozen=True)
-class GPUSpec:
+class CardSpec:
     """A card: ``total_memory`` in bytes is what ``torch.cuda.get_device_properties``
     reports (a little below the nominal size: the driver keeps some); ``capability`` is
     the compute capability, which decides e.g. whether flash attention can run."""
@@ -38,7 +38,7 @@ class GPUSpec:
     capability: tuple[int, int] = DEFAULT_CAPABILITY
     multi_processor_count: int = 0
     # the card of the table whose size ``gpu_memory`` replaced (``name`` then says both)
-    resized_from: "GPUSpec | None" = None
+    resized_from: "CardSpec | None" = None
 
     @property
     def major(self) -> int:
@@ -51,27 +51,27 @@ class GPUSpec:
 
 # Sizes are the usual torch-reported totals (MiB); laptop parts vary by vendor, so those
 # are the nominal size less the ~5% the driver typically keeps.
-GPUS: dict[str, GPUSpec] = {g.name.lower(): g for g in [
-    GPUSpec("laptop-4GB", 3_910 * _MiB, (8, 6), 16),
-    GPUSpec("laptop-6GB", 5_930 * _MiB, (8, 6), 30),
-    GPUSpec("laptop-8GB", 7_940 * _MiB, (8, 9), 24),
-    GPUSpec("GTX1080Ti", 11_172 * _MiB, (6, 1), 28),
-    GPUSpec("RTX2080Ti", 10_997 * _MiB, (7, 5), 68),
-    GPUSpec("RTX3060", 12_044 * _MiB, (8, 6), 28),
-    GPUSpec("RTX3090", 24_260 * _MiB, (8, 6), 82),
-    GPUSpec("RTX4060", 7_940 * _MiB, (8, 9), 24),
-    GPUSpec("RTX4090", 24_564 * _MiB, (8, 9), 128),
-    GPUSpec("T4", 15_095 * _MiB, (7, 5), 40),
-    GPUSpec("V100-16GB", 16_160 * _MiB, (7, 0), 80),
-    GPUSpec("V100-32GB", 32_501 * _MiB, (7, 0), 80),
-    GPUSpec("P100", 16_280 * _MiB, (6, 0), 56),
-    GPUSpec("L4", 22_478 * _MiB, (8, 9), 58),
-    GPUSpec("A10G", 22_516 * _MiB, (8, 6), 80),
-    GPUSpec("A100-40GB", 40_536 * _MiB, (8, 0), 108),
-    GPUSpec("A100-80GB", 81_051 * _MiB, (8, 0), 108),
+GPUS: dict[str, CardSpec] = {g.name.lower(): g for g in [
+    CardSpec("laptop-4GB", 3_910 * _MiB, (8, 6), 16),
+    CardSpec("laptop-6GB", 5_930 * _MiB, (8, 6), 30),
+    CardSpec("laptop-8GB", 7_940 * _MiB, (8, 9), 24),
+    CardSpec("GTX1080Ti", 11_172 * _MiB, (6, 1), 28),
+    CardSpec("RTX2080Ti", 10_997 * _MiB, (7, 5), 68),
+    CardSpec("RTX3060", 12_044 * _MiB, (8, 6), 28),
+    CardSpec("RTX3090", 24_260 * _MiB, (8, 6), 82),
+    CardSpec("RTX4060", 7_940 * _MiB, (8, 9), 24),
+    CardSpec("RTX4090", 24_564 * _MiB, (8, 9), 128),
+    CardSpec("T4", 15_095 * _MiB, (7, 5), 40),
+    CardSpec("V100-16GB", 16_160 * _MiB, (7, 0), 80),
+    CardSpec("V100-32GB", 32_501 * _MiB, (7, 0), 80),
+    CardSpec("P100", 16_280 * _MiB, (6, 0), 56),
+    CardSpec("L4", 22_478 * _MiB, (8, 9), 58),
+    CardSpec("A10G", 22_516 * _MiB, (8, 6), 80),
+    CardSpec("A100-40GB", 40_536 * _MiB, (8, 0), 108),
+    CardSpec("A100-80GB", 81_051 * _MiB, (8, 0), 108),
     # torch reports 81,079 MiB (measured, H100 80GB HBM3, driver 580): nvidia-smi shows
     # 81,559, of which the driver keeps 480
-    GPUSpec("H100-80GB", 81_079 * _MiB, (9, 0), 132),
+    CardSpec("H100-80GB", 81_079 * _MiB, (9, 0), 132),
 ]}
 _ALIASES = {
     "a100": "a100-40gb", "h100": "h100-80gb", "v100": "v100-16gb", "tesla-t4": "t4",
@@ -94,9 +94,9 @@ def option_spelling(name: str, value: object) -> str:
     return f"--{name.replace('_', '-')} {value}"
 
 
-def resolve_target(gpu: str | GPUSpec | None = None,
+def resolve_target(gpu: str | CardSpec | None = None,
                    gpu_memory: int | str | None = None, *,
-                   spell: Callable[[str, object], str] = api_spelling) -> GPUSpec | None:
+                   spell: Callable[[str, object], str] = api_spelling) -> CardSpec | None:
     """The card to simulate: ``gpu`` names one of :data:`GPUS` (case-insensitive),
     ``gpu_memory`` is its size (``int`` bytes or ``'10GiB'``, from :data:`MIN_GPU_MEMORY`
     to :data:`MAX_GPU_MEMORY`); both None means no target (nothing can run out).
@@ -104,8 +104,8 @@ def resolve_target(gpu: str | GPUSpec | None = None,
     Both given: the named card (its kernels, e.g. flash attention or not) with that much
     memory, named so (``'T4 with 6.00 GiB'``, ``resized_from`` the T4). ``spell(name,
     value)`` writes an argument as the user typed it in error messages."""
-    spec: GPUSpec | None = None
-    if isinstance(gpu, GPUSpec):
+    spec: CardSpec | None = None
+    if isinstance(gpu, CardSpec):
         spec = gpu
     elif gpu is not None:
         k = _key(gpu)
@@ -118,11 +118,11 @@ def resolve_target(gpu: str | GPUSpec | None = None,
     if gpu_memory is not None:
         size = _size(gpu_memory, spell)
         if spec is None:
-            return GPUSpec(f"GPU with {format_bytes(size)}", size)
+            return CardSpec(f"GPU with {format_bytes(size)}", size)
         card = spec.resized_from or spec
         if size == card.total_memory:
             return card
-        return GPUSpec(f"{card.name} with {format_bytes(size)}", size, card.capability,
+        return CardSpec(f"{card.name} with {format_bytes(size)}", size, card.capability,
                        card.multi_processor_count, resized_from=card)
     return spec
 
@@ -186,7 +186,7 @@ _MEASURED = {
 }
 
 
-def cuda_context(target: GPUSpec | None, env: Mapping[str, str] | None = None) -> CudaContext | None:
+def cuda_context(target: CardSpec | None, env: Mapping[str, str] | None = None) -> CudaContext | None:
     """The CUDA context on ``target``, read from the environment as CUDA does when it starts
     (``CUDA_MODULE_LOADING``). None for no target and for a bare size (``gpu_memory``): that
     is the memory PyTorch may reserve, a budget the context is not taken from."""

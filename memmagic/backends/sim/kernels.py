@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from ... import _torch_private as _priv
-from ...patching import Patches
+from ...core import _torch_private as _priv
+from ...core.patching import Patches
 
 __all__ = ["install_cuda_kernels", "choose_sdpa_backend", "mkldnn_rnn_workspace", "fix_outputs",
            "cudnn_lstm_reserve", "attention_backward_scratch",

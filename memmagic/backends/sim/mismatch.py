@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from ... import _torch_private as _priv
+from ...core import _torch_private as _priv
 from .errors import SimulatedDeviceMismatchError
 
 __all__ = ["device_rule", "check_same_device"]

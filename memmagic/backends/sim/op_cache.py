@@ -1,11 +1,11 @@
 """The simulation's op cache: outputs of fake ops built from their inputs' metadata.
 
 An engine, not a shim: it lives with its user (the simulated device) and reaches torch's
-private APIs only through :mod:`memmagic._torch_private` (the primitives it needs there:
+private APIs only through :mod:`memmagic.core._torch_private` (the primitives it needs there:
 ``no_dispatch``, ``op_schema``, ``bare_fake``, ``register_fake_constant``,
 ``dispatch_keys``, ``FAKE_DEVICE_ATTR``, ``fake_debug_enabled``, ``storage_key``,
 ``fake_dispatch_cache_size``, ``clear_fake_dispatch_cache``).
-Tested in tests/test_torch_private_sim.py (the op-cache section).
+Tested in tests/core/test_torch_private_sim.py (the op-cache section).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from ... import _torch_private as _priv
-from ..._torch_private import FakeTensor, FakeTensorMode
+from ...core import _torch_private as _priv
+from ...core._torch_private import FakeTensor, FakeTensorMode
 
 __all__ = ["FakeOutputCache", "FAKE_CACHE_MAX_ENTRIES", "FAKE_MODE_CACHE_MAX_ENTRIES",
            "bound_caches"]
@@ -52,7 +52,7 @@ class FakeOutputCache:
     takes 6.6 ms): its entry is derived from the op's own Meta kernel (the C++ structured
     kernel the CUDA kernel shares its shape logic with, or torch's Python meta
     registration), run on the fake inputs as FakeTensorMode runs a kernel
-    (:func:`memmagic._torch_private.meta_kernels`). Only for a *class* of calls where the
+    (:func:`memmagic.core._torch_private.meta_kernels`). Only for a *class* of calls where the
     two were seen to agree: the first miss of each class (the op, and each argument's
     dtype, device, rank, size-0/1 dims, stride order, contiguity and offset, its plain
     values, its int lists' length and -1/0/1 entries) runs FakeTensorMode as before and the

@@ -1,17 +1,61 @@
 """The simulated GPU as one rank of a multi-GPU job: torch's fake process group (every
 collective returns at once with outputs of the right shape), FSDP2's storage resizes counted
 and its streams run as one. Used by ``%%gpumem --world-size N`` (the sim backend's
-``world_size``) and by :mod:`memmagic.sharding`'s FSDP2 and tensor-parallel rows."""
+``world_size``) and by :mod:`memmagic.whatif.sharding`'s FSDP2 and tensor-parallel rows."""
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Iterator
 
-from ... import _torch_private as dist_priv
-from ... import tracking
+from ...core import _torch_private as dist_priv
+from ...core import tracking
+from ...core.patching import Patches
 
-__all__ = ["rank_zero_of"]
+__all__ = ["rank_zero_of", "node_gpus", "torchrun_environment"]
+
+# GPUs on one node of a job (torchrun's --nproc-per-node on an 8-GPU machine, the common case)
+GPUS_PER_NODE = 8
+
+
+def node_gpus(world_size: int) -> int:
+    """The GPUs rank 0's node has (what ``torch.cuda.device_count()`` answers there)."""
+    return max(1, min(int(world_size), GPUS_PER_NODE))
+
+
+def torchrun_environment(world_size: int) -> dict[str, str]:
+    """The environment torchrun gives rank 0 of a ``world_size`` job."""
+    return {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0",
+            "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(node_gpus(world_size)),
+            "ROLE_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500"}
+
+
+@contextmanager
+def _as_torchrun(world_size: int) -> Iterator[None]:
+    """While active, the process looks like rank 0 of a torchrun job: torchrun's
+    environment variables (put back after), and the job's own ``init_process_group`` /
+    ``destroy_process_group`` accepted on the fake group that is already there (whatever
+    backend they name: NCCL has no GPUs to talk to here)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    patches = Patches()
+    try:
+        for key, value in torchrun_environment(world_size).items():
+            patches.set_item(os.environ, key, value)
+        init = c10d.init_process_group
+
+        def init_process_group(*args, **kwargs):
+            return None if dist.is_initialized() else init(*args, **kwargs)
+
+        for module in (dist, c10d):
+            patches.set(module, "init_process_group", init_process_group)
+            patches.set(module, "destroy_process_group", lambda group=None: None)
+        yield
+    finally:
+        patches.restore()
 
 
 @contextmanager
@@ -45,9 +89,11 @@ def _fsdp_tracking() -> Iterator[None]:
 @contextmanager
 def rank_zero_of(world_size: int) -> Iterator[None]:
     """While active, this process is rank 0 of ``world_size`` ranks on a fake process group
-    (collectives return at once with outputs of the right shape): a simulated cell's
+    (collectives return at once with outputs of the right shape), as torchrun starts it
+    (its environment; the job's own ``init_process_group`` accepted): a simulated cell's
     ``init_device_mesh``, ``parallelize_module`` (tensor parallel), ``fully_shard`` (FSDP2)
     and DTensors run as on one GPU of the job, FSDP2's storage resizes counted. Raises
     RuntimeError when a process group exists already."""
-    with dist_priv.fake_process_group(world_size), _fsdp_tracking():
+    with dist_priv.fake_process_group(world_size), _fsdp_tracking(), _as_torchrun(world_size), \
+            dist_priv.dtensor_fake_args_on("cpu"):  # the simulation's CUDA fakes are CPU ones
         yield

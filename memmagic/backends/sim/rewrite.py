@@ -19,12 +19,12 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ... import _torch_private as _priv
-from ...interrupts import atomic
+from ...core import _torch_private as _priv
+from ...core.interrupts import atomic
 from .errors import RERUN_HINT, SimulationUnsupported
-from ...tracking import held_by
+from ...core.tracking import held_by
 from .state import CPU, CUDA0, SimState, is_cuda_device
-from .values import marked, tensor_numpy, tensor_repr, tensor_tolist
+from .values import holds_placeholder, marked, tensor_numpy, tensor_repr, tensor_tolist
 
 __all__ = ["DeviceRewriteMode"]
 
@@ -74,6 +74,7 @@ class DeviceRewriteMode(TorchFunctionMode):
                                         # makes exact ints and floats of what __int__ gives)
             T.data.__set__: self._set_data,
             T.record_stream: lambda f, a, k: None,  # one stream: nothing to wait for
+            T.data_ptr: self._data_ptr,
         }
         if state.cuda:
             h.update({
@@ -87,6 +88,12 @@ class DeviceRewriteMode(TorchFunctionMode):
         self._factories = _priv.device_constructors()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = self._route(func, types, args, kwargs)
+        if holds_placeholder(args) or (kwargs and holds_placeholder(tuple(kwargs.values()))):
+            _forget_values(func, args, out)  # made from a placeholder: its values are unknown
+        return out
+
+    def _route(self, func, types, args, kwargs):
         handler = self._handlers.get(func)
         if handler is not None:
             return handler(func, args, kwargs or {})
@@ -216,6 +223,19 @@ class DeviceRewriteMode(TorchFunctionMode):
         _priv.adopt_constant(args[0], args[1])
         return out
 
+    def _data_ptr(self, func, args, kwargs):
+        """The simulated address (a fake tensor's own is 0, with a warning that blames the
+        caller's code)."""
+        try:
+            address = self.s.data_ptr(args[0])
+        except (RuntimeError, NotImplementedError, TypeError):  # a wrapper with no storage
+            address = None
+        if address is not None:
+            return address
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            return func(*args, **kwargs)
+
     def _pin_memory(self, func, args, kwargs):
         return self._call(torch.Tensor.clone, (args[0],), {}, "host" if self.s.cuda else "device")
 
@@ -274,3 +294,21 @@ class DeviceRewriteMode(TorchFunctionMode):
     def _repr(self, func, args, kwargs):
         t = args[0]
         return tensor_repr(t, "cuda:0" if self.s.cuda and self.s.pool_of(t) == "device" else "cpu")
+
+
+def _forget_values(func, args, out) -> None:
+    """A tensor computed from a placeholder (``torch.tensor([loss.item()])``, ``losses[k] =
+    loss.item()``, ``t * x.item()``) has values the simulation does not know: it carries no
+    constant, so what is read from it later is a marked placeholder too, not the
+    placeholder's number passed off as a result. The output, and the tensor an in-place
+    op (``__setitem__``, ``add_``) changed."""
+    name = getattr(func, "__name__", "")
+    in_place = name == "__setitem__" or (name.endswith("_") and not name.startswith("_")) \
+        or name.startswith("__i")
+    targets = [out, *(args[:1] if in_place else ())]
+    while targets:
+        x = targets.pop()
+        if isinstance(x, torch.Tensor):
+            _priv.drop_constant(x)
+        elif isinstance(x, (list, tuple)):
+            targets.extend(x)

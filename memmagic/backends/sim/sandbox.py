@@ -30,9 +30,9 @@ from typing import Any, Iterator
 
 import torch
 
-from ... import _torch_private as _priv
-from ...patching import Patches
-from ...tracking import held_by
+from ...core import _torch_private as _priv
+from ...core.patching import Patches
+from ...core.tracking import held_by
 from .constants import CONSTANT_NUMEL
 from .values import SimulatedValue
 

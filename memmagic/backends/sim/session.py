@@ -28,19 +28,19 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ... import _torch_private as _priv
-from ...interrupts import atomic
+from ...core import _torch_private as _priv
+from ...core.interrupts import atomic
 from ...report import Category, format_bytes
 from .allocator import AllocatorConfig, AllocatorFull, CachingAllocatorModel, alloc_conf_from_env
 from .errors import AllocatorConfigError, SimulationUnsupported
-from .gpus import CudaContext, GPUSpec, cuda_context
+from .gpus import CudaContext, CardSpec, cuda_context
 from .op_cache import FakeOutputCache, bound_caches
-from ...patching import Patches
+from ...core.patching import Patches
 from .frames import release_tracebacks
 from .sandbox import Shadow, reachable_tensors
 from .state import SimState
 from .tracker import SimTracker
-from ...tracking import held_by
+from ...core.tracking import held_by
 from .values import SimulatedValue, forget
 from .workspaces import Workspaces
 
@@ -56,7 +56,7 @@ class Card:
     keeps the settings it was made with (``%gpusim reset`` makes a new card). A value
     torch refuses raises ValueError here."""
 
-    def __init__(self, kernels: str, target: GPUSpec | None, capability: tuple[int, int],
+    def __init__(self, kernels: str, target: CardSpec | None, capability: tuple[int, int],
                  max_ops: int, max_seconds: float, entries: dict | None,
                  alloc_config: AllocatorConfig | None = None) -> None:
         cuda = kernels == "cuda"
@@ -103,12 +103,12 @@ class Card:
         _priv.forget_dead_constants(self.fake_mode)
         bound_caches(self.fast.entries if self.fast is not None else self._entries)
 
-    def _hold_context(self, context: CudaContext | None, target: GPUSpec | None) -> None:
+    def _hold_context(self, context: CudaContext | None, target: CardSpec | None) -> None:
         """The card holds ``context`` (None: none counted) beside the allocator."""
         self.tracker.cuda_context = context
         self.tracker.card_memory = target.total_memory if target else 0
 
-    def retarget(self, target: GPUSpec | None) -> str | None:
+    def retarget(self, target: CardSpec | None) -> str | None:
         """Put the card's live blocks into a model of another card; a note, or None."""
         if target == self.target:
             return None
@@ -415,7 +415,7 @@ class SimSession:
         return card is not None and any(k in namespace and namespace[k] is sh.shown
                                         for k, sh in card.shadow.items())
 
-    def card_for(self, kernels: str, target: GPUSpec | None, capability: tuple[int, int],
+    def card_for(self, kernels: str, target: CardSpec | None, capability: tuple[int, int],
                  max_ops: int, max_seconds: float, entries: dict | None) -> tuple[Card, list[str]]:
         """The card for a cell with these options (made on first use), and notes."""
         notes: list[str] = []

@@ -13,8 +13,8 @@ import linecache
 import sys
 import torch
 
-from ...failures import is_user_file
-from ...tracking import StorageTracker
+from ...core.failures import is_user_file
+from ...core.tracking import StorageTracker
 from .errors import SimulationUnsupported
 
 __all__ = ["SimState", "is_cuda_device", "user_line", "CUDA0", "CPU", "META"]
@@ -24,6 +24,9 @@ CPU = torch.device("cpu")
 META = torch.device("meta")
 
 _DEVICE_KINDS: dict[object, bool] = {}
+# where simulated host storages' addresses start (the card's are the allocator model's, from
+# 1 << 40): apart from each other and from the card's
+_HOST_ADDRESSES = 1 << 56
 _OTHER_OK = ("cpu", "meta")
 
 
@@ -87,6 +90,7 @@ class SimState:
         # (user line or None, what) -> reads: the report names lines, not internal reads
         self.read_ops: dict[tuple[str | None, str], int] = {}
         self.tracker: StorageTracker | None = None  # the run's SimTracker (its pools)
+        self.node_gpus = 1  # torch.cuda.device_count(): the node's GPUs (a job's rank: more)
         self.in_dispatch = 0              # >0 while torch's own dispatch code runs
         self.rnn_ran = False              # an RNN layer ran in this cell
         # quantized-weight kernels that ran on the device: library -> op names
@@ -121,6 +125,29 @@ class SimState:
         where = user_line(sys._getframe(1))
         key = (where, what)
         self.read_ops[key] = self.read_ops.get(key, 0) + 1
+
+    def data_ptr(self, t: torch.Tensor) -> int | None:
+        """What ``t.data_ptr()`` gives on a GPU: its storage's address (see
+        :meth:`storage_ptr`) plus the view's offset; None where the run does not know it."""
+        base = self.storage_ptr(t.untyped_storage())
+        return base and base + t.storage_offset() * t.element_size()
+
+    def storage_ptr(self, storage: torch.UntypedStorage) -> int | None:
+        """What a storage's ``data_ptr()`` gives on a GPU, for a storage the run tracks:
+        on the card, the address of its block in the allocator model; on the host, an
+        address of its own (distinct storages never share one, as code that tells tensors
+        apart by their pointer expects: a fake tensor's is 0). 0 for a storage of no
+        bytes, as torch; None for a storage the run does not track."""
+        tr = self.tracker
+        entry = tr.storage_entry(storage) if tr is not None else None
+        if entry is None:
+            return None
+        if storage.nbytes() == 0:
+            return 0
+        allocator = getattr(tr, "allocator", None)
+        address = allocator.address_of(entry.serial) if entry.pool == "device" and allocator else None
+        # host storages 4 GiB apart: a view never reaches the next
+        return address if address is not None else _HOST_ADDRESSES + (entry.serial << 32)
 
     def pool_of(self, t: torch.Tensor) -> str:
         if not self.cuda:

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ... import _torch_private as _priv
-from ...interrupts import atomic
+from ...core import _torch_private as _priv
+from ...core.interrupts import atomic
 from ...report import Category, format_bytes
-from ...snapshot import allocator_history, allocator_segments
-from ...tracking import Entry, StorageTracker, held_by
+from ...core.snapshot import allocator_history, allocator_segments
+from ...core.tracking import Entry, StorageTracker, held_by
 from .allocator import AllocatorFull, CachingAllocatorModel, round_request
 from .constants import drop_unfounded_in_place, propagate
 from .gpus import CudaContext

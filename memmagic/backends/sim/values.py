@@ -19,11 +19,12 @@ from typing import Any, Callable
 
 import torch
 
-from ... import _torch_private as _priv
-from ...interrupts import atomic
+from ...core import _torch_private as _priv
+from ...core.interrupts import atomic
 from .errors import SimulatedValueError
 
-__all__ = ["SimulatedFloat", "SimulatedInt", "placeholder_scalar", "marked", "tensor_tolist",
+__all__ = ["SimulatedFloat", "SimulatedInt", "placeholder_scalar", "holds_placeholder", "marked",
+           "tensor_tolist",
            "tensor_numpy", "tensor_repr", "read_scalar", "SimulatedValue", "forget"]
 
 
@@ -84,6 +85,16 @@ def _marked_arith(cls, base):
 
 _marked_arith(SimulatedFloat, float)
 _marked_arith(SimulatedInt, int)
+
+
+def holds_placeholder(data: Any) -> bool:
+    """Whether ``data`` (an argument of a torch call: a number, or lists and tuples of
+    them) holds a placeholder (:class:`SimulatedFloat`, :class:`SimulatedInt`)."""
+    if isinstance(data, (SimulatedFloat, SimulatedInt)):
+        return True
+    if isinstance(data, (list, tuple)):
+        return any(holds_placeholder(x) for x in data)
+    return False
 
 
 def placeholder_scalar(dtype: torch.dtype, zero: bool = False) -> Any:

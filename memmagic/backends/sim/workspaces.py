@@ -177,7 +177,7 @@ class Workspaces:
 
     @classmethod
     def of_card(cls, capability: tuple[int, int], target) -> "Workspaces":
-        """The workspaces of a simulated card (``target``: its GPUSpec, None for no card)."""
+        """The workspaces of a simulated card (``target``: its CardSpec, None for no card)."""
         return cls(capability, sms=target.multi_processor_count if target is not None else 0)
 
     def needed(self, func, args: tuple, kwargs: dict, thread: str) -> list[tuple[tuple[str, str], int]]:

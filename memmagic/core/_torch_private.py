@@ -1,0 +1,873 @@
+"""Every private PyTorch API memmagic relies on, in one place (tested in tests/core/test_torch_private.py).
+
+If a torch upgrade breaks memmagic, this is the module to look at first.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.modules.module as _module_mod
+import torch.optim.optimizer as _optim_mod
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "dtensor_fake_args_on",
+    "in_backward",
+    "dispatch_mode_depth",
+    "function_mode_enabled",
+    "saved_tensors_hooks_top",
+    "made_by_newest_node",
+    "next_sequence_nr",
+    "current_autograd_node",
+    "global_module_hook_counts",
+    "global_optimizer_hook_counts",
+    "storage_key",
+    "TorchDispatchMode",
+    "TrackerMode",
+    "tensor_version",
+    "op_schema",
+    "node_saved_values",
+    "own_parameters",
+    "own_buffers",
+    "child_modules",
+    "compiled_inner",
+    "dynamo_stance_callback_slot",
+    "memory_snapshot",
+    "record_memory_history",
+    "zipfile_writer_slot",
+]
+
+# TorchDispatchMode (torch.utils._python_dispatch): the base of memmagic's trackers, through
+# TrackerMode below.
+
+
+class TrackerMode(TorchDispatchMode):
+    """A TorchDispatchMode whose subclasses' ``__torch_dispatch__`` runs as written.
+
+    TorchDispatchMode wraps a subclass's ``__torch_dispatch__`` in
+    ``torch._disable_dynamo(recursive=True)`` (its ``__init_subclass__``, unless the class's
+    ``_should_skip_dynamo()`` says False), so that Dynamo does not trace into the mode:
+    8 us a call on this machine, 15% of a simulated training step. memmagic's trackers run
+    ``torch.compile``'d code eagerly while they track (``tracking.EagerCompiled``), so
+    Dynamo never traces under them and the wrapper buys nothing."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def dispatch_mode_depth() -> int:
+    """How many TorchDispatchModes are on this thread's stack."""
+    return torch._C._len_torch_dispatch_stack()
+
+
+def function_mode_enabled() -> bool:
+    """Whether any TorchFunctionMode is active."""
+    return bool(torch._C._is_torch_function_mode_enabled())
+
+
+def saved_tensors_hooks_top() -> object:
+    """The innermost default saved-tensor hooks (None when none are installed)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def made_by_newest_node(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an output of the autograd node created last on this thread.
+
+    Inside a saved-tensor pack hook this tells an op's *output* (saved by the node that
+    made it: holding it from the node closes a reference cycle) from an input (made by an
+    earlier node). Nodes are numbered in creation order; the next number is not yet used.
+    """
+    fn = t.grad_fn
+    return fn is not None and fn._sequence_nr() == torch._C._autograd._get_sequence_nr() - 1
+
+
+def next_sequence_nr() -> int:
+    """The number the next autograd node made on this thread will get (nodes are numbered
+    in creation order; inside an op's dispatch its own node already has the one before)."""
+    return torch._C._autograd._get_sequence_nr()
+
+
+def current_autograd_node() -> tuple[int, str] | None:
+    """(sequence number, class name) of the autograd node whose backward runs now on this
+    thread, e.g. ``(41, "SoftmaxBackward0")``; None outside backward. The number is the one
+    the node got when its forward op ran (compare :func:`next_sequence_nr`)."""
+    node = torch._C._current_autograd_node()
+    return None if node is None else (node._sequence_nr(), type(node).__name__)
+
+
+def global_module_hook_counts() -> dict[str, int]:
+    """Sizes of nn.Module's global hook registries (all 0 when nobody installed any)."""
+    names = (
+        "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks",
+        "_global_backward_pre_hooks", "_global_parameter_registration_hooks",
+        "_global_buffer_registration_hooks", "_global_module_registration_hooks",
+    )
+    return {n: len(getattr(_module_mod, n)) for n in names}
+
+
+def global_optimizer_hook_counts() -> dict[str, int]:
+    return {
+        "pre": len(_optim_mod._global_optimizer_pre_hooks),
+        "post": len(_optim_mod._global_optimizer_post_hooks),
+    }
+
+
+# storage_key(storage) -> int: a key for a storage that is unique while the storage lives
+# (its StorageImpl address). An attrgetter, not a def: it runs for every tensor of every
+# tracked op, and a C-level getter costs a fraction of a Python call.
+storage_key = operator.attrgetter("_cdata")
+
+# tensor_version(t) -> int: the counter autograd bumps on every in-place write to ``t``'s
+# storage (``Tensor._version``); per saved tensor, hence an attrgetter.
+tensor_version = operator.attrgetter("_version")
+
+# A module's own registries (``nn.Module._parameters``, ``_buffers``, ``_modules``): the live
+# dicts name -> tensor/module (values may be None), without recursing into children. Read in
+# every module's forward pre-hook, hence attrgetters.
+own_parameters = operator.attrgetter("_parameters")
+own_buffers = operator.attrgetter("_buffers")
+child_modules = operator.attrgetter("_modules")
+
+
+def op_schema(func: object) -> Any:
+    """The ``torch._C.FunctionSchema`` of an op overload (``torch.ops.aten.add.Tensor``):
+    ``.arguments``, ``.returns``, ``.is_mutable``, ``.name``; None for anything else."""
+    return getattr(func, "_schema", None)
+
+
+def node_saved_values(node: object) -> Iterator[Any]:
+    """The values an autograd node saved for its backward (its ``_saved_*`` attributes: a
+    tensor, a tuple/list of them, or a plain value such as a dim); the ones that cannot be
+    read (freed by an earlier backward, refused by a hook) are skipped."""
+    for name in dir(node):
+        if name.startswith("_saved_"):
+            try:
+                yield getattr(node, name)
+            except Exception:  # freed by an earlier backward, or a hook refused
+                continue
+
+
+def compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module a ``torch.compile(module)`` wrapper (``OptimizedModule``) wraps, else None."""
+    if type(module).__name__ != "OptimizedModule":
+        return None
+    inner = module.__dict__.get("_orig_mod") or module._modules.get("_orig_mod")
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
+def dynamo_stance_callback_slot() -> tuple[Any, str] | None:
+    """(module, attribute name) of the function dynamo asks, once per call of a compiled
+    function or module, for the callback to run (``torch._dynamo.eval_frame.
+    _callback_from_stance``): wrapping it counts compiled calls. None when this torch has
+    none. Imports dynamo (about a second the first time)."""
+    import torch._dynamo.eval_frame as eval_frame
+
+    name = "_callback_from_stance"
+    return (eval_frame, name) if callable(getattr(eval_frame, name, None)) else None
+
+
+def memory_snapshot(device: int) -> dict:
+    """The CUDA caching allocator's snapshot (``torch.cuda.memory._snapshot``): a dict with
+    "segments" and "device_traces" (one list of events per device, each event a dict with
+    "action" and "size" in bytes)."""
+    return torch.cuda.memory._snapshot(device)
+
+
+def record_memory_history(enabled: str | None, *, device: int, max_entries: int = 0,
+                          stacks: str = "python", clear_history: bool = False,
+                          context: str | None = None) -> None:
+    """Switch the caching allocator's event recording on (``enabled="all"``, no stack
+    capture unless ``context`` asks for it: "alloc", "state" or "all", with ``stacks``
+    "python" or "all"), a ring of ``max_entries`` events, or off (``enabled=None``) for
+    ``device`` (``torch.cuda.memory._record_memory_history``)."""
+    if enabled is None:
+        torch.cuda.memory._record_memory_history(None, device=device)
+        return
+    torch.cuda.memory._record_memory_history(
+        enabled, context=context, stacks=stacks, max_entries=max_entries, device=device,
+        clear_history=clear_history)
+
+
+# --- simulated device ---
+# Private PyTorch APIs the simulated CUDA device (memmagic.backends.sim) relies on.
+# Tested in tests/core/test_torch_private_sim.py.
+
+import torch.utils._device as _device_mod  # noqa: E402
+from torch._subclasses.fake_tensor import (  # noqa: E402
+    CONSTANT_NUMEL_LIMIT as _CONSTANT_NUMEL_LIMIT,
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+
+from torch._ops import OpOverload  # noqa: E402
+
+# FakeTensorMode's bound on constant propagation as this torch ships it (the module global
+# the simulation raises during a run: see constant_numel_limit_holder)
+DEFAULT_CONSTANT_NUMEL_LIMIT: int = _CONSTANT_NUMEL_LIMIT
+
+# The key of a FakeTensor's ``__dict__`` that holds the device it stands for.
+FAKE_DEVICE_ATTR = "_fake_device"
+
+# ``torch._C._nn._parse_to``: ``Tensor.to``/``nn.Module.to``'s argument parser as the function
+# object a TorchFunctionMode receives (a handler table is keyed by it).
+PARSE_TO_FUNCTION: Callable = torch._C._nn._parse_to
+
+# no_dispatch(): context manager, the Python dispatch key (modes, tensor subclasses) is
+# skipped: ``torch.empty(..., device="meta")`` inside it makes a plain meta tensor.
+no_dispatch = torch._C._DisableTorchDispatch
+
+__all__ += [
+    "OpOverload", "DEFAULT_CONSTANT_NUMEL_LIMIT", "FAKE_DEVICE_ATTR", "PARSE_TO_FUNCTION",
+    "no_dispatch", "dispatch_keys", "bare_fake", "make_subclass_slot", "make_wrapper_subclass_slot", "accelerator_slot", "fake_as_subclass", "register_fake_constant", "fake_alias", "fake_debug_enabled",
+    "fake_tensor_device_getter", "dataloader_iterator_slot", "destroy_library",
+    "default_foreach_slots",
+]
+
+
+def dispatch_keys(t: torch.Tensor) -> object:
+    """``t``'s dispatch key set (comparable with ``==``; ``str()`` lists the keys)."""
+    return torch._C._dispatch_keys(t)
+
+
+def bare_fake(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device) -> FakeTensor:
+    """A FakeTensor over the meta tensor ``meta`` standing for ``device``, made the way
+    ``FakeTensor.__new__`` makes it at the C level but with none of its Python attributes:
+    the caller gives it the ``__dict__`` of a tensor the constructor made (fake_mode, device,
+    constant...). Costs a fraction of the constructor."""
+    t = torch.Tensor._make_subclass(FakeTensor, meta, False, dispatch_device=True,
+                                    device_for_backend_keys=device)
+    if mode._allow_unsafe_data_ptr_access:  # what FakeTensor.__new__ does
+        torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
+    else:
+        torch._C._set_throw_on_mutable_data_ptr(t)
+    return t
+
+
+def register_fake_constant(mode: FakeTensorMode, const: torch.Tensor, fake: FakeTensor) -> None:
+    """Register ``fake`` (made with ``constant=const``) with ``mode`` as its converter
+    registers constants: a write to an alias of the constant makes the mode forget its
+    value, and ``const`` maps back to ``fake`` (an in-place op on it, ``step += 1``, finds
+    this fake tensor again instead of making a new one)."""
+    conv = mode.fake_tensor_converter
+    conv.add_constant_storage_mapping(fake)
+    conv.set_tensor_memo(const, fake)
+
+
+def fake_alias(base: FakeTensor, out: FakeTensor) -> FakeTensor:
+    """``out`` (a FakeTensor carrying a constant, on a storage of its own) remade on
+    ``base``'s storage with its sizes, strides, offset, fake device and constant, and
+    registered as a constant."""
+    mode = base.fake_mode
+    with no_dispatch():
+        meta = torch.empty((0,), dtype=out.dtype, device="meta")
+        meta.set_(base.untyped_storage(), out.storage_offset(), out.shape, out.stride())
+    fake = FakeTensor(mode, meta, out.fake_device, constant=out.constant)
+    register_fake_constant(mode, out.constant, fake)
+    return fake
+
+
+def make_subclass_slot() -> tuple[type, str]:
+    """(class, attribute) of ``torch.Tensor._make_subclass``, with which a library makes its
+    own Parameter subclass over a tensor (bitsandbytes' ``Params4bit`` and ``Int8Params``).
+    Dynamo registers a polyfill for the function it finds there when it is imported: it is
+    imported here, so that a replacement installed after this call is never the one it
+    registers."""
+    import torch._dynamo  # noqa: F401
+
+    return torch.Tensor, "_make_subclass"
+
+
+def accelerator_slot() -> tuple[Any, str]:
+    """(module, attribute) of ``torch._C._get_accelerator(check=False)``, the accelerator
+    torch's own Python code asks for (FSDP2's default mesh, c10d's default device): the
+    simulation answers "cuda" there, as ``torch.accelerator`` does."""
+    return torch._C, "_get_accelerator"
+
+
+def zipfile_writer_slot() -> tuple[Any, str]:
+    """(module, attribute) of ``torch.serialization._open_zipfile_writer_file``, the class
+    ``torch.save`` opens a path with (its C++ writer opens the file itself, past Python's
+    ``open``); every ``torch.save`` to a path, however the caller bound the function,
+    looks it up there."""
+    import torch.serialization as serialization
+
+    return serialization, "_open_zipfile_writer_file"
+
+
+def make_wrapper_subclass_slot() -> tuple[type, str]:
+    """(class, attribute) of ``torch.Tensor._make_wrapper_subclass``, with which a wrapper
+    tensor subclass (DTensor, torchao's quantized tensors) makes its storage-less outer
+    tensor with the device it is given."""
+    return torch.Tensor, "_make_wrapper_subclass"
+
+
+_STAND_INS: dict[type, type] = {}
+
+
+def _detach_keeping_class(self: FakeTensor) -> FakeTensor:
+    """``detach()`` of a stand-in: the same class and attributes (``nn.Module._apply`` makes a
+    Parameter of a fake one through ``detach()`` and swaps it in, where a GPU's run assigns
+    ``param.data``: the library's attributes must survive the swap)."""
+    out = torch.Tensor.detach(self)
+    attrs = {k: v for k, v in self.__dict__.items() if k not in out.__dict__ and k != "_is_param"}
+    out.__class__ = type(self)
+    out.__dict__.update(attrs)
+    return out
+
+
+def _deepcopy_stand_in(self: FakeTensor, memo: dict) -> FakeTensor:
+    """``copy.deepcopy`` of a stand-in (a copy of the simulated card): the tensor copied as
+    any FakeTensor is, the library's attributes (a quantization state) deep-copied onto a
+    stand-in of the same class. The library's own ``__deepcopy__`` would make its instance
+    over a real empty tensor."""
+    import copy
+
+    data = copy.deepcopy(torch.Tensor.detach(self), memo)
+    out = fake_as_subclass(type(self).__mro__[1], data, self.requires_grad)
+    memo[id(self)] = out
+    for k, v in self.__dict__.items():
+        if k not in out.__dict__ and k != "_is_param":
+            out.__dict__[k] = copy.deepcopy(v, memo)
+    return out
+
+
+def fake_as_subclass(cls: type, fake: FakeTensor, requires_grad: bool) -> FakeTensor:
+    """What ``torch.Tensor._make_subclass(cls, fake, requires_grad)`` makes on a GPU, for a
+    FakeTensor ``fake`` (where torch refuses: the tensor already has a Python object): a
+    FakeTensor aliasing ``fake`` whose class derives from ``cls`` and FakeTensor, so that it
+    is an instance of ``cls`` (its methods and attributes) and dispatches as a FakeTensor."""
+    stand_in = _STAND_INS.get(cls)
+    if stand_in is None:
+        stand_in = _STAND_INS[cls] = type(cls.__name__, (cls, FakeTensor), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "detach": _detach_keeping_class, "__deepcopy__": _deepcopy_stand_in})
+    out = torch.Tensor.detach(fake)
+    out.requires_grad_(requires_grad)
+    out.__class__ = stand_in
+    return out
+
+
+def fake_debug_enabled() -> bool:
+    """Whether FakeTensorMode's debug mode is on (fake tensors then record a traceback)."""
+    from torch._subclasses.fake_tensor import FakeTensorConfig
+
+    return bool(FakeTensorConfig.debug)
+
+
+def fake_tensor_device_getter() -> Callable[[FakeTensor], torch.device]:
+    """The getter of ``FakeTensor.device`` (the class's own Python property): call this
+    before patching the property, the patched one is what it returns afterwards."""
+    return FakeTensor.__dict__["device"].fget
+
+
+def dataloader_iterator_slot() -> tuple[type, str]:
+    """(class, attribute name) of the method ``iter(DataLoader)`` calls to make its iterator
+    (``DataLoader._get_iterator``): replacing it changes what every loader iterates with."""
+    import torch.utils.data as tud
+
+    return tud.DataLoader, "_get_iterator"
+
+
+def destroy_library(lib: torch.library.Library) -> None:
+    """Take out every kernel ``lib`` registered (``Library._destroy``): the dispatcher then
+    runs the kernels it had before."""
+    lib._destroy()
+
+
+def default_foreach_slots() -> list[tuple[Any, str]]:
+    """(module, attribute name) of every loaded ``torch.optim`` module's
+    ``_default_to_fused_or_foreach``: the function an optimizer asks whether to use the
+    foreach/fused implementation when the user chose none."""
+    return [(m, "_default_to_fused_or_foreach") for m in optimizer_modules_with_default_foreach()]
+
+
+__all__ += [
+    "FakeTensor", "FakeTensorMode", "DataDependentOutputException",
+    "DynamicOutputShapeException", "UnsupportedOperatorException", "is_fake", "new_fake_mode",
+    "fake_copy", "forget_fake_memo", "exclude_autocast_cpu", "has_kernel", "parse_to",
+    "device_constructors", "function_mode_depth", "optimizer_modules_with_default_foreach",
+    "single_process_loader_iter", "autocast_cpu_excluded",
+]
+
+
+def profiler_entry_slots() -> list[tuple[type, str]]:
+    """(class, method) pairs through which every torch profiler starts: ``with
+    torch.profiler.profile(...)``, ``prof.start()`` (its private base class
+    ``_KinetoProfile`` too) and the legacy ``torch.autograd.profiler.profile``."""
+    import torch.autograd.profiler as legacy
+    import torch.profiler.profiler as prof
+
+    return [(prof.profile, "start"), (prof._KinetoProfile, "start"),
+            (legacy.profile, "__enter__")]
+
+
+def data_parallel_stream_cache() -> tuple[Any, str] | None:
+    """(module, name) of the global list in which ``nn.DataParallel``'s scatter keeps one
+    stream per device (``torch.nn.parallel._functions._streams``), or None."""
+    import torch.nn.parallel._functions as parallel_functions
+
+    return (parallel_functions, "_streams") if hasattr(parallel_functions, "_streams") else None
+
+
+def is_fake(t: object) -> bool:
+    """Whether ``t`` is a FakeTensor (a tensor with metadata but no data)."""
+    return isinstance(t, FakeTensor)
+
+
+def new_fake_mode() -> FakeTensorMode:
+    """A FakeTensorMode that also accepts real tensors (they are fakeified on use)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_copy(mode: FakeTensorMode, t: torch.Tensor, constant_numel: int = 1) -> torch.Tensor:
+    """A fake twin of a real tensor (same sizes, strides, dtype, requires_grad, .grad,
+    Parameter-ness). Tensors of at most ``constant_numel`` elements that own their whole
+    storage (a step count, a tokenizer's attention mask) keep their values as a constant,
+    so reading them gives the real numbers."""
+    if (t.numel() <= constant_numel and t.device.type == "cpu" and not t.requires_grad
+            and t.layout == torch.strided and not isinstance(t, torch.nn.Parameter)
+            and (t.numel() <= 1 or (t._base is None and t.is_contiguous()
+                                    and t.untyped_storage().nbytes() == t.numel() * t.element_size()))):
+        # the constant is updated in place by in-place ops: give it a copy, never ``t``
+        return mode.fake_tensor_converter.from_real_tensor(mode, t.clone(), make_constant=True)
+    return mode.from_tensor(t)
+
+
+def forget_fake_memo(mode: FakeTensorMode) -> None:
+    """Drop the real->fake memo of ``mode`` so fake copies live only as long as their users
+    (otherwise ``del x`` of a fake copy would never free it in the simulation)."""
+    conv = mode.fake_tensor_converter
+    conv.tensor_memo.clear()
+    conv.meta_converter.tensor_memo.clear()
+    conv.meta_converter.storage_memo.clear()
+
+
+def exclude_autocast_cpu():
+    """Context manager: the AutocastCPU dispatch key is skipped (to call the op below it)."""
+    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU))
+
+
+def autocast_cpu_excluded() -> bool:
+    return torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutocastCPU)
+
+
+def has_kernel(op_name: str, dispatch_key: str) -> bool:
+    """Whether ``op_name`` (``'aten::softmax.int'``) has a kernel for ``dispatch_key``."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op_name, dispatch_key)
+
+
+def parse_to(*args, **kwargs):
+    """``Tensor.to``'s argument parser: (device, dtype, non_blocking, memory_format)."""
+    return torch._C._nn._parse_to(*args, **kwargs)
+
+
+def device_constructors() -> set:
+    """The torch functions that take a ``device=`` and create a tensor (factories)."""
+    return set(_device_mod._device_constructors())
+
+
+def function_mode_depth() -> int:
+    """How many TorchFunctionModes are on this thread's stack."""
+    return torch._C._len_torch_function_stack()
+
+
+_OPTIM_MODULES: tuple[int, list] = (-1, [])
+
+
+def optimizer_modules_with_default_foreach() -> list:
+    """torch.optim modules whose ``_default_to_fused_or_foreach`` decides foreach/fused
+    (the scan of ``sys.modules`` is redone only when modules were imported since)."""
+    import sys
+
+    import torch.optim  # noqa: F401
+
+    global _OPTIM_MODULES
+    n = len(sys.modules)
+    if _OPTIM_MODULES[0] != n:
+        _OPTIM_MODULES = (n, [m for name, m in sorted(sys.modules.items())
+                              if name.startswith("torch.optim") and m is not None
+                              and hasattr(m, "_default_to_fused_or_foreach")])
+    return list(_OPTIM_MODULES[1])
+
+
+def single_process_loader_iter(loader):
+    """The iterator a DataLoader with ``num_workers=0`` uses."""
+    from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
+
+    return _SingleProcessDataLoaderIter(loader)
+
+
+def call_composite(op, *args, **kwargs):
+    """Run ``op``'s C++ CompositeImplicitAutograd kernel (not a Python decomposition that
+    ``OpOverload.decompose`` would prefer): the behaviour the op has on the CPU."""
+    return op._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
+
+
+__all__ += ["call_composite"]
+
+
+def no_python_modes():
+    """Context manager: no dispatch or function modes (to run a real op inside a mode)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+__all__ += ["no_python_modes"]
+
+
+def _probe_version_error_style() -> bool:
+    x = torch.ones(1, requires_grad=True)
+    h = x.sigmoid()
+    h.mul_(2)
+    try:
+        h.sum().backward()
+    except RuntimeError as exc:
+        return "SigmoidBackward" not in str(exc)
+    return True  # saved-tensor hooks of the caller hid the check: take the newer wording
+
+
+_VERSION_ERROR_STYLE: list[bool] = []
+
+
+def version_error_names_forward_op() -> bool:
+    """Whether this torch's in-place version error names a saved output's node by its
+    forward op ("output 0 of Sigmoid", torch 2.13) rather than by the node itself ("output
+    0 of SigmoidBackward0", torch 2.11). Read once, from autograd's own message on a
+    one-element tensor, with no mode of anyone's in the way."""
+    if not _VERSION_ERROR_STYLE:
+        with no_python_modes():
+            _VERSION_ERROR_STYLE.append(_probe_version_error_style())
+    return _VERSION_ERROR_STYLE[0]
+
+
+__all__ += ["version_error_names_forward_op"]
+
+
+def fake_device(t: torch.Tensor) -> torch.device | None:
+    """The device a FakeTensor stands for (None for other tensors), without going through
+    the ``device`` property."""
+    return getattr(t, "fake_device", None)
+
+
+def fake_constant(t: torch.Tensor) -> torch.Tensor | None:
+    """The real value a FakeTensor carries when the fake mode knows it (a tensor made from a
+    constant and changed only by ops on constants), else None."""
+    return getattr(t, "constant", None)
+
+
+def constant_fake(mode: FakeTensorMode, real: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A FakeTensor of ``mode`` carrying ``real`` (a plain CPU tensor that owns its storage)
+    as its constant, standing for ``device``; FakeTensorMode then computes ops on it for real
+    while the result stays within ``torch._subclasses.fake_tensor.CONSTANT_NUMEL_LIMIT``.
+
+    What ``from_real_tensor(make_constant=True)`` makes of such a tensor (its meta twin with
+    the same geometry, the constant registered with the converter: an in-place op on it,
+    Adam's ``step += 1``, finds this fake tensor again instead of a new storage), without
+    describing the tensor through meta_utils (0.3 ms a call)."""
+    with no_dispatch():
+        meta = torch.empty_strided(tuple(real.shape), real.stride(), dtype=real.dtype,
+                                   device="meta")
+    fake = FakeTensor(mode, meta, device, constant=real)
+    register_fake_constant(mode, real, fake)
+    return fake
+
+
+def constant_numel_limit_holder():
+    """(module, name) of FakeTensorMode's bound on constant propagation (a module global)."""
+    from torch._subclasses import fake_tensor
+
+    return fake_tensor, "CONSTANT_NUMEL_LIMIT"
+
+
+def adopt_constant(t: torch.Tensor, source: object) -> None:
+    """After ``t.data = source``: ``t`` holds ``source``'s values, so it carries
+    ``source``'s constant (or none). FakeTensorMode keeps the constant on the Python object,
+    which ``.data =`` does not touch: a CPU parameter moved with ``module.to("cuda",
+    torch.bfloat16)`` kept its float32 constant, and ops computed on it (``detach`` in a
+    checkpoint's saved-tensor hook) came out float32."""
+    if getattr(t, "constant", None) is None:
+        return
+    t.constant = getattr(source, "constant", None) if is_fake(source) else None
+
+
+def drop_constant(t: torch.Tensor) -> None:
+    """Forget the constant of a fake tensor (and of its aliases): its values are unknown.
+    FakeTensorMode computes ops on constants for real, uninitialized ones too
+    (``new_empty`` of a constant is a constant of garbage that later indexes memory)."""
+    const = getattr(t, "constant", None)
+    mode = getattr(t, "fake_mode", None)
+    if const is None or mode is None:
+        return
+    mode.fake_tensor_converter.invalidate_constant_aliases(const)
+    t.constant = None
+
+
+__all__ += ["fake_device", "fake_constant", "constant_fake", "constant_numel_limit_holder",
+            "drop_constant"]
+
+
+def fake_mode_deepcopy(mode: FakeTensorMode, memo: dict) -> FakeTensorMode:
+    """``FakeTensorMode.__deepcopy__`` for a simulated run: the mode itself.
+
+    ``Tensor.__deepcopy__`` copies a FakeTensor's ``__dict__``, and with it its
+    ``fake_mode`` (torch 2.13; pytorch issue 104465). The copied mode holds copies of the
+    ``StorageWeakRef`` keys of its ``constant_storage_mapping``: objects that own a raw
+    c10 weak reference (an int), so the original and the copy both release it. After a
+    fake constant (``torch.tensor(0)``, BatchNorm's ``num_batches_tracked``) and a
+    ``copy.deepcopy`` of a fake tensor (``nn.TransformerEncoder`` clones its layer) the
+    heap is corrupted and the process dies at exit (SIGSEGV/SIGABRT)."""
+    return mode
+
+
+__all__ += ["fake_mode_deepcopy"]
+
+
+def clear_fake_dispatch_cache() -> None:
+    """Empty FakeTensorMode's own (class-wide) dispatch cache."""
+    FakeTensorMode.cache_clear()
+
+
+def fake_dispatch_cache_size() -> int:
+    """Entries in FakeTensorMode's own (class-wide) dispatch cache (``cache_info().size``)."""
+    return FakeTensorMode.cache_info().size
+
+
+def forget_dead_constants(mode: FakeTensorMode) -> int:
+    """Drop what ``mode``'s converter keeps for fake constants that are gone; the number
+    of storages dropped. The converter maps each constant's storage to weak references to
+    the fake tensors carrying it (so that a write through an alias makes them forget their
+    value) and never drops an entry while the mode lives: a simulated GPU that lasts a
+    notebook kept about 2 KB for each training step (Adam's step counts, ``torch.tensor``
+    of a Python number)."""
+    mapping = mode.fake_tensor_converter.constant_storage_mapping
+    dropped = 0
+    for weak_st, refs in list(mapping.items()):
+        alive = [r for r in refs if r() is not None]
+        if not alive:
+            del mapping[weak_st]
+            dropped += 1
+        elif len(alive) < len(refs):
+            mapping[weak_st] = alive
+    return dropped
+
+
+def fake_constant_storages(mode: FakeTensorMode) -> int:
+    """Constant storages ``mode``'s converter maps to fake tensors (see
+    :func:`forget_dead_constants`)."""
+    return len(mode.fake_tensor_converter.constant_storage_mapping)
+
+
+__all__ += ["clear_fake_dispatch_cache", "fake_dispatch_cache_size", "forget_dead_constants",
+            "fake_constant_storages"]
+
+
+def meta_kernels(mode: FakeTensorMode):
+    """Context manager: ops called inside it on ``mode``'s fake tensors run their Meta
+    kernels (C++ structured kernels, or torch's Python meta registrations) directly, as
+    FakeTensorMode itself runs a kernel (``in_kernel_invocation_manager``): no mode sees
+    them, no decomposition runs, outputs are plain meta tensors (views share their input's
+    storage) and ``device`` reads ``meta``."""
+    from torch._subclasses.fake_tensor import in_kernel_invocation_manager
+
+    return in_kernel_invocation_manager(mode)
+
+
+__all__ += ["meta_kernels"]
+
+
+# --- scaled dot product attention's backend order ---
+_SDP_NAMES = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient", "MATH": "math",
+              "CUDNN_ATTENTION": "cudnn", "OVERRIDEABLE": "overrideable"}
+
+
+def sdp_priority_order() -> list[str]:
+    """The order in which CUDA's SDPA dispatcher tries its backends ("flash", "efficient",
+    "math", "cudnn", "overrideable"), as ``sdpa_kernel(..., set_priority=True)`` leaves it;
+    torch's default order when this torch does not expose it."""
+    from torch.nn.attention import SDPBackend
+
+    names = {int(getattr(SDPBackend, k)): v for k, v in _SDP_NAMES.items() if hasattr(SDPBackend, k)}
+    get = getattr(torch._C, "_get_sdp_priority_order", None)
+    if get is None:
+        return ["flash", "efficient", "math", "cudnn"]
+    return [names[int(b)] for b in get() if int(b) in names]
+
+
+__all__ += ["sdp_priority_order"]
+
+
+# --- distributed (FSDP2 on simulated GPUs: memmagic.whatif.sharding) ---
+# Tested in tests/core/test_torch_private_dist.py. Imports of torch.distributed are lazy.
+__all__ += ["fake_process_group", "device_mesh", "fsdp_device_handle_without_streams",
+            "fsdp_storage_resize_hook", "is_wrapper_subclass", "wrapper_inner_tensors"]
+import importlib  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+
+__all__ = ["fake_process_group", "device_mesh", "fsdp_device_handle_without_streams",
+           "fsdp_storage_resize_hook", "wrapper_inner_tensors", "is_wrapper_subclass",
+           "FSDP_MODULES"]
+
+# FSDP2's modules that look the device handle up by name (``from ... import _get_device_handle``)
+FSDP_MODULES = ("_fsdp_collectives", "_fsdp_init", "_fsdp_param_group", "_fsdp_state")
+_FSDP_PKG = "torch.distributed.fsdp._fully_shard."
+
+
+@contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """A default process group of ``world_size`` ranks in which this process is rank 0 and
+    every collective returns at once with outputs of the right shape (torch's "fake"
+    backend, made for tests: no GPUs, no network, no other processes). Destroyed on exit.
+
+    Raises RuntimeError when a process group exists already (a real distributed run)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if int(world_size) < 1:
+        raise ValueError(f"world_size must be 1 or more, not {world_size!r}")
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group is already initialized in this "
+                           "process: the sharding simulation needs one of its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=int(world_size))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def dtensor_fake_args_on(device: str) -> Iterator[None]:
+    """While active, DTensor's sharding propagation builds the fake arguments it runs an op
+    on (to learn the output's shape, stride and dtype) on ``device``, whatever its mesh's
+    device type. A simulation's CUDA tensors are CPU fakes underneath: a fake tensor made
+    on a real "cuda" device of a CPU build cannot take a random op (``reset_parameters()``
+    after ``to_empty(device="cuda")``: no CUDA generator). Only the device differs; the
+    shape, stride and dtype come from the spec, as torch builds them
+    (``torch.distributed.tensor._op_schema._rebuild_tensor_from_dtensor_meta``)."""
+    import torch.distributed.tensor._op_schema as op_schema
+
+    name = "_rebuild_tensor_from_dtensor_meta"
+    torchs = getattr(op_schema, name)
+
+    def rebuild(arg):
+        meta = arg.tensor_meta
+        if meta is None:
+            return torchs(arg)  # torch's own error
+        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=device)
+
+    setattr(op_schema, name, rebuild)
+    try:
+        yield
+    finally:
+        setattr(op_schema, name, torchs)
+
+
+def device_mesh(device_type: str, world_size: int) -> Any:
+    """A 1-D ``DeviceMesh`` over ranks 0..world_size-1 of the default group, built without
+    asking the device for its count (``init_device_mesh`` would)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh(device_type, torch.arange(int(world_size)))
+
+
+class _NoStreamHandle:
+    """``torch.cuda`` as FSDP2 uses it, with the CPU's stream stand-ins (streams and events
+    that do nothing) in place of CUDA streams: a simulated GPU runs every op in order."""
+
+    _CPU = ("Stream", "Event", "stream", "current_stream", "StreamContext")
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._CPU:
+            return getattr(torch.cpu, name)
+        return getattr(torch.cuda, name)  # looked up at call time (the simulation's)
+
+
+@contextmanager
+def fsdp_device_handle_without_streams() -> Iterator[None]:
+    """While active, FSDP2 gets :class:`_NoStreamHandle` for device type "cuda" (FSDP2's
+    modules bind ``_get_device_handle`` by name; each binding is replaced and restored)."""
+    from torch.distributed import device_mesh as dm
+
+    handle = _NoStreamHandle()
+    original = dm._get_device_handle
+
+    def get(device_type: str = "cuda") -> Any:
+        return handle if device_type == "cuda" else original(device_type)
+
+    undo: list[tuple[Any, Any]] = []
+    try:
+        for name in FSDP_MODULES:
+            mod = importlib.import_module(_FSDP_PKG + name)
+            if hasattr(mod, "_get_device_handle"):
+                undo.append((mod, mod._get_device_handle))
+                mod._get_device_handle = get
+        yield
+    finally:
+        for mod, fn in reversed(undo):
+            mod._get_device_handle = fn
+
+
+@contextmanager
+def fsdp_storage_resize_hook(after: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Call ``after(tensor)`` each time FSDP2 frees (``storage.resize_(0)``) or re-allocates
+    an unsharded parameter's storage. Those resizes do not go through the dispatcher, so a
+    dispatch-level tracker never sees them otherwise."""
+    fp = importlib.import_module(_FSDP_PKG + "_fsdp_param")
+    pg = importlib.import_module(_FSDP_PKG + "_fsdp_param_group")
+    free, alloc = fp.free_storage, fp.alloc_storage
+
+    def free_storage(tensor: torch.Tensor) -> None:
+        free(tensor)
+        after(tensor)
+
+    def alloc_storage(tensor: torch.Tensor) -> None:
+        alloc(tensor)
+        after(tensor)
+
+    undo = [(fp, "free_storage", free), (fp, "alloc_storage", alloc)]
+    if getattr(pg, "alloc_storage", None) is alloc:
+        undo.append((pg, "alloc_storage", alloc))
+    try:
+        fp.free_storage = free_storage
+        fp.alloc_storage = alloc_storage
+        if len(undo) == 3:
+            pg.alloc_storage = alloc_storage
+        yield
+    finally:
+        for mod, name, fn in reversed(undo):
+            setattr(mod, name, fn)
+
+
+def is_wrapper_subclass(t: object) -> bool:
+    """Whether ``t`` is a traceable wrapper tensor subclass (DTensor): a tensor with no
+    memory of its own whose data are inner tensors (a DTensor's local shard)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t)
+
+
+def wrapper_inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The inner tensors of a wrapper subclass (``__tensor_flatten__``), recursively: the
+    tensors that hold its memory. A plain tensor is its own inner tensor."""
+    if not is_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    out: list[torch.Tensor] = []
+    for name in names:
+        inner = getattr(t, name, None)
+        if isinstance(inner, torch.Tensor):
+            out.extend(wrapper_inner_tensors(inner))
+    return out

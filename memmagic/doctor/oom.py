@@ -1,0 +1,142 @@
+"""The anatomy of an out of memory: what was requested, what was live by category, by
+holder and by module, and which op, phase and line asked."""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+from ..core.failures import is_user_file, requested_bytes
+from ..report import MemoryReport, format_bytes
+from .holders import found_in, freed_by_del, name_rank, namespace_roots, storage_of
+
+
+# -- out of memory --------------------------------------------------------------------------
+def _user_frame(tb: Any) -> tuple[str, int, str, str] | None:
+    """(file, line, function, source) of the innermost frame of the user's code."""
+    best = None
+    for fs in traceback.extract_tb(tb):
+        if not is_user_file(fs.filename):
+            continue
+        best = (fs.filename, fs.lineno or 0, fs.name, (fs.line or "").strip())
+    return best
+
+
+@dataclass(frozen=True)
+class OOMDescription:
+    """What an out of memory was made of. Bytes.
+
+    ``requested``: the allocation that failed; ``live``: bytes live when it failed;
+    ``by_category``: those bytes per category; ``by_holder``: (name, bytes) of what the
+    namespace holds (the model, the optimizer, the batch) and the failed cell's frames
+    (the rest: its activations and temporaries); ``by_module``: (module, activation bytes);
+    ``op``/``phase``/``module``/``line``: where it asked; ``left``/``left_bytes``: names
+    the failed cell assigns that still hold memory no other name holds (a loss with its
+    autograd graph, a batch), and its bytes: re-running earlier cells does not free it
+    (on a GPU neither), ``del`` does."""
+
+    requested: int | None
+    live: int | None
+    capacity: int | None
+    by_category: Mapping[str, int]
+    by_holder: tuple[tuple[str, int], ...]
+    by_module: tuple[tuple[str, int], ...]
+    op: str | None
+    phase: str | None
+    module: str | None
+    line: str | None
+    left: tuple[str, ...] = ()
+    left_bytes: int = 0
+
+    @property
+    def del_line(self) -> str | None:
+        """The line that frees what the failed cell's names still hold (None: nothing)."""
+        return f"del {', '.join(self.left)}" if self.left else None
+
+    def __str__(self) -> str:
+        req = format_bytes(self.requested) if self.requested is not None else "an unknown amount"
+        head = f"out of memory: asked for {req} with {format_bytes(self.live)} live"
+        if self.capacity:
+            head += f" on a {format_bytes(self.capacity)} card"
+        where = [x for x in (f"at {self.op}" if self.op else None,
+                             f"during {self.phase}" if self.phase else None,
+                             f"in `{self.module}`" if self.module else None,
+                             self.line) if x]
+        lines = [head + (" (" + ", ".join(where) + ")" if where else "")]
+        cats = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.by_category.items() if v)
+        if cats:
+            lines.append(f"  live by category: {cats}")
+        if self.by_holder:
+            lines.append("  live by holder: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.by_holder))
+        if self.by_module:
+            lines.append("  activations by module: " + ", ".join(
+                f"{k} {format_bytes(v)}" for k, v in self.by_module[:5]))
+        if self.left:
+            lines.append(f"  {self.left_text()}")
+        return "\n".join(lines)
+
+    def left_text(self) -> str:
+        names = ", ".join(f"`{n}`" for n in self.left)
+        return (f"{names}, which this cell assigns, still hold{'s' if len(self.left) == 1 else ''} "
+                f"{format_bytes(self.left_bytes)} (tensors and the autograd graphs they keep): "
+                f"`{self.del_line}` frees it; re-running earlier cells does not")
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+
+def _live_holders(namespace: Mapping[str, Any], live: int, unit: str = "cell"
+                  ) -> list[tuple[str, int]]:
+    """(holder, bytes) of what the namespace holds, largest first, and the rest of ``live``
+    as the failed cell's (``unit``'s) frames."""
+    found = found_in(namespace_roots(namespace))
+    per: dict[str, int] = {}
+    for key, t in found.tensors.items():
+        group = found.groups.get(key)
+        name = group.split(" (")[0] if group else sorted(found.paths[key], key=name_rank)[0]
+        per[name] = per.get(name, 0) + storage_of(t)[1]
+    holders = sorted(per.items(), key=lambda kv: -kv[1])[:8]
+    rest = live - sum(per.values())
+    if rest > 0:
+        holders.append((f"the failed {unit}'s frames (activations, temporaries)", rest))
+    return holders
+
+
+def describe_oom(report: MemoryReport, error: BaseException | None = None,
+                 namespace: Mapping[str, Any] | None = None, bound: Iterable[str] = (),
+                 on_device: Callable[[Any], bool] | None = None, *, unit: str = "cell"
+                 ) -> OOMDescription:
+    """What the out of memory of ``report``'s run was made of (call it before the failed
+    cell's frames are cleared: their bytes are what the namespace does not explain);
+    ``bound``: the names the cell assigns (what of them still holds memory is named, see
+    :func:`freed_by_del` for ``on_device``); ``unit``: what ran ("cell", "script")."""
+    requested = report.failed_request
+    if requested is None and error is not None:
+        requested = requested_bytes(error)
+    live = report.live_at_failure if report.live_at_failure is not None else report.after
+    trace = report.trace
+    if trace is not None and trace.events:
+        by_category = trace.breakdown_at(len(trace.events) - 1)
+    else:
+        by_category = dict(report.breakdown)
+    holders = _live_holders(namespace, live or 0, unit) if namespace is not None else []
+    by_module = tuple((r.module, r.activations) for r in report.modules_at(None) if r.activations)
+    op = phase = module = None
+    if trace is not None and trace.ops:
+        name, module, phase, _label = trace.ops[-1]
+        op = name.split(".", 1)[0]
+    op = (getattr(error, "op", None) or op or "").split(".", 1)[0] or None
+    module = getattr(error, "module", None) or module
+    line = None
+    if error is not None:
+        uf = _user_frame(error.__traceback__)
+        if uf is not None:
+            line = f"line {uf[1]}" + (f" (`{uf[3]}`)" if uf[3] else "")
+    left, left_bytes = (), 0
+    if namespace is not None and bound:
+        left, left_bytes = freed_by_del(namespace, bound, report, on_device)
+    return OOMDescription(requested, live, report.gpu_memory, dict(by_category), tuple(holders),
+                          by_module, op, phase, module, line, left, left_bytes)
+
+

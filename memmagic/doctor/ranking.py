@@ -1,0 +1,226 @@
+"""Fixes ranked: the cell re-run with each knob that applies (and FSDP2 / tensor-parallel
+rows), smallest peak first; the re-runs go through the engine the doctor is given."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from ..report import format_bytes, needed
+from ..whatif.knobs import BATCH_HINT, KNOBS, SEQ_DIM, Fixes, KnobError, resizing
+
+# BATCH_HINT: the batch size knob's note when it does not apply (``Doctor.untried``)
+__all__ = ["Strategy", "fits_text", "rank", "ranking_rows", "BATCH_HINT"]
+
+
+# -- strategies --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Strategy:
+    """One row of the ranking: a knob setting and the peak a re-run with it gave. Bytes."""
+
+    label: str
+    knobs: Mapping[str, Any]
+    peak: int | None
+    reserved_peak: int | None = None
+    fits: bool | None = None
+    reason: str | None = None  # why it could not be measured, or where it ran out
+    out_of_memory: bool = False  # the re-run ran out of memory on the target card
+
+    @property
+    def need(self) -> int | None:
+        """What decides fitting (:func:`memmagic.report.needed`)."""
+        return needed(self.peak, self.reserved_peak)
+
+
+def fits_text(s: Strategy) -> str:
+    if s.out_of_memory:
+        return f"does not fit ({s.reason})"
+    return {True: "fits", False: "does not fit", None: ""}[s.fits]
+
+
+def _order(s: Strategy) -> tuple:
+    """Ranking order: measured peaks (live tensor bytes), smallest first; the reserved
+    peak decides whether a row fits. Runs that ran out of memory (their
+    peak is only what they reached) after them; unmeasured last."""
+    return (s.peak is None, s.out_of_memory, s.peak or 0, s.label)
+
+
+def _candidates(applicable: Sequence[str], known: Fixes) -> list[tuple[str, dict[str, Any]]]:
+    """(label, knobs) of every single fix that applies to the cell (each knob's
+    ``Doctor.fixes``)."""
+    return [fix for name in applicable if KNOBS[name].doctor.fixes is not None
+            for fix in KNOBS[name].doctor.fixes(known)]
+
+
+def _measure(cell: Any, label: str, knobs: Mapping[str, Any]) -> Strategy:
+    try:
+        r = cell.run(**knobs)
+    except (KnobError, ValueError, TypeError) as exc:
+        return Strategy(label, dict(knobs), None, reason=str(exc))
+    if r.error and r.failed_request is None:
+        return Strategy(label, dict(knobs), None, reason=f"the cell failed: {r.error}")
+    if r.failed_request is not None:  # ran out of memory: it needs more than what was live
+        # and the request the card could not give (its peak so far says less)
+        least = (r.live_at_failure if r.live_at_failure is not None else r.peak) + r.failed_request
+        return Strategy(label, dict(knobs), least, None, False,
+                        reason=f"out of memory asking for {format_bytes(r.failed_request)}",
+                        out_of_memory=True)
+    return Strategy(label, dict(knobs), r.peak, r.reserved_peak, r.fits)
+
+
+def rank(engine: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = None,
+         gpu_memory: int | str | None = None, world_sizes: Sequence[int] = (),
+         combine: bool = True, knobs: Sequence[str] | None = None, unit: str = "cell"
+         ) -> tuple[Strategy, tuple[Strategy, ...], list[str]]:
+    """Re-run ``engine`` (the what-if engine of a cell, :class:`memmagic.Cell`: for source
+    text, :func:`memmagic.pipeline.ranking_engine` builds the one the doctor uses) with each
+    fix that applies to it, and rank them by the peak each gives (reserved where known;
+    smallest first). With a target card (``gpu``/``gpu_memory``, or the engine's), when no single fix fits, the smallest combination that fits is
+    searched (greedy: the best fixes of different knobs added one at a time, at most 4).
+    ``world_sizes`` adds FSDP2 rows (:func:`memmagic.whatif.sharding.simulate_fsdp`); ``knobs``
+    limits the fixes tried to these knobs (names of :data:`memmagic.whatif.knobs.KNOBS`).
+    ``unit``: what ran, in the front end's words ("cell", "script": the notes say how to
+    let the doctor try a smaller batch). Returns (the cell as written, the ranked fixes,
+    notes)."""
+    if isinstance(engine, str) or not callable(getattr(engine, "run", None)):
+        raise TypeError(f"rank() re-runs a what-if engine, not {type(engine).__name__}: pass "
+                        "memmagic.pipeline.ranking_engine(source, namespace, gpu=...) or a "
+                        "memmagic.Cell")
+    c = engine
+    notes: list[str] = []
+    baseline = _measure(c, _as_run(getattr(c, "asked", None)), {})
+    applicable = c.applicable()
+    if knobs is not None:
+        applicable = [k for k in applicable if k in knobs]
+    info = c.last_info
+    optimizer = None
+    if info is not None and info.optimizers_built:
+        optimizer = info.optimizers_built[0].lower()
+    notes += [k.doctor.untried[unit] for k in KNOBS.values() if k.doctor.untried is not None
+              and k.name not in applicable and (knobs is None or k.name in knobs)]
+    known = Fixes(c.baseline.effective_batch, optimizer,
+                  getattr(c.baseline, resizing(SEQ_DIM).name))
+    rows = [_measure(c, label, knobs) for label, knobs in _candidates(applicable, known)
+            if any(getattr(c.baseline, k) != v for k, v in knobs.items())]  # not what ran
+    same = [s for s in rows if not (s.out_of_memory or baseline.out_of_memory)
+            and s.peak is not None
+            and (s.peak, s.reserved_peak) == (baseline.peak, baseline.reserved_peak)]
+    if same:  # a fix the cell already makes (its own autocast): no row of its own
+        rows = [s for s in rows if s not in same]
+        notes.append(f"{', '.join(s.label for s in same)}: the same figures as "
+                     f"{baseline.label} (the cell already does this, or it changes nothing here)")
+    targeted = baseline.fits is not None or any(s.fits is not None for s in rows)
+    if combine and targeted and not baseline.fits and not any(s.fits for s in rows):
+        combo = _combine(c, baseline, rows)
+        if combo is not None:
+            rows.append(combo)
+    if world_sizes:
+        source = getattr(c, "source", None)
+        if source is None:
+            notes.append("FSDP2 rows need the cell's source text (a function cell has none)")
+        else:
+            options = c.backend_options
+            rows += _shard_rows(source, c.namespace, world_sizes, options.get("gpu", gpu),
+                                options.get("gpu_memory", gpu_memory))
+            notes.append(_NCCL_NOTE)
+    rows.sort(key=_order)
+    return baseline, tuple(rows), notes
+
+
+def _as_run(asked: Any) -> str:
+    """The baseline row's label: "as written", or the setting the run was asked for
+    (``--batch-size 64``: the doctor ranks fixes for what ran)."""
+    ran = {name: value for name, value in (asked.changed() if asked is not None else {}).items()
+           if KNOBS[name].backend is None}  # the card is where it ran, not how
+    return "as written" if not ran else f"as run ({type(asked)(**ran).label()})"
+
+
+def _combine(cell: Any, baseline: Strategy, rows: Sequence[Strategy]) -> Strategy | None:
+    """The smallest combination of fixes (one value per knob) that fits, found greedily."""
+    if baseline.need is None:
+        return None
+    best_per_family: dict[str, Strategy] = {}
+    for s in rows:
+        if s.need is None or s.need >= baseline.need or len(s.knobs) != 1:
+            continue
+        knob = KNOBS[next(iter(s.knobs))]
+        if any(other in best_per_family for other in knob.doctor.excluded_by):
+            continue
+        cur = best_per_family.get(knob.family)
+        if cur is None or s.need < cur.need:
+            best_per_family[knob.family] = s
+    ordered = sorted(best_per_family.values(), key=lambda s: s.need)
+    knobs: dict[str, Any] = {}
+    labels: list[str] = []
+    last = None
+    for s in ordered[:4]:
+        knobs.update(s.knobs)
+        labels.append(s.label)
+        if len(labels) < 2:
+            continue
+        last = _measure(cell, " + ".join(labels), knobs)
+        if last.fits:
+            return last
+    return last
+
+
+def ranking_rows(engine: Callable[[], Any] | None, namespace: Mapping[str, Any] | None, *,
+                 strategies: bool, world_sizes: Sequence[int], gpu: Any, gpu_memory: Any,
+                 unit: str = "cell") -> tuple[Strategy | None, tuple[Strategy, ...], list[str]]:
+    """The ranked rows :func:`memmagic.doctor.advise` shows: the fixes re-run through the
+    engine the factory ``engine`` builds (asked once, here), or only the sharded rows."""
+    if engine is None:
+        return None, (), ["the strategies need the cell's code to re-run (engine=)"]
+    c = engine()
+    if strategies:
+        return rank(c, namespace, gpu=gpu, gpu_memory=gpu_memory, world_sizes=world_sizes,
+                    unit=unit)
+    rows = _shard_rows(c, namespace, world_sizes, gpu, gpu_memory)
+    rows.sort(key=_order)
+    return None, tuple(rows), [_NCCL_NOTE] if rows else []
+
+
+# What the FSDP2 rows leave out: the simulation runs them on a fake process group (no NCCL)
+_NCCL_NOTE = ("FSDP2 and tensor-parallel rows leave out NCCL's own buffers on each GPU "
+              "(outside PyTorch's allocator, they grow with channels and peers: about 1.06 GB "
+              "per GPU on 8 H100s "
+              "before an all-to-all, NVIDIA/nccl#1685; about 1.6 GB with one communicator after "
+              "an all-reduce, NVIDIA/nccl#864): leave that room beside the rows' figures")
+
+
+def _shard_rows(cell: Any, namespace: Mapping[str, Any] | None, world_sizes: Sequence[int],
+                gpu: Any, gpu_memory: Any) -> list[Strategy]:
+    """FSDP2 rows for each of ``world_sizes``, and tensor-parallel rows where the notebook's
+    model carries its own TP plan (a transformers model's ``tp_plan``)."""
+    from ..whatif import sharding
+
+    source = getattr(cell, "source", cell)
+    runs = [sharding.simulate_fsdp]
+    if _has_tp_plan(namespace):
+        runs.append(sharding.simulate_tp)
+    out = []
+    for simulate in runs:
+        for n in world_sizes:
+            r = simulate(source, namespace, world_size=n, gpu=gpu, gpu_memory=gpu_memory)
+            out.append(Strategy(r.label(), {f"{r.style}_world_size": n}, r.peak,
+                                r.reserved_peak, r.fits, r.reason))
+    return out
+
+
+def _has_tp_plan(namespace: Mapping[str, Any] | None) -> bool:
+    """Whether a model the namespace names (on the notebook's simulated GPU too) carries a
+    tensor-parallel plan."""
+    import torch
+
+    from ..backends.sim import session_of
+
+    ns = dict(namespace or {})
+    session = session_of(ns)
+    shadow = session.card.shadow if session is not None and session.card is not None else {}
+    for key, value in ns.items():
+        sh = shadow.get(key)
+        if sh is not None and sh.shown is value:
+            value = sh.value
+        if isinstance(value, torch.nn.Module) and getattr(value, "tp_plan", None):
+            return True
+    return False

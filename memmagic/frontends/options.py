@@ -1,0 +1,130 @@
+"""The options of ``%%gpumem`` that are not knobs, as data: (flags, argparse keyword
+arguments). The magic builds its parser from these and one option per knob of
+:data:`memmagic.whatif.knobs.KNOBS` (placed between the two lists)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..backends import BACKEND_NAMES
+
+__all__ = ["OPTIONS", "check_card_options", "check_options", "unquote", "line_problem"]
+
+# (flags, argparse options) of the options that are not knobs; the knobs' go between the two
+OPTIONS = [
+    (("--backend",), dict(
+        choices=BACKEND_NAMES, default=None,
+        help="Where to measure: cuda (real GPU allocator), cpu (real run on the CPU, tensors "
+             "tracked op by op), sim (simulated CUDA GPU on fake tensors, no GPU needed; every "
+             "sim cell of the notebook shares one simulated GPU), auto (cuda when a GPU is "
+             "usable, else cpu). Default: auto, or sim after %%gpusim on.")),
+    (("--device",), dict(type=int, default=None, metavar="N",
+                         help="CUDA device index for --backend cuda (default: the current device).")),
+    (("--gpu",), dict(default=None, metavar="NAME",
+                      help="Target GPU for --backend sim, e.g. T4, A100-40GB, RTX4090, laptop-6GB: "
+                           "the report says whether the cell fits.")),
+    (("--gpu-memory",), dict(
+        default=None, metavar="SIZE",
+        help="Target GPU memory for --backend sim, with a unit: 10GiB, 16GB, 512MiB (64 MiB "
+             "to 4 TiB). With --gpu it replaces the card's memory: --gpu T4 --gpu-memory 6GiB "
+             "simulates a T4 (its kernels) with 6 GiB, named 'T4 with 6.00 GiB' in the report, "
+             "with a note.")),
+    (("--world-size",), dict(
+        type=int, default=None, metavar="N",
+        help="--backend sim: the simulated GPU is rank 0 of N GPUs on a fake process group, so "
+             "the cell's init_device_mesh, parallelize_module (tensor parallel) and fully_shard "
+             "(FSDP2, 2-D with TP) run as on one GPU of the job; the report is per GPU. The "
+             "cell runs on a copy of the notebook's simulated GPU (its names stay as they were).")),
+    (("--no-breakdown",), dict(action="store_true",
+                               help="cuda only: skip the per-category breakdown (lowest overhead).")),
+    (("--no-chart",), dict(action="store_true", help="Do not draw the breakdown chart.")),
+    (("-o", "--output"), dict(action="store_true",
+                              help="Return the MemoryReport (IPython shows it as the cell's result; "
+                                   "the magic then does not display it too).")),
+    (("-v", "--var"), dict(default=None, metavar="NAME",
+                           help="Store the MemoryReport in the variable NAME.")),
+    (("-q", "--quiet"), dict(action="store_true", help="Print nothing.")),
+    (("--no-raise",), dict(action="store_true",
+                           help="A cell that runs out of memory (real or simulated) shows its report "
+                                "as the verdict and does not raise, so Run All goes on.")),
+    (("--footer",), dict(action="store_true",
+                         help="One line instead of the full report (what %%gpusim on uses).")),
+], [
+    (("--timeline",), dict(action="store_true",
+                           help="Also draw the memory over the run (op by op, with forward, backward "
+                                "and optimizer phases marked); cpu and sim backends.")),
+    (("--snapshot",), dict(default=None, metavar="PATH",
+                           help="Write the run as a CUDA memory snapshot (pickle) that "
+                                "https://pytorch.org/memory_viz opens; cpu and sim backends.")),
+    (("--whatif",), dict(
+        action="store_true",
+        help="Show a panel of controls for the knobs that apply to the cell; every change re-runs "
+             "the cell (on the simulated GPU unless --backend says otherwise) and redraws the "
+             "memory against the baseline. Needs ipywidgets 8.")),
+    (("--range",), dict(action="append", default=None, metavar="KNOB=LO:HI",
+                        help="The panel's range of an integer knob, e.g. batch_size=1:512.")),
+    (("--sweep",), dict(
+        default=None, metavar="KNOB=LO:HI",
+        help="Run the knob across the powers of two from LO to HI (or a list: batch_size=8,16,32) "
+             "for each strategy (AMP, checkpointing) and plot the memory against it, with the "
+             "largest value that fits the card. Values between two runs that the run between "
+             "them shows to be on a straight line are replayed, not run (rings on the chart).")),
+    (("--advise",), dict(
+        action="store_true",
+        help="The memory doctor: after the cell, who holds the memory it left (names, the "
+             "autograd graphs they pin, the classic leaks with their fix); after an out of "
+             "memory, the fixes ranked by re-running the cell with each on the simulated GPU, "
+             "and FSDP2 over 2, 4 and 8 GPUs. A failed cell gets the doctor's short advice "
+             "without it.")),
+    (("statement",), dict(nargs=argparse.REMAINDER, help="Line magic: the statement to measure.")),
+]
+
+
+def check_card_options(gpu: str | None, gpu_memory: str | None, *,
+                       no_card: str = "leave --gpu out") -> None:
+    """Raise ValueError when ``--gpu`` or ``--gpu-memory`` was given an empty value
+    (``--gpu ""``), which would otherwise run with no target card and no word. ``no_card``
+    says how to do without a card (``%gpusim on`` has ``--gpu none``)."""
+    if gpu is not None and not gpu.strip():
+        from ..backends.sim import GPUS
+
+        names = ", ".join(g.name for g in GPUS.values())
+        raise ValueError(f"--gpu needs a card name, one of {names}; or {no_card}")
+    if gpu_memory is not None and not gpu_memory.strip():
+        raise ValueError("--gpu-memory needs a size with a unit, like --gpu-memory 6GiB; "
+                         "or leave --gpu-memory out")
+
+
+def check_options(args: argparse.Namespace) -> argparse.Namespace:
+    """``args``, or ValueError in one line that says what to do for options of ``%%gpumem``
+    that cannot run as given: an empty card, options that do not go together."""
+    check_card_options(args.gpu, args.gpu_memory)
+    if args.whatif and args.sweep is not None:
+        raise ValueError("--whatif and --sweep are two views of the cell: give one (the "
+                         "panel's 'sweep batch size' button runs a sweep inside it)")
+    if args.range and not args.whatif:
+        raise ValueError("--range sets a knob's range in the --whatif panel: add --whatif "
+                         "(a sweep takes its range itself: --sweep batch_size=1:512)")
+    return args
+
+
+def unquote(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the quotes taken off the options' values: IPython splits a magic's line
+    keeping them (``--gpu "T4"`` reads '"T4"'); the line magic's statement keeps its own."""
+    def bare(value):
+        if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] in "'\"":
+            return value[1:-1]
+        return value
+
+    for name, value in vars(args).items():
+        if name != "statement":
+            setattr(args, name, [bare(v) for v in value] if isinstance(value, list) else bare(value))
+    return args
+
+
+def line_problem(error: ValueError) -> str:
+    """The one line to show for a magic's line that cannot be read: shlex's "No closing
+    quotation" says what to do; other messages (:func:`check_options`') already do."""
+    if str(error) == "No closing quotation":
+        return 'a quote is not closed: close it (--gpu "A100-80GB") or leave the quotes out'
+    return str(error)

@@ -1,0 +1,294 @@
+"""Values a simulation can know: what follows from shapes, literals and constants is real.
+
+A GPU program reads values (a loop bound, a mask, ``.tolist()`` of an index range): where
+they do not depend on data, the simulated run must take the path the GPU run takes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from memmagic.core import _torch_private as priv
+from memmagic.backends.sim.constants import CONSTANT_NUMEL
+from test_sim import Recorder, run
+
+
+def test_factories_carry_their_values():
+    seen = {}
+    out, _ = run("""
+        import torch
+        seen["lin"] = torch.linspace(0, 1, 5, device="cuda").tolist()
+        seen["eye"] = torch.eye(3, device="cuda").sum().item()
+        seen["full"] = torch.full((2, 2), 7, device="cuda").numpy().tolist()
+        seen["tri"] = torch.triu_indices(3, 3, device="cuda").shape
+        seen["causal"] = torch.ones(4, 4, device="cuda").tril().bool()[1].tolist()
+        seen["lit"] = torch.tensor([3, 1, 2], device="cuda").sort().values.tolist()
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["lin"] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert seen["eye"] == 3.0
+    assert seen["full"] == [[7, 7], [7, 7]]
+    assert seen["tri"] == (2, 6)
+    assert seen["causal"] == [True, True, False, False]
+    assert seen["lit"] == [1, 2, 3]
+    assert "depend on data were read" not in " ".join(out.report.notes)   # no placeholder was read
+
+
+def test_control_flow_on_constants_takes_the_gpu_path():
+    seen = {}
+    out, _ = run("""
+        import torch
+        n = torch.tensor(10, device="cuda")
+        steps = 0
+        while n > 0:          # a GPU run stops after 10 steps; a placeholder would loop
+            n -= 3
+            steps += 1
+        seen["steps"] = steps
+        x = torch.arange(12, device="cuda").view(3, 4)
+        seen["branch"] = "big" if x.max() > 10 else "small"
+    """, {"seen": Recorder(seen)}, max_ops=5_000)
+    assert out.error is None, out.error
+    assert seen["steps"] == 4 and seen["branch"] == "big"
+
+
+def test_data_dependent_values_stay_placeholders():
+    seen = {}
+    out, _ = run("""
+        import torch
+        r = torch.randn(3, device="cuda")
+        seen["r"] = r.tolist()
+        seen["mix"] = (torch.arange(3, device="cuda") + r).tolist()   # a constant meets data
+        big = torch.arange(%d, device="cuda")                          # too big to carry
+        seen["big"] = big[-1].item()
+    """ % (CONSTANT_NUMEL + 1), {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["r"] == [1.0, 1.0, 1.0] and seen["mix"] == [1.0, 1.0, 1.0]
+    assert seen["big"] == 0
+    notes = " ".join(out.report.notes)
+    assert "depend on data were read" in notes
+
+
+def test_memory_is_the_same_with_values():
+    # carrying a value never changes what the GPU would hold
+    src = """
+        import torch
+        a = torch.arange(1000, device="cuda", dtype=torch.float32)
+        m = torch.ones(64, 64, device="cuda").triu(1).bool()
+        b = a * 2
+        del a
+    """
+    out, _ = run(src)
+    assert out.error is None, out.error
+    # 1000 fp32 = 4000 B -> 4096 B blocks; 64*64 fp32 ones (16 KiB) freed after triu; bool 4096 B
+    assert out.report.retained == 4096 + 4096
+
+
+def test_deepcopy_of_a_constant_is_a_constant():
+    seen = {}
+    out, _ = run("""
+        import copy, torch
+        t = torch.arange(4, device="cuda")
+        t.tag = "mine"
+        c = copy.deepcopy(t)
+        seen["c"] = (c.tolist(), c.tag, c is t, c.is_cuda)
+        m = torch.nn.BatchNorm1d(3).cuda()     # num_batches_tracked is a constant
+        m2 = copy.deepcopy(m)
+        seen["nbt"] = m2.num_batches_tracked.item()
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["c"] == ([0, 1, 2, 3], "mine", False, True)
+    assert seen["nbt"] == 0
+
+
+def test_the_constant_limit_is_restored():
+    holder = priv.constant_numel_limit_holder()
+    before = getattr(*holder)
+    seen = {}
+    out, _ = run("""
+        seen["limit"] = limit()
+    """, {"seen": Recorder(seen), "limit": lambda: getattr(*holder)})
+    assert out.error is None, out.error
+    assert seen["limit"] == CONSTANT_NUMEL
+    assert getattr(*holder) == before
+
+
+def test_constant_fake_contract(monkeypatch):
+    mode = priv.new_fake_mode()
+    with mode:
+        like = torch.empty(3)
+    fake = priv.constant_fake(mode, torch.tensor([1.0, 2.0, 3.0]), like.fake_device)
+    assert priv.is_fake(fake) and fake.fake_mode is mode
+    assert priv.fake_constant(fake).tolist() == [1.0, 2.0, 3.0]
+    module, name = priv.constant_numel_limit_holder()
+    assert isinstance(getattr(module, name), int)
+    with mode:
+        assert priv.fake_constant(fake * 2) is None    # over torch's default limit (1)
+    monkeypatch.setattr(module, name, 8)
+    with mode:
+        doubled = fake * 2
+    assert priv.fake_constant(doubled).tolist() == [2.0, 4.0, 6.0]
+    assert copy.copy(priv.fake_constant(fake)).dtype == torch.float32
+
+
+def test_placeholders_print_as_placeholders_and_the_note_names_lines():
+    seen = {}
+    out, _ = run("""
+        import torch
+        model = torch.nn.Linear(8, 2).cuda()
+        total = 0.0
+        for i in range(6):
+            loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
+            total += loss.item()
+        seen["text"] = f"loss {loss.item():.4f}"
+        seen["total"] = repr(total)
+        seen["int"] = str(model(torch.randn(4, 8, device="cuda")).argmax().item())
+        seen["draw"] = torch.randint(0, 9, (), device="cuda").item()  # drawn for real
+        seen["real"] = repr(torch.arange(3, device="cuda").sum().item())
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["text"] == "loss 1.0000(simulated)"
+    assert seen["total"] == "6.0(simulated)"      # arithmetic keeps the mark
+    assert seen["int"] == "0(simulated)"
+    assert type(seen["draw"]) is int and 0 <= seen["draw"] < 9  # random indices are real
+    assert seen["real"] == "3"                    # a value the simulation has is plain
+    note = next(n for n in out.report.notes if "depend on data were read" in n)
+    # lines of the cell, not internal reads: three lines read placeholders
+    assert note.count("line ") == 3 and "line 7 (item)" in note
+
+
+def test_values_a_known_operand_decides_and_fills_and_real_small_tensors():
+    seen = {}
+    host = torch.ones(2, 16, dtype=torch.long)     # a tokenizer's mask from a real cell
+    out, ns = run("""
+        import torch
+        ids = torch.randint(0, 128, (2, 16), device="cuda")
+        seen["fills"] = (torch.ones_like(ids).all().item(), torch.zeros_like(ids).any().item(),
+                         torch.full_like(ids, 3).max().item(), ids.new_zeros(2).tolist())
+        done = torch.full((2,), True, device="cuda") | (ids[:, 0] == 5)   # True | data
+        none = torch.zeros(2, dtype=torch.bool, device="cuda") & (ids[:, 0] == 5)
+        seen["decided"] = (done.all().item(), none.any().item())
+        seen["mixed"] = ((ids[:, 0] == 5) | (ids[:, 1] == 5)).tolist()   # data | data: unknown
+        seen["host"] = host.to("cuda").all().item()
+        host.zero_()                                  # the cell's copy, not the real tensor
+    """, {"seen": Recorder(seen), "host": host})
+    assert out.error is None, out.error
+    assert seen["fills"] == (True, False, 3, [0, 0])
+    assert seen["decided"] == (True, False)
+    assert seen["mixed"] == [False, False]            # placeholders
+    assert seen["host"] is True and int(host.sum()) == 32
+
+
+def test_values_written_from_unknown_data_are_forgotten():
+    """A small buffer that starts as a known constant (Adam's zero moments, BatchNorm's
+    running stats) holds data-dependent values once an op writes data into it: reading it
+    gives a placeholder, as on a GPU it gives numbers the simulation cannot know, on every
+    run (also when the op cache or FakeTensorMode's own cache answers)."""
+    for _ in range(2):  # cold, then warm caches
+        seen = {}
+        out, _ = run("""
+            import torch, torch.nn as nn
+            model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).cuda()
+            opt = torch.optim.Adam(model.parameters())
+            loss = model(torch.randn(4, 8, device="cuda")).square().mean()
+            loss.backward()
+            opt.step()
+            bias = model[0].bias
+            seen["moment"] = opt.state[bias]["exp_avg_sq"].sum().item()
+            seen["steps"] = opt.state[bias]["step"].item()   # written from constants only
+            seen["mean"] = model[1].running_mean.sum().item()
+            seen["tracked"] = model[1].num_batches_tracked.item()
+        """, {"seen": Recorder(seen)})
+        assert out.error is None, out.error
+        assert type(seen["moment"]).__name__ == "SimulatedFloat"
+        assert type(seen["mean"]).__name__ == "SimulatedFloat"
+        assert seen["steps"] == 1.0 and type(seen["steps"]) is float
+        assert seen["tracked"] == 1 and type(seen["tracked"]) is int
+
+
+def test_a_constant_follows_data_assignment():
+    """``module.to("cuda", torch.bfloat16)`` swaps each CPU parameter's data (``p.data =
+    new``): the parameter then holds the new values and dtype. A parameter made from a
+    constant (``torch.ones``, an RMSNorm weight) kept its float32 constant, so ops on it
+    alone came out float32: a checkpointed transformers Llama failed its recompute check
+    ("Recomputed values ... have different metadata")."""
+    seen = {}
+    out, _ = run("""
+        import torch, torch.nn as nn
+        from torch.utils.checkpoint import checkpoint
+        class Norm(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.weight = nn.Parameter(torch.ones(64))
+            def forward(self, h):
+                return self.weight * h
+        norm = Norm().to("cuda", dtype=torch.bfloat16)
+        seen["detached"] = norm.weight.detach().dtype
+        seen["sum"] = norm.weight.sum().item()       # still known: 64 ones
+        x = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        checkpoint(norm, x, use_reentrant=False).sum().backward()
+        w = torch.zeros(8)
+        w.data = torch.randn(8)                      # unknown values now
+        seen["unknown"] = w.sum().item()
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["detached"] == torch.bfloat16
+    assert seen["sum"] == 64.0 and type(seen["sum"]) is float
+    assert type(seen["unknown"]).__name__ == "SimulatedFloat"
+
+
+def test_adopt_constant_contract():
+    mode = priv.new_fake_mode()
+    with mode:
+        c = torch.empty(4)  # no values
+    a = priv.constant_fake(mode, torch.ones(4), c.fake_device)
+    b = priv.constant_fake(mode, torch.zeros(4, dtype=torch.bfloat16), c.fake_device)
+    a_const = priv.fake_constant(a)
+    assert a_const is not None and priv.fake_constant(b) is not None
+    priv.adopt_constant(a, b)
+    assert priv.fake_constant(a) is priv.fake_constant(b)
+    priv.adopt_constant(a, c)  # no values: none kept
+    assert priv.fake_constant(a) is None
+
+
+def test_one_random_draw_decides_a_path_for_real_and_gpu_draws_leave_the_host_generator():
+    """``torch.rand(1) > p`` (peft's LoHa adapters, LayerDrop) is drawn for real: a
+    placeholder (False) would skip the adapter a GPU run adds. A draw on the GPU takes the
+    simulation's own generator, so the host's draws that follow are the GPU run's."""
+    seen = {}
+    out, _ = run("""
+        import torch
+        torch.manual_seed(0)
+        seen["add"] = bool(torch.rand(1, device="cuda") > 0.0)
+        seen["scalar"] = 0.0 <= torch.rand([], device="cuda").item() < 1.0
+        i = torch.randint(0, 10, (4,), device="cuda")
+        seen["host"] = torch.randint(0, 100, (4,)).tolist()
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["add"] is True and seen["scalar"] is True
+    torch.manual_seed(0)
+    assert seen["host"] == torch.randint(0, 100, (4,)).tolist()
+    assert "depend on data were read" not in " ".join(out.report.notes)
+
+
+def test_a_tensor_formats_as_torch_formats_it():
+    """``f"{loss:.4f}"`` (nanoGPT's and build-nanogpt's logging): a 0-d tensor formats its
+    value, a placeholder with its mark; ``f"{t}"`` prints as ``print(t)`` does."""
+    seen = {}
+    out, _ = run("""
+        import torch
+        model = torch.nn.Linear(8, 1).cuda()
+        loss = model(torch.randn(4, 8, device="cuda")).pow(2).mean()
+        three = torch.ones((), device="cuda") * 3
+        seen["spec"] = f"{loss:.4f} {three:.2f} {three.long():>3d}"
+        seen["plain"] = f"{loss} {three} {torch.ones(2, device='cuda')}"
+        try:
+            f"{torch.ones(2, device='cuda'):.2f}"
+        except TypeError as exc:  # as torch: a spec on a tensor of several values
+            seen["many"] = type(exc).__name__
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["spec"] == "1.0000(simulated) 3.00   3"
+    assert seen["plain"] == "1.0(simulated) 3.0 tensor([1., 1.], device='cuda:0')"
+    assert seen["many"] == "TypeError"

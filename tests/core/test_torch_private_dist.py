@@ -1,0 +1,125 @@
+"""Contract tests for the distributed part of memmagic/core/_torch_private.py: the private torch distributed APIs
+the sharding simulation relies on behave as it assumes."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from memmagic.core import _torch_private as priv
+
+
+def test_fake_process_group_is_rank0_of_n_and_is_destroyed():
+    with priv.fake_process_group(4):
+        assert dist.is_initialized()
+        assert (dist.get_rank(), dist.get_world_size()) == (0, 4)
+        out = [torch.empty(3) for _ in range(4)]
+        dist.all_gather(out, torch.ones(3))  # returns at once, shapes kept
+        assert [t.shape for t in out] == [torch.Size([3])] * 4
+    assert not dist.is_initialized()
+
+
+def test_fake_process_group_destroyed_after_an_exception():
+    with pytest.raises(KeyError):
+        with priv.fake_process_group(2):
+            raise KeyError("x")
+    assert not dist.is_initialized()
+
+
+def test_fake_process_group_refuses_a_second_group_and_bad_sizes():
+    with priv.fake_process_group(2):
+        with pytest.raises(RuntimeError, match="already initialized"):
+            with priv.fake_process_group(2):
+                pass
+    with pytest.raises(ValueError, match="world_size"):
+        with priv.fake_process_group(0):
+            pass
+
+
+def test_device_mesh_shards_a_dtensor_by_rank():
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with priv.fake_process_group(4):
+        mesh = priv.device_mesh("cpu", 4)
+        assert mesh.size() == 4
+        d = distribute_tensor(torch.randn(64, 8), mesh, [Shard(0)])
+        assert priv.is_wrapper_subclass(d)
+        inner = priv.wrapper_inner_tensors(d)
+        assert [t.shape for t in inner] == [torch.Size([16, 8])]
+        assert not priv.is_wrapper_subclass(inner[0])
+    plain = torch.ones(2)
+    assert priv.wrapper_inner_tensors(plain) == [plain] and not priv.is_wrapper_subclass(plain)
+
+
+def _handles():
+    return {m: importlib.import_module(priv._FSDP_PKG + m)._get_device_handle for m in priv.FSDP_MODULES
+            if hasattr(importlib.import_module(priv._FSDP_PKG + m), "_get_device_handle")}
+
+
+def test_fsdp_modules_bind_the_device_handle_by_name_and_it_is_restored():
+    before = _handles()
+    assert set(before) == set(priv.FSDP_MODULES)  # FSDP2 still looks it up in these modules
+    with pytest.raises(ZeroDivisionError):
+        with priv.fsdp_device_handle_without_streams():
+            handle = importlib.import_module(priv._FSDP_PKG + "_fsdp_param_group")._get_device_handle("cuda")
+            s = handle.Stream(priority=-1)  # what FSDP2's comm context makes
+            with handle.stream(s):
+                handle.current_stream().wait_stream(s)
+            assert handle.Event().record() is None
+            assert handle.current_device is torch.cuda.current_device
+            1 / 0
+    assert _handles() == before
+
+
+def test_fsdp_frees_unsharded_storage_through_the_hooked_functions_and_they_are_restored():
+    fp = importlib.import_module(priv._FSDP_PKG + "_fsdp_param")
+    pg = importlib.import_module(priv._FSDP_PKG + "_fsdp_param_group")
+    free, alloc = fp.free_storage, fp.alloc_storage
+    assert pg.alloc_storage is alloc  # bound by name there too
+    seen = []
+    t = torch.empty(256)
+    with priv.fsdp_storage_resize_hook(lambda x: seen.append(x.untyped_storage().nbytes())):
+        fp.free_storage(t)
+        pg.alloc_storage(t)
+    assert seen == [0, 1024]
+    assert (fp.free_storage, fp.alloc_storage, pg.alloc_storage) == (free, alloc, alloc)
+
+
+def test_fully_shard_on_a_fake_group_makes_local_shards():
+    from torch.distributed.fsdp import fully_shard
+
+    with priv.fake_process_group(4):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+        fully_shard(model, mesh=priv.device_mesh("cpu", 4))
+        w = model[0].weight
+        assert priv.is_wrapper_subclass(w) and tuple(w.shape) == (32, 16)
+        assert tuple(priv.wrapper_inner_tensors(w)[0].shape) == (8, 16)
+
+
+
+def test_dtensor_propagation_builds_its_fake_arguments_on_the_device_asked():
+    """The contract the simulation's DTensor ops rely on: an op's fake arguments for
+    sharding propagation (``OpSchema.gen_fake_args``) come from the module function that
+    ``dtensor_fake_args_on`` replaces, with the spec's shape, stride and dtype; the
+    function is put back after, also after an exception."""
+    import torch.distributed.tensor._op_schema as op_schema
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    before = op_schema._rebuild_tensor_from_dtensor_meta
+    with priv.fake_process_group(2):
+        mesh = priv.device_mesh("cpu", 2)
+        d = distribute_tensor(torch.zeros(8, 6, dtype=torch.float16).t(), mesh, [Shard(0)])
+        schema = op_schema.OpSchema(torch.ops.aten.uniform_.default, (d._spec, -1.0, 1.0), {})
+        with priv.dtensor_fake_args_on("meta"):
+            fake, low, high = schema.gen_fake_args()
+        assert (fake.device.type, fake.shape, fake.stride(), fake.dtype) == \
+            ("meta", (6, 8), (1, 6), torch.float16)
+        assert (low, high) == (-1.0, 1.0)
+        assert schema.gen_fake_args()[0].device.type == "cpu"  # torch's again: the mesh's
+        with pytest.raises(KeyError):
+            with priv.dtensor_fake_args_on("meta"):
+                raise KeyError("x")
+    assert op_schema._rebuild_tensor_from_dtensor_meta is before

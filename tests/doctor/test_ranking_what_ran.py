@@ -1,0 +1,99 @@
+"""The doctor ranks fixes for what ran: the batch the magic was asked for, a run that ran out
+of memory read as "more than" what it needs at least, no weight conversion offered for a
+quantized model, and no row for a fix the cell already makes."""
+
+from __future__ import annotations
+
+import pytest
+
+from memmagic import doctor
+from memmagic.pipeline import ranking_engine
+
+STEP = """
+import torch
+torch.manual_seed(0)
+x = torch.randn(batch_size, 2048, device="cuda")
+y = model(x)
+y.float().pow(2).mean().backward()
+"""
+MODEL = "import torch\nmodel = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)]).cuda()\n"
+
+
+def test_after_an_out_of_memory_at_the_asked_batch_the_fixes_are_for_that_batch(ip):
+    ip.run_line_magic("gpusim", "on --gpu laptop-4GB")
+    try:
+        ip.run_cell(MODEL + "batch_size = 2\n")
+        r = ip.run_cell_magic("gpumem", "--batch-size 65536 --advise --no-raise -o -q --no-chart",
+                              STEP)
+    finally:
+        ip.run_line_magic("gpusim", "off")
+    assert r.failed_request is not None
+    advice = r.advice
+    assert advice.baseline.label == "as run (batch 65536)" and advice.baseline.out_of_memory
+    batch_rows = [s for s in advice.strategies if set(s.knobs) == {"batch_size"}]
+    assert batch_rows and all(s.label.endswith("(from 65536)") for s in batch_rows)
+    assert any(s.fits for s in batch_rows)
+    # a row that ran out reads "more than" what it needs at least: never below a smaller
+    # batch that ran to its end
+    by_batch = sorted(batch_rows, key=lambda s: s.knobs["batch_size"])
+    needs = [s.peak for s in by_batch]
+    assert needs == sorted(needs)
+    table = {row[0]: row for row in advice.strategy_rows()}
+    assert table["as run (batch 65536)"][1].startswith("> ")
+
+
+def test_an_out_of_memory_rows_peak_is_what_it_needs_at_least():
+    engine = ranking_engine(MODEL + "y = model(torch.randn(8192, 2048, device='cuda')).sum()\n",
+                            gpu_memory="256MiB")
+    base, _, _ = doctor.rank(engine, knobs=())
+    r = engine.run()
+    assert base.out_of_memory and base.label == "as written"
+    assert base.peak == r.live_at_failure + r.failed_request > r.peak
+
+
+def test_no_weight_conversion_is_offered_for_a_4bit_model(ip):
+    pytest.importorskip("bitsandbytes")
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    try:
+        ip.run_cell("import torch\nimport bitsandbytes as bnb\n"
+                    "lin = bnb.nn.Linear4bit(1024, 1024, bias=False, quant_type='nf4', "
+                    "compute_dtype=torch.bfloat16).cuda()\n"
+                    "x = torch.randn(64, 1024, device='cuda', dtype=torch.bfloat16)\n")
+        engine = ip.run_cell_magic("gpumem", "--whatif -o", "lin(x).float().sum()\n").cell
+    finally:
+        ip.run_line_magic("gpusim", "off")
+    assert "weights_dtype" not in engine.applicable()
+    _, rows, _ = doctor.rank(engine, combine=False)
+    assert not [s for s in rows if "weights" in s.label]
+
+
+def test_a_fix_the_cell_already_makes_gets_no_row_but_a_note():
+    own_autocast = (MODEL + "with torch.autocast('cuda', dtype=torch.bfloat16):\n"
+                    "    y = model(torch.randn(256, 2048, device='cuda'))\n"
+                    "y.float().sum().backward()\n")
+    _, rows, notes = doctor.rank(ranking_engine(own_autocast, gpu="T4"), knobs=("amp",))
+    # the cell's own bf16 autocast: AMP bf16 changes nothing (AMP fp16, another dtype and
+    # a GradScaler, keeps its row)
+    assert [s.label for s in rows] == ["AMP fp16"]
+    assert "AMP bf16: the same figures as as written (the cell already does this, or it " \
+           "changes nothing here)" in notes
+
+
+def test_the_command_line_speaks_of_the_script_and_ranks_what_ran(tmp_path, capsys, clean_state):
+    from memmagic.frontends import cli
+
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n"
+                      "model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(4)]).cuda()\n"
+                      "for _ in range(2):\n"
+                      "    model(torch.randn(64, 4096, device='cuda')).sum().backward()\n")
+    assert cli.main(["run", "--gpu-memory", "300MiB", "--whatif", "amp=bf16", str(script)]) == 1
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert "cell" not in text.lower()
+    assert "The failed script's local variables were released" in text
+    assert "the failed script's frames" in text and "script failed: " in text
+    rows = [line.split("  ")[1] for line in captured.out.splitlines()
+            if line.startswith("  ") and ("> " in line or "fits" in line)]
+    assert "as run (amp bf16)" in rows[0] and not [r for r in rows if r.startswith("AMP bf16")]
+    assert "the script does not take its batch size on its command line" in captured.out

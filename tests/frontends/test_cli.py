@@ -1,0 +1,308 @@
+"""The command line: ``python -m memmagic run train.py`` on a nanoGPT-like script (its
+argparse, its loop cut after N optimizer steps, forward passes or seconds), and the one
+line it answers bad input with, before the run. The scratch disk the script runs over:
+tests/frontends/test_cli_disk.py."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from memmagic.frontends import cli
+
+TRAIN = textwrap.dedent('''
+    import argparse
+    import torch
+    from memmagic import zoo
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--iters", type=int, default=1000)
+    args = p.parse_args()
+    model, _ = zoo.build("nanogpt", device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    for it in range(args.iters):
+        xb = torch.randint(0, 1000, (args.batch_size, 128), device="cuda")
+        loss = model.loss(xb, xb)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    print("trained", it + 1, "steps")
+''')
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(TRAIN)
+    return path
+
+
+def test_a_script_runs_on_the_simulated_gpu_cut_after_its_steps(script, tmp_path, capsys, clean_state):
+    argv, path = list(sys.argv), list(sys.path)
+    out = tmp_path / "r.json"
+    rc = cli.main(["run", "--gpu", "T4", "--steps", "2", "--json", str(out), "--timeline",
+                   str(tmp_path / "t.png"), "--snapshot", str(tmp_path / "s.pickle"),
+                   str(script), "--batch_size", "16"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert sys.argv == argv and sys.path == path  # put back
+    assert "trained" not in text  # the loop of 1000 iterations was cut
+    assert "note: stopped after 2 optimizer step(s) (--steps 2)" in text
+    assert "target GPU       T4 14.74 GiB: fits" in text and "peak reached     during loss.backward()" in text
+    report = json.loads(out.read_text())
+    assert report["backend"] == "sim" and report["gpu_name"] == "T4"
+    assert report["breakdown"]["optimizer_state"] > 0  # AdamW's state: a step ran
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    assert "segments" in pickle.loads((tmp_path / "s.pickle").read_bytes())
+    # the script's own arguments reach its argparse: a larger batch needs more
+    cli.main(["run", "--gpu", "T4", "--steps", "1", "--json", str(out), str(script), "--batch_size", "64"])
+    assert json.loads(out.read_text())["peak"] > report["peak"]
+    capsys.readouterr()
+
+
+def test_python_dash_m_memmagic_and_its_failures(script, tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "memmagic", "run", *args], capture_output=True,
+                              text=True, cwd=tmp_path)
+    oom = run("--gpu", "T4", "--steps", "1", str(script), "--batch_size", "8192")
+    assert oom.returncode == 1 and "memmagic: out of memory on simulated cuda:0 (T4)" in oom.stderr
+    assert "does not fit" in oom.stdout  # the doctor's ranked fixes
+    (tmp_path / "reads.py").write_text("import numpy as np\n"
+                                       "data = np.memmap('data/train.bin', dtype=np.uint16, mode='r')\n")
+    data = run("--gpu", "T4", "reads.py")
+    assert data.returncode == 1
+    assert "the script reads data/train.bin, which is not here" in data.stderr
+    missing = run("nothere.py")
+    assert missing.returncode == 2 and missing.stderr.startswith("memmagic: no script at nothere.py")
+    steps = run("--steps", "0", str(script))
+    assert steps.returncode == 2 and "--steps needs a positive number" in steps.stderr
+
+
+TRAINER = textwrap.dedent('''
+    import argparse
+    import torch
+    from torch.utils.data import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch_size", type=int, default=4)
+    a = p.parse_args()
+
+
+    class RandomTokens(Dataset):
+        def __len__(self):
+            return 1000
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, 8000, (128,))
+            return {"input_ids": ids, "labels": ids}
+
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1376,
+                                         num_hidden_layers=2, num_attention_heads=8,
+                                         num_key_value_heads=8))
+    args = TrainingArguments(output_dir="hf_out", per_device_train_batch_size=a.batch_size,
+                             max_steps=1000, report_to=[], save_strategy="no",
+                             logging_steps=10**6)
+    Trainer(model=model, args=args, train_dataset=RandomTokens()).train()
+    print("trained")
+''')
+
+
+def test_a_transformers_trainer_script_built_from_a_config(tmp_path, monkeypatch, capsys, clean_state):
+    pytest.importorskip("transformers")
+    (tmp_path / "train_hf.py").write_text(TRAINER)
+    monkeypatch.chdir(tmp_path)  # Trainer makes its output_dir where the script runs
+    out = tmp_path / "r.json"
+    rc = cli.main(["run", "--gpu", "T4", "--steps", "2", "--json", str(out), "train_hf.py",
+                   "--batch_size", "8"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "trained" not in text and "note: stopped after 2 optimizer step(s) (--steps 2)" in text
+    report = json.loads(out.read_text())
+    # fp32: embeddings and lm_head 8000 x 512, per layer q k v o 512 x 512, gate up down
+    # 1376 x 512 and two RMSNorms, the final RMSNorm: 58,075,136 B in 21 tensors
+    params = 2 * 8000 * 512 * 4 + 2 * (4 * 512 * 512 + 3 * 1376 * 512 + 2 * 512) * 4 + 512 * 4
+    assert report["breakdown"]["parameters"] == params
+    # Trainer's default optimizer is torch's fused AdamW: two moments per parameter and a
+    # step counter per tensor on the GPU (one 512-byte block each)
+    assert report["breakdown"]["optimizer_state"] == 2 * params + 21 * 512
+    assert report["breakdown"]["activations"] > 0 and "fits" in text
+    # Trainer made its output_dir in the scratch directory, not here
+    assert not (tmp_path / "hf_out").exists()
+    assert "note: the script made hf_out" in text and "nothing on disk was changed" in text
+
+
+def test_whatif_knobs_apply_to_the_script_and_bad_ones_get_one_line(script, capsys, clean_state):
+    rc = cli.main(["run", "--gpu", "T4", "--steps", "1", "--json", "/dev/null", str(script)])
+    base = capsys.readouterr().out
+    assert rc == 0, base
+    rc = cli.main(["run", "--gpu", "T4", "--steps", "1", "--whatif", "amp=bf16", str(script)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "note: what-if setting: amp bf16" in text and "what-if" not in base
+
+    def peak_of(out: str) -> str:
+        return next(line for line in out.splitlines() if line.startswith("  peak "))
+    assert peak_of(text) != peak_of(base)
+    for bad, says in ((["--whatif", "amp"], "takes KNOB=VALUE"),
+                      (["--whatif", "speed=fast"], "unknown knob 'speed'"),
+                      (["--whatif", "batch_size=big"], "takes a whole number")):
+        assert cli.main(["run", *bad, str(script)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_doctor_resizes_the_batch_the_script_takes_from_its_command_line(script, capsys,
+                                                                            clean_state):
+    """--batch_size on the script's command line is the batch knob: after an out of memory
+    the doctor's re-runs give the script smaller values, each from a fresh __main__."""
+    rc = cli.main(["run", "--gpu-memory", "256MiB", "--steps", "1", str(script), "--batch_size", "64"])
+    out = capsys.readouterr()
+    assert rc == 1 and "out of memory" in out.err
+    rows = [line for line in out.out.splitlines() if "(from 64)" in line]
+    assert rows and any(line.rstrip().endswith("fits") for line in rows), out.out
+    rc = cli.main(["run", "--gpu-memory", "256MiB", "--steps", "1", "--whatif", "batch_size=16",
+                   str(script), "--batch_size", "64"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "note: what-if setting: batch 16" in text
+
+
+def test_files_the_script_writes_go_to_a_scratch_directory(tmp_path, monkeypatch, capsys, clean_state):
+    import builtins
+    import os
+
+    (tmp_path / "w.py").write_text(textwrap.dedent('''
+        import os, pathlib, torch
+        os.makedirs("ckpt/run1", exist_ok=True)
+        with open("ckpt/run1/log.txt", "w") as f:
+            f.write("step 1")
+        pathlib.Path("ckpt/notes.txt").write_text("hello")
+        assert os.path.isdir("ckpt/run1") and os.path.exists("ckpt/notes.txt")
+        with open("ckpt/run1/log.txt") as f:
+            print("read back:", f.read())
+        m = torch.nn.Linear(8, 8).cuda()
+        torch.save(m.state_dict(), "ckpt/m.pt")
+    '''))
+    monkeypatch.chdir(tmp_path)
+    opened = builtins.open
+    assert cli.main(["run", "--gpu", "T4", "w.py"]) == 0
+    text = capsys.readouterr().out
+    assert "read back: step 1" in text
+    assert sorted(os.listdir(tmp_path)) == ["w.py"]  # nothing written here
+    assert "note: the script wrote ckpt" in text
+    assert builtins.open is opened and os.makedirs.__module__ == "os"  # put back
+
+
+EVAL = textwrap.dedent('''
+    import torch
+    model = torch.nn.Linear(64, 64).cuda().eval()
+    with torch.no_grad():
+        for i in range(200):
+            model(torch.randn(8, 64, device="cuda"))
+    print("evaluated", i + 1)
+''')
+
+
+def test_steps_end_a_script_that_makes_no_optimizer_after_its_forward_passes(tmp_path, capsys,
+                                                                            clean_state):
+    (tmp_path / "ev.py").write_text(EVAL)
+    rc = cli.main(["run", "--gpu", "T4", "--steps", "3", str(tmp_path / "ev.py")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "evaluated" not in text
+    assert "note: stopped after 3 forward passes (--steps 3: the script made no optimizer" in text
+
+
+def test_steps_count_optimizer_steps_when_the_script_evaluates_first(tmp_path, capsys,
+                                                                    clean_state):
+    """A training script that evaluates before its first step (nanoGPT's estimate_loss)
+    is cut at its optimizer steps, not at its evaluation's forward passes."""
+    (tmp_path / "t.py").write_text(textwrap.dedent('''
+        import torch
+        model = torch.nn.Linear(64, 64).cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        with torch.no_grad():
+            for _ in range(5):
+                model(torch.randn(8, 64, device="cuda"))
+        for _ in range(10):
+            model(torch.randn(8, 64, device="cuda")).sum().backward()
+            opt.step()
+    '''))
+    rc = cli.main(["run", "--gpu", "T4", "--steps", "2", str(tmp_path / "t.py")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "note: stopped after 2 optimizer step(s) (--steps 2)" in text
+
+
+def test_a_time_limit_cuts_the_run_and_a_long_run_shows_progress(tmp_path, capsys, monkeypatch,
+                                                                clean_state):
+    from memmagic.frontends import scriptrun
+
+    monkeypatch.setattr(scriptrun.ScriptRun, "progress_every_s", 0.3)
+    (tmp_path / "slow.py").write_text(textwrap.dedent('''
+        import time
+        while True:  # no model, no optimizer: only the clock ends it
+            time.sleep(0.05)
+    '''))
+    rc = cli.main(["run", "--gpu", "T4", "--time-limit", "1", str(tmp_path / "slow.py")])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "note: stopped at --time-limit 1 s, after" in out.out
+    assert re.search(r"memmagic: slow.py running: \d+ s, 0 optimizer step\(s\), "
+                     r"0 forward pass\(es\)", out.err)
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--json", "no/such/folder/r.json"],
+     "--json no/such/folder/r.json: the folder no/such/folder does not exist"),
+    (["--timeline", "."], "--timeline .: is a directory"),
+    (["--snapshot", "nowhere/s.pickle"],
+     "--snapshot nowhere/s.pickle: the folder nowhere does not exist"),
+    (["--gpu", ""], "--gpu needs a card name, one of"),
+    (["--gpu-memory", " "], "--gpu-memory needs a size with a unit"),
+    (["--gpu-memory", "99999999999999TiB"], "--gpu-memory 99999999999999TiB is "),
+    (["--time-limit", "0"], "--time-limit needs a positive number of seconds"),
+    (["--whatif", "accum_steps=2"],
+     "--whatif accum_steps needs a script that takes its accumulation steps on its command "
+     "line (--accum_steps N"),
+    (["--whatif", "seq_len=64"], "--whatif seq_len needs a script that takes its sequence"),
+], ids=["json", "timeline", "snapshot", "gpu", "gpu-memory", "huge-card", "time-limit",
+        "accum_steps", "seq_len"])
+def test_bad_input_gets_one_line_before_the_run(tmp_path, monkeypatch, capsys, options, says):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.py").write_text("print('the script ran')\n")
+    rc = cli.main(["run", "--gpu-memory", "1GiB", *options, "s.py", "--batch_size", "8"])
+    out = capsys.readouterr()
+    assert rc == 2
+    assert out.err.startswith(f"memmagic: {says}") and len(out.err.strip().splitlines()) == 1
+    assert "the script ran" not in out.out
+
+
+@pytest.mark.parametrize("source, says", [
+    (b"import torch\nx = (\n", "bad.py line 2: '(' was never closed: fix the script"),
+    (b"print('caf\xe9')\n",
+     "bad.py line 1: byte 0xe9 is not utf-8 text: save the script as UTF-8"),
+], ids=["syntax", "encoding"])
+def test_a_script_that_does_not_compile_gets_one_line(tmp_path, monkeypatch, capsys, source,
+                                                      says):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.py").write_bytes(source)
+    rc = cli.main(["run", "--gpu", "T4", "bad.py"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith(f"memmagic: {says}") and len(err.strip().splitlines()) == 1
+
+
+def test_a_script_that_declares_its_encoding_runs(tmp_path, monkeypatch, capsys, clean_state):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "latin.py").write_bytes(b"# -*- coding: latin-1 -*-\nprint('caf\xe9')\n")
+    assert cli.main(["run", "--gpu", "T4", "latin.py"]) == 0
+    assert "caf\u00e9" in capsys.readouterr().out

@@ -1,0 +1,112 @@
+"""The command line for multi-GPU jobs and packaged trainers: ``python -m memmagic run
+--world-size N`` runs a script written for torchrun unchanged, as rank 0, and
+``-m package.module args`` runs a module as ``python -m`` does."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+import torch.distributed as dist
+
+from memmagic.frontends import cli
+
+# a trainer as torchrun launches it: it reads its rank from the environment, checks the
+# GPUs it was given, starts NCCL, and shards a model made on the meta device
+TORCHRUN_TRAINER = textwrap.dedent('''
+    import argparse, os
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--width", type=int, default=512)
+    args = p.parse_args()
+    world = int(os.environ["WORLD_SIZE"])
+    if torch.cuda.device_count() < world:
+        raise SystemExit(f"this job needs {world} GPUs")
+    local = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(args.width, args.width, bias=False),
+                                    torch.nn.Linear(args.width, args.width, bias=False))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cuda")
+    for layer in model:
+        layer.reset_parameters()
+    print("rank", dist.get_rank(), "of", dist.get_world_size(), "on", torch.cuda.device_count(), "GPUs")
+    print("shard", sum(p.to_local().numel() for p in model.parameters()))
+    dist.destroy_process_group()
+''')
+
+
+def test_a_torchrun_script_runs_unchanged_as_rank_zero(tmp_path, capsys, clean_state):
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_TRAINER)
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: os.environ.get(k) for k in keys}
+    out = tmp_path / "r.json"
+    rc = cli.main(["run", "--gpu", "H100", "--world-size", "4", "--json", str(out), str(script),
+                   "--width", "1024"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "rank 0 of 4 on 4 GPUs" in text
+    assert "shard 524288" in text  # two 1024 x 1024 weights over 4 GPUs
+    report = json.loads(out.read_text())
+    # what stays on rank 0's GPU: its quarter of each weight, 1 MiB each
+    assert report["after"] == 2 * 1024 * 1024 // 4 * 4
+    assert {k: os.environ.get(k) for k in keys} == env and not dist.is_initialized()
+
+
+def test_without_world_size_the_same_script_stops_as_on_one_gpu(tmp_path, capsys, clean_state):
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_TRAINER)
+    os.environ.pop("WORLD_SIZE", None)
+    rc = cli.main(["run", "--gpu", "H100", str(script)])
+    assert rc == 1 and "KeyError: 'WORLD_SIZE'" in capsys.readouterr().err
+
+
+def test_a_module_runs_as_python_dash_m_runs_it(tmp_path, capsys, clean_state, monkeypatch):
+    pkg = tmp_path / "trainer"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config.py").write_text("WIDTH = 256\n")
+    (pkg / "train.py").write_text(textwrap.dedent('''
+        import sys
+        import torch
+        from .config import WIDTH   # a relative import: the module runs in its package
+        print("argv", sys.argv[1:], "main", __name__, __spec__.name)
+        x = torch.zeros(int(sys.argv[2]), WIDTH, device="cuda")
+    '''))
+    (pkg / "__main__.py").write_text("import torch\nprint('package main')\n"
+                                     "y = torch.zeros(1024, device='cuda')\n")
+    monkeypatch.chdir(tmp_path)
+    path = list(sys.path)
+    out = tmp_path / "r.json"
+    rc = cli.main(["run", "--gpu", "T4", "--json", str(out), "-m", "trainer.train", "--rows", "64"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "argv ['--rows', '64'] main __main__ trainer.train" in text
+    assert json.loads(out.read_text())["after"] == 64 * 256 * 4
+    assert cli.main(["run", "--gpu", "T4", "-m", "trainer"]) == 0
+    assert "package main" in capsys.readouterr().out
+    assert sys.path == path
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["run", "-m", "no_such_module_here"], "-m no_such_module_here: no Python module of that name"),
+    (["run"], "give the script to run"),
+    (["run", "--backend", "cpu", "--world-size", "2", "-m", "json.tool"],
+     "--world-size makes the simulated GPU one rank of a job: add --backend sim"),
+    (["run", "--world-size", "1", "-m", "json.tool"], "--world-size is a number of GPUs, 2 or more"),
+])
+def test_bad_jobs_get_one_line(argv, words, capsys, clean_state):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("memmagic: ") and words in err and len(err.strip().splitlines()) == 1
