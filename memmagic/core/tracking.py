@@ -693,7 +693,7 @@ class RoleHooks:
                     owned = (path.count("."), f"{k}.{path}")
         if owned is not None:
             return owned[1]
-        return direct or (kind or type(module)).__name__
+        return direct or _class_name(kind or type(module))
 
     def _pre_forward(self, module, args):
         t = self.t
@@ -716,7 +716,7 @@ class RoleHooks:
                 name = self._root_name(module)
                 self._learn_paths(module)
             else:
-                name = type(module).__name__
+                name = _class_name(type(module))
                 parent = self._parent
                 if parent is not None:
                     for child_name, child in _priv.child_modules(parent).items():
@@ -981,6 +981,15 @@ def _path_in(owner: torch.nn.Module, module: torch.nn.Module) -> str | None:
     except Exception:  # a module that cannot list its children
         return None
     return None
+
+
+def _class_name(cls: type) -> str:
+    """A module's class name as the user wrote it: FSDP2's ``fully_shard`` swaps a module's
+    class for ``FSDP<Name>(FSDPModule, <Name>)``, which is not a class of theirs."""
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and cls.__name__ == f"FSDP{bases[1].__name__}":
+        cls = bases[1]
+    return cls.__name__
 
 
 def _compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:

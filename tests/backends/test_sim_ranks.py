@@ -106,6 +106,9 @@ def test_the_meta_device_recipe_of_fsdp2_runs_and_shards_exactly():
     assert before == 3 * (1024 * 1024 // 4 * 4 + 2 * (1024 // 4 * 4))
     report = memmagic.measure(script, backend="sim", gpu="H100", world_size=4)
     assert report.error is None and not dist.is_initialized()
+    # rows named by the user's classes, not by FSDP2's FSDPSequential / FSDP_Layer
+    assert report.modules and report.peak_module.startswith("Sequential")
+    assert all(r.module.startswith("Sequential") for r in report.modules)
 
 
 def test_simulated_tensors_have_pointers_of_their_own_and_no_warning_blames_the_user():

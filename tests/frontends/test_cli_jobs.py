@@ -110,3 +110,48 @@ def test_bad_jobs_get_one_line(argv, words, capsys, clean_state):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("memmagic: ") and words in err and len(err.strip().splitlines()) == 1
+
+
+TRAINER_FSDP = textwrap.dedent('''
+    import torch
+    from torch.utils.data import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    class Tokens(Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, 1000, (64,))
+            return {"input_ids": ids, "labels": ids.clone()}
+
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+    args = TrainingArguments(output_dir="out", per_device_train_batch_size=4, max_steps=2,
+                             report_to=[], save_strategy="no", fsdp="full_shard",
+                             fsdp_config={"fsdp_version": 2,
+                                          "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]})
+    Trainer(model=LlamaForCausalLM(config), args=args, train_dataset=Tokens()).train()
+''')
+
+
+def test_a_transformers_trainer_with_fsdp2_runs_unchanged_on_two_ranks(tmp_path, capsys, clean_state):
+    """transformers' Trainer with ``fsdp="full_shard"`` (accelerate's FSDP2) as torchrun
+    would launch it. Hand check: every weight of the Llama is split in two along its first
+    dimension, so AdamW's two moments on rank 0 are twice its halves (512-byte blocks)."""
+    transformers = pytest.importorskip("transformers")
+    script = tmp_path / "train.py"
+    script.write_text(TRAINER_FSDP)
+    out = tmp_path / "r.json"
+    rc = cli.main(["run", "--gpu", "H100", "--world-size", "2", "--json", str(out), str(script)])
+    assert rc == 0, capsys.readouterr()
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4))
+    params = list(model.parameters())                       # 21 tensors, 1,824,000 values
+    halves = sum(-(-p.numel() // 2 * 4 // 512) * 512 for p in params)        # 3,648,000 B
+    report = json.loads(out.read_text())
+    # the Trainer's default AdamW on CUDA is the fused one: its step count is a tensor on
+    # the GPU too, one 512-byte block a parameter
+    assert report["breakdown"]["optimizer_state"] == 2 * halves + len(params) * 512
+    capsys.readouterr()
