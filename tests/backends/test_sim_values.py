@@ -70,6 +70,32 @@ def test_data_dependent_values_stay_placeholders():
     assert "depend on data were read" in notes
 
 
+def test_a_tensor_made_from_a_placeholder_reads_as_a_placeholder():
+    """nanoGPT's estimate_loss stores ``loss.item()`` in a tensor and logs its mean: the
+    numbers a run reads back from such a tensor are marked too, never the placeholder's 1.0
+    passed off as a result; a tensor of real constants keeps its values."""
+    seen = {}
+    out, _ = run("""
+        import torch
+        loss = torch.randn(4, device="cuda").sum()
+        losses = torch.zeros(3)
+        for k in range(3):
+            losses[k] = loss.item()
+        seen["mean"] = f"{losses.mean():.4f}"
+        seen["made"] = torch.tensor([loss.item(), 2.0]).sum().item()
+        total = torch.zeros(())
+        total += loss.item()
+        seen["added"] = repr(total.item())
+        seen["scaled"] = repr((torch.ones(2) * loss.item()).sum().item())
+        seen["real"] = torch.arange(4).sum().item()
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["mean"] == "1.0000(simulated)"
+    assert repr(seen["made"]).endswith("(simulated)")
+    assert seen["added"].endswith("(simulated)") and seen["scaled"].endswith("(simulated)")
+    assert seen["real"] == 6 and not repr(seen["real"]).endswith("(simulated)")
+
+
 def test_memory_is_the_same_with_values():
     # carrying a value never changes what the GPU would hold
     src = """

@@ -42,7 +42,11 @@ class KeptFile:
         fd, self._new = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(self._path)),
                                          prefix=".memmagic-")
         os.close(fd)
-        self._file = opener(self._new, mode, *args, **kwargs)
+        try:
+            self._file = opener(self._new, mode, *args, **kwargs)
+        except BaseException:
+            os.remove(self._new)
+            raise
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._file, name)
@@ -96,7 +100,10 @@ def keep_overwritten_files(patches: Patches, notes: list[str]) -> None:
 
     def open_(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
         if _overwrites_data(file, mode):
-            return KeptFile(file, mode, original, args, kwargs, kept)
+            try:
+                return KeptFile(file, mode, original, args, kwargs, kept)
+            except OSError:  # no room beside it (a folder it cannot write): as asked
+                pass
         return original(file, mode, *args, **kwargs)
 
     def say() -> None:

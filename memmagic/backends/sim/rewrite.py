@@ -296,6 +296,12 @@ class DeviceRewriteMode(TorchFunctionMode):
         return tensor_repr(t, "cuda:0" if self.s.cuda and self.s.pool_of(t) == "device" else "cpu")
 
 
+# the operators that change their left operand (``losses[k] = x``, ``t += x``)
+_IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__imatmul__",
+                               "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                               "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"})
+
+
 def _forget_values(func, args, out) -> None:
     """A tensor computed from a placeholder (``torch.tensor([loss.item()])``, ``losses[k] =
     loss.item()``, ``t * x.item()``) has values the simulation does not know: it carries no
@@ -303,8 +309,7 @@ def _forget_values(func, args, out) -> None:
     placeholder's number passed off as a result. The output, and the tensor an in-place
     op (``__setitem__``, ``add_``) changed."""
     name = getattr(func, "__name__", "")
-    in_place = name == "__setitem__" or (name.endswith("_") and not name.startswith("_")) \
-        or name.startswith("__i")
+    in_place = name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.startswith("_"))
     targets = [out, *(args[:1] if in_place else ())]
     while targets:
         x = targets.pop()
