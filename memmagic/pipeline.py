@@ -319,7 +319,8 @@ def _advise(request: CellRequest, report: MemoryReport, error: BaseException | N
         return doctor.after_cell(request.namespace, report, error, full=request.advise,
                                  session=_sim_session(request), since=before,
                                  engine=(lambda: _ranking_cell(request)) if ranked else None,
-                                 bound=_bound_names(request), unit=request.unit)
+                                 bound=_bound_names(request) if error is not None else (),
+                                 unit=request.unit)
     except RequestError:
         return None
     except Exception as exc:  # the doctor never hides the cell's own outcome

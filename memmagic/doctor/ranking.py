@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from ..report import format_bytes, needed
-from ..whatif.knobs import BATCH_HINT, KNOBS, SEQ_DIM, Fixes, KnobError, resizing
+from ..whatif.knobs import BATCH_HINT, KNOBS, SEQ_DIM, Fixes, KnobError, Setting, resizing
 
 # BATCH_HINT: the batch size knob's note when it does not apply (``Doctor.untried``)
 __all__ = ["Strategy", "fits_text", "rank", "ranking_rows", "BATCH_HINT"]
@@ -88,7 +88,7 @@ def rank(engine: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = 
                         "memmagic.Cell")
     c = engine
     notes: list[str] = []
-    baseline = _measure(c, _as_run(getattr(c, "asked", None)), {})
+    baseline = _measure(c, _as_run(c.asked), {})
     applicable = c.applicable()
     if knobs is not None:
         applicable = [k for k in applicable if k in knobs]
@@ -127,12 +127,12 @@ def rank(engine: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = 
     return baseline, tuple(rows), notes
 
 
-def _as_run(asked: Any) -> str:
+def _as_run(asked: Setting) -> str:
     """The baseline row's label: "as written", or the setting the run was asked for
     (``--batch-size 64``: the doctor ranks fixes for what ran)."""
-    ran = {name: value for name, value in (asked.changed() if asked is not None else {}).items()
+    ran = {name: value for name, value in asked.changed().items()
            if KNOBS[name].backend is None}  # the card is where it ran, not how
-    return "as written" if not ran else f"as run ({type(asked)(**ran).label()})"
+    return "as written" if not ran else f"as run ({Setting(**ran).label()})"
 
 
 def _combine(cell: Any, baseline: Strategy, rows: Sequence[Strategy]) -> Strategy | None:

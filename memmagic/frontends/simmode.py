@@ -10,8 +10,10 @@ a bare ``%gpusim on`` then resumes the card of before (``--gpu none``: no target
 
 The mode works by an input transformer (IPython's ``input_transformers_cleanup``) that
 puts ``%%gpumem --backend sim --footer`` in front of each cell; cells made only of
-magics, shell escapes and comments, and cells that start with a cell magic, are left
-alone.
+magics that run no code (``%run``, ``%time``, ``%timeit`` and ``%prun`` do), shell escapes
+and comments, and cells that start with a cell magic, are left alone. While memmagic is
+loaded, a traceback does not show the ``run_cell_magic('gpumem', ...)`` line such a cell
+became: it starts at the user's code.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class SimMode:
                 return lines
             line = _magic_line(*self.card(*switch)).split(" ", 1)[1]
             self._carried = True
-            return [*lines[:at], f"get_ipython().run_cell_magic('gpumem', {line!r}, {rest!r})\n"]
+            return [*lines[:at], f"{_MAGIC_CALL} {line!r}, {rest!r})\n"]
         if not self.on or not code or code[0].lstrip().startswith("%%"):
             return lines
         if all(_not_code(ln) for ln in code):

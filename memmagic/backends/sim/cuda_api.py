@@ -242,11 +242,17 @@ class _SimStreamEvents:
             self.current = prev
 
 
+def device_index(device) -> int | None:
+    """The CUDA index ``device`` names (``1``, ``"cuda:1"``, ``torch.device("cuda", 1)``);
+    None for none named."""
+    if device is None or isinstance(device, int):
+        return device
+    return torch.device(device).index
+
+
 def check_device(device=None) -> None:
     """Refuse a device other than the one simulated GPU (``torch.cuda.set_device``)."""
-    if device is None:
-        return
-    idx = device if isinstance(device, int) else torch.device(device).index
+    idx = device_index(device)
     if idx not in (None, 0):
         raise SimulationUnsupported(f"the simulation has one GPU (cuda:0), not cuda:{idx}; {RERUN_HINT}")
 
@@ -407,9 +413,7 @@ class SimulatedCuda:
     def _check_on_node(self, device) -> None:
         """A GPU of the node may be asked about (as rank 0 of a job, the other ranks' GPUs
         are the same card); only cuda:0 runs anything."""
-        idx = device if isinstance(device, int) else None
-        if idx is None and device is not None and not isinstance(device, int):
-            idx = torch.device(device).index
+        idx = device_index(device)
         if idx is None or not 0 <= idx < self.device_count():
             check_device(device)
 
