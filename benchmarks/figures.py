@@ -7,7 +7,9 @@ lands, a peer that refuses a case) the row says so in words.
 from __future__ import annotations
 
 import gc
+import os
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -781,4 +783,91 @@ def whatif_sweep(size: str, case: str = "transformer", reps: int = 2, against: A
                               and again < WHATIF_SWEEP_TARGET_S and not row.get("failed")
                               and row.get("same_peaks", "yes") == "yes") if timed else "n/a"
     fig.rows.append(row)
+    return fig
+
+
+# -- the doctor at real scale (issue 39) ------------------------------------------------------
+# the nanoGPT-style training script written here (tests/course/scripts), at GPT-2-124M's
+# sizes: out of memory on a T4 at batch 12 x 1024 in fp16
+ROOT_DIR = Path(__file__).resolve().parent.parent
+DOCTOR_SCRIPT = ROOT_DIR / "tests" / "course" / "scripts" / "nanogpt_train.py"
+DOCTOR_CASES = {
+    "nanoGPT-style GPT-2-124M, T4, 12 x 1024 fp16": [
+        "--gpu", "T4", "--steps", "2", str(DOCTOR_SCRIPT), "--batch_size=12",
+        "--block_size=1024", "--vocab_size=50304", "--n_layer=12", "--n_head=12",
+        "--n_embd=768", "--max_iters=4", "--compile=False", "--gradient_accumulation_steps=5",
+        "--eval_iters=2"],
+}
+DOCTOR_TARGET_S = 20.0
+
+
+def doctor_scale_row(case: str) -> dict[str, Any]:
+    """``python -m memmagic run`` of ``case`` (run, out of memory, the doctor's ranking), in
+    this process: wall time, the process's peak RSS, the doctor's rows."""
+    import contextlib
+    import io
+    import resource
+    import tempfile
+
+    from memmagic.frontends import cli  # both sides of --against have it (since the rooms)
+
+    argv = ["run", *DOCTOR_CASES[case]]
+    out, err = io.StringIO(), io.StringIO()
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)  # the script's out_dir, on the scratch disk anyway
+        try:
+            t0 = time.perf_counter()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = cli.main(argv)
+            wall = time.perf_counter() - t0
+        finally:
+            os.chdir(cwd)
+    text = out.getvalue()
+    table = text.split("strategies, by peak (re-run with each):\n", 1)[-1]
+    rows = [ln for ln in table.splitlines() if ln.startswith("  ")]
+    return {"case": case, "wall_s": wall, "exit": code,
+            "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rows": len(rows), "fits": sum(ln.rstrip().endswith(" fits") for ln in rows)}
+
+
+def doctor_scale(against: Any = None, threads: int = 1) -> Figure:
+    """Figure 3s: the doctor after an out of memory at GPT-2-small scale, beside ``against``."""
+    from .against import _child
+
+    fig = Figure(
+        "s_doctor_scale", "3s. The doctor at real scale: out of memory on a training script",
+        "python -m memmagic run --gpu T4 --steps 2 on the nanoGPT-style training script "
+        "written here (tests/course/scripts/nanogpt_train.py: configurator flags, "
+        "estimate_loss, GradScaler, f-string logs) at GPT-2-124M's sizes, batch 12 x 1024 "
+        "fp16, which runs out of memory on the simulated T4: wall time of the whole command "
+        "(the run, the report, every re-run of the doctor's ranking) and the process's peak "
+        "RSS, each in a fresh process"
+        + (against.method if against else ""),
+        f"the whole command under {DOCTOR_TARGET_S:.0f} s",
+        [("case", "case", "text")]
+        + ([("prev_wall_s", f"wall ({against.label})", "s"),
+            ("prev_rss_mib", f"peak RSS MiB ({against.label})", "text"),
+            ("prev_rows", f"rows ({against.label})", "text")] if against else [])
+        + [("wall_s", "wall", "s"), ("rss_mib", "peak RSS MiB", "text"),
+           ("rows", "rows", "text"), ("fits", "rows that fit", "text"),
+           ("status", "target", "text")],
+        metric=("wall_s", "s"),
+        notes=[f"torch ran {torch.get_num_threads()} intra-op thread(s); the machine's load "
+               "during the run adds to every figure"],
+    )
+    for i, case in enumerate(DOCTOR_CASES):
+        if against is None:
+            row = _child(None, "doctor_scale_row", {"case": case}, threads)
+        else:
+            row, prev = against.pair("doctor_scale_row", {"case": case}, i)
+            row.update(prev_wall_s=prev.get("wall_s", prev.get("median_s")),
+                       prev_rss_mib=prev.get("rss_mib"), prev_rows=prev.get("rows"))
+        wall = row.setdefault("wall_s", row.get("median_s"))  # a failed child says why there
+        row["status"] = ("n/a" if not isinstance(wall, float)
+                         else "pass" if wall <= DOCTOR_TARGET_S else "miss")
+        for key in ("rss_mib", "prev_rss_mib"):
+            if isinstance(row.get(key), float):
+                row[key] = f"{row[key]:.0f}"
+        fig.rows.append(row)
     return fig

@@ -12,8 +12,9 @@ from typing import Callable
 from .common import RESULTS_DIR, Figure, code_version, machine_info, write_results
 
 __all__ = ["main", "RESULTS_DIR"]
-FIGURES = ("a", "b", "c", "d", "e", "f", "w")
-QUICK_SKIPS = {"w", "f"}  # the what-if panel and trace-cost figures: a full run or --only
+FIGURES = ("a", "b", "c", "d", "e", "f", "w", "s")
+# the what-if panel, trace-cost and doctor-at-scale figures: a full run or --only
+QUICK_SKIPS = {"w", "f", "s"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,8 +25,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the CUDA figures (skips cleanly without a usable GPU)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the JSON (default: results/)")
     p.add_argument("--only", default=None,
-                   help="comma-separated figures to run, from a,b,c,d,e,f,w (default: all; "
-                        "--quick leaves out w)")
+                   help="comma-separated figures to run, from a,b,c,d,e,f,w,s (default: all; "
+                        "--quick leaves out w, f and s)")
     p.add_argument("--reps", type=int, default=None, help="pairs per timing (default 3)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for the run (default 1; 0 keeps torch's default). "
@@ -33,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
                         "process holds a core, which made paired timings differ by up to 50x")
     p.add_argument("--whatif-probe", default="sim-rerun", help="what the what-if figure times")
     p.add_argument("--against", default=None, metavar="REV",
-                   help="figure w: measure each case with commit REV's memmagic too, beside "
+                   help="figures w and s: measure each case with commit REV's memmagic too, beside "
                         "this tree's (each in a fresh process, alternating)")
     return p
 
@@ -85,6 +86,15 @@ def _run_figures(only: set[str], args: argparse.Namespace, size: str, reps: int,
             show(F.whatif_panel(size, 5 if args.quick else 20,
                                 ("transformer",) if args.quick else REAL_CPU_CASES, against))
             show(F.whatif_sweep(size, against=against))
+        finally:
+            if against is not None:
+                against.close()
+    if "s" in only:
+        from .against import Against
+
+        against = Against(args.against, args.threads) if args.against else None
+        try:
+            show(F.doctor_scale(against, args.threads))
         finally:
             if against is not None:
                 against.close()

@@ -176,3 +176,16 @@ def test_against_measures_with_the_other_commits_memmagic():
     assert not against.dir.exists()
     with pytest.raises(SystemExit, match="not a commit"):
         Against("no-such-revision")
+
+
+def test_doctor_scale_row_runs_the_script_out_of_memory_and_counts_the_doctors_rows():
+    from benchmarks import figures
+    from benchmarks.run import QUICK_SKIPS, _parser, _selected
+
+    assert "s" in _selected(_parser().parse_args(["--only", "s"]))
+    assert "s" in QUICK_SKIPS  # a full run or --only: it takes seconds per case
+    case = next(iter(figures.DOCTOR_CASES))
+    row = figures.doctor_scale_row(case)
+    assert row["exit"] == 1  # the script ran out of memory on the T4
+    assert row["rows"] >= 4 and 1 <= row["fits"] < row["rows"]
+    assert row["wall_s"] > 0 and row["rss_mib"] > 100

@@ -732,7 +732,12 @@ def fake_process_group(world_size: int) -> Iterator[None]:
     every collective returns at once with outputs of the right shape (torch's "fake"
     backend, made for tests: no GPUs, no network, no other processes). Destroyed on exit.
 
-    Raises RuntimeError when a process group exists already (a real distributed run)."""
+    Raises RuntimeError when a process group exists already (a real distributed run).
+    ``init_process_group`` wraps ``sys.excepthook`` to prefix "[rank0]:" to every line of
+    an uncaught exception's traceback and never puts it back (torch 2.13's
+    distributed_c10d.py): the hook it found is put back on exit."""
+    import sys
+
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -741,11 +746,16 @@ def fake_process_group(world_size: int) -> Iterator[None]:
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already initialized in this "
                            "process: the sharding simulation needs one of its own")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=int(world_size))
+    from .patching import Patches
+
+    patches = Patches()
+    patches.set(sys, "excepthook", sys.excepthook)  # the hook as it is, put back on exit
     try:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=int(world_size))
+        patches.call_on_restore(dist.destroy_process_group)
         yield
     finally:
-        dist.destroy_process_group()
+        patches.restore()
 
 
 @contextmanager

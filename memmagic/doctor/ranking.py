@@ -100,15 +100,28 @@ def rank(engine: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = 
               and k.name not in applicable and (knobs is None or k.name in knobs)]
     known = Fixes(c.baseline.effective_batch, optimizer,
                   getattr(c.baseline, resizing(SEQ_DIM).name))
+    if baseline.out_of_memory and info is not None and info.steps_begun == 0:
+        late = [k for k in applicable if KNOBS[k].doctor.from_first_step]
+        if late:  # the re-runs would run out where it did: not re-run
+            applicable = [k for k in applicable if k not in late]
+            notes.append(f"{', '.join(late)}: not re-run, the {unit} ran out of memory before "
+                         "its first optimizer step began (where an optimizer makes its "
+                         "state), so it would run out at the same place")
     rows = [_measure(c, label, knobs) for label, knobs in _candidates(applicable, known)
             if any(getattr(c.baseline, k) != v for k, v in knobs.items())]  # not what ran
-    same = [s for s in rows if not (s.out_of_memory or baseline.out_of_memory)
-            and s.peak is not None
-            and (s.peak, s.reserved_peak) == (baseline.peak, baseline.reserved_peak)]
+    same = [s for s in rows if s.peak is not None and s.out_of_memory == baseline.out_of_memory
+            and (s.peak, s.reserved_peak, s.reason)
+            == (baseline.peak, baseline.reserved_peak, baseline.reason)]
     if same:  # a fix the cell already makes (its own autocast): no row of its own
         rows = [s for s in rows if s not in same]
-        notes.append(f"{', '.join(s.label for s in same)}: the same figures as "
-                     f"{baseline.label} (the cell already does this, or it changes nothing here)")
+        if baseline.out_of_memory:
+            notes.append(f"{', '.join(s.label for s in same)}: ran out of memory exactly as "
+                         f"the \"{baseline.label}\" row did (the same tensors live, the same "
+                         "request): they change nothing before that point")
+        else:
+            notes.append(f"{', '.join(s.label for s in same)}: the same figures as the "
+                         f"\"{baseline.label}\" row (the {unit} already does this, or it "
+                         "changes nothing here)")
     targeted = baseline.fits is not None or any(s.fits is not None for s in rows)
     if combine and targeted and not baseline.fits and not any(s.fits for s in rows):
         combo = _combine(c, baseline, rows)

@@ -196,6 +196,10 @@ def _show(result: Any, runner: Any, args: argparse.Namespace) -> int:
     return 0 if report.fits is not False else 1
 
 
+# forward passes with gradients off from which a run's notes say what they cost
+EVALUATION_NOTE_AT = 50
+
+
 def _run_notes(runner: Any, args: argparse.Namespace, error: BaseException | None) -> list[str]:
     """What cut the run (or that it ended early), and what the script changed on its
     scratch disk."""
@@ -211,6 +215,11 @@ def _run_notes(runner: Any, args: argparse.Namespace, error: BaseException | Non
         done = (f"{p.steps} optimizer step(s)" if p.made_optimizer
                 else f"{p.forwards} forward passes")
         notes.append(f"the script ended after {done}, before --steps {args.steps}")
+    if p.no_grad_forwards >= EVALUATION_NOTE_AT:
+        notes.append(f"the script ran {p.no_grad_forwards} forward passes with gradients off "
+                     "(an evaluation): the simulation runs each one, and each re-run of the "
+                     "doctor repeats them; fewer evaluation batches in the script's own options "
+                     "shorten every run")
     changes = runner.changes.note()
     if changes:
         notes.append(changes)

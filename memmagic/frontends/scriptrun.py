@@ -20,7 +20,7 @@ import tokenize
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ..core.patching import Patches
 from .scratchdisk import ChangeSummary, ScratchDisk
@@ -102,6 +102,7 @@ class RunProgress:
 
     steps: int = 0  # optimizer steps
     forwards: int = 0  # outermost calls of modules with parameters (not layers, not losses)
+    no_grad_forwards: int = 0  # those of them with gradients off (evaluation)
     seconds: float = 0.0
     made_optimizer: bool = False
     cut: str | None = None
@@ -150,6 +151,8 @@ class _Watch:
         self.started = time.monotonic()
         self.depth = 0  # module calls under way
         self.counted = False  # whether the outermost one is a forward pass
+        self.no_grad = False  # whether it runs with gradients off
+        self._grad_enabled: Callable[[], bool] = lambda: True  # torch's, while watching
         self.expired = False
         self.pid = os.getpid()
 
@@ -176,6 +179,7 @@ class _Watch:
                 self._cut("time")
             # a model's call counts, a loss module's (no parameters) does not
             self.counted = next(module.parameters(), None) is not None
+            self.no_grad = not self._grad_enabled()
             p = self.progress
             if (self.counted and self.steps is not None and not p.made_optimizer
                     and p.forwards >= self.steps):
@@ -186,6 +190,7 @@ class _Watch:
         self.depth = max(0, self.depth - 1)
         if self.depth == 0 and self.counted:
             self.progress.forwards += 1
+            self.progress.no_grad_forwards += self.no_grad
 
     def _alarm(self, signum: int, frame: Any) -> None:
         """SIGALRM: the time is up. A step or forward pass within a second cuts the run
@@ -209,6 +214,7 @@ class _Watch:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         patches = Patches()
+        self._grad_enabled = torch.is_grad_enabled
         try:
             for handle in (register_optimizer_step_post_hook(self.on_step),
                            register_module_forward_pre_hook(self.before_forward),

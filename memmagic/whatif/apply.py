@@ -68,6 +68,7 @@ class Applier:
         self.backward_calls = 0
         self.generate_calls = 0              # transformers generate() calls
         self.steps_run = 0
+        self.steps_begun = 0  # steps that passed the gates (one that fails counts here)
         self.steps_skipped = 0
         # step gates: an optimizer step runs when every gate says so
         self._gates: list[Callable[[], bool]] = []
@@ -292,6 +293,7 @@ def _gated_step(step: Callable, applier: Applier) -> Callable:
         if not all(g() for g in applier._gates):
             applier.steps_skipped += 1
             return None
+        applier.steps_begun += 1
         for fn in applier._before_step:
             fn(opt)
         scaler = applier._scaler

@@ -57,6 +57,7 @@ class RunInfo:
     quantized: bool = False                              # a model holds quantized weights
     optimizers_built: list[str] = field(default_factory=list)
     backward_calls: int = 0
+    steps_begun: int = 0                                 # optimizer steps that started
     generate_calls: int = 0                              # transformers generate() calls
     built: list[str] = field(default_factory=list)       # names bound to models/optimizers it made
     batch_names: tuple[str, ...] = ()                    # namespace batch tensors it resized
@@ -529,6 +530,7 @@ class Cell:
                 info.quantized = applier.quantized_models > 0
                 info.optimizers_built = list(applier.optimizers_built)
                 info.backward_calls = applier.backward_calls
+                info.steps_begun = applier.steps_begun
                 info.generate_calls = applier.generate_calls
                 try:
                     applier.close()
@@ -560,9 +562,10 @@ class Cell:
             info.batch_names = self._resize_sized(ns, batch_knob, batch, applier, changed)
         if not engine_accum:
             before = _existing(ns)
-            value = self._call(ns, values)
-            info.built = _built(ns, before)
-            return value
+            try:
+                return self._call(ns, values)
+            finally:  # a run that failed (out of memory) built them too
+                info.built = _built(ns, before)
         return self._accumulate(ns, values, setting, applier, info)
 
     def _accumulate(self, ns: dict, values: dict[str, Any], setting: Setting, applier: Applier,
@@ -579,16 +582,19 @@ class Cell:
         value = None
         for i in range(1, k + 1):
             current[0] = i
-            before = _existing(ns) if i == 1 else None
-            value = self._call(ns, values)
-            if before is not None:
-                built = _built(ns, before)
-                if built:
-                    info.built = built
-                    raise KnobError(
-                        f"{accum.name}: the cell builds {', '.join(built)} itself, so repeating "
-                        f"it per micro-step would build it again: read {accum.var} in the cell "
-                        f"(for _ in range({accum.var}): ...) or build it in an earlier cell")
+            if i > 1:
+                value = self._call(ns, values)
+                continue
+            before = _existing(ns)
+            try:
+                value = self._call(ns, values)
+            finally:  # a first micro-step that failed built them too
+                info.built = built = _built(ns, before)
+            if built:
+                raise KnobError(
+                    f"{accum.name}: the cell builds {', '.join(built)} itself, so repeating "
+                    f"it per micro-step would build it again: read {accum.var} in the cell "
+                    f"(for _ in range({accum.var}): ...) or build it in an earlier cell")
         return value
 
     def _variables(self, setting: Setting, batch: int | None) -> dict[str, Any]:

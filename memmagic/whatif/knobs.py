@@ -146,12 +146,16 @@ class Doctor:
     own name; the batch size and its accumulation are one family) and none of this knob
     after a fix of a family in ``excluded_by``; ``untried`` is the note when the knob does
     not apply to what ran (why none of its fixes was tried), by what ran: "cell" (the
-    magic), "script" (the command line)."""
+    magic), "script" (the command line). ``from_first_step``: the knob changes nothing
+    before the first optimizer step begins (an optimizer makes its state there), so its
+    fixes are not re-run for a run that ran out of memory before one began: they would
+    run out at the same place."""
 
     fixes: Callable[[Fixes], list[Fix]] | None = field(default=None, repr=False)
     family: str | None = None
     excluded_by: tuple[str, ...] = ()
     untried: Mapping[str, str] | None = None
+    from_first_step: bool = False
 
 
 @dataclass(frozen=True)
@@ -413,8 +417,10 @@ BATCH_HINT = ("no smaller batch was tried: the cell makes its batch with a fixed
               "then torch.randn(batch_size, ...) in this one), or make the batch in an earlier "
               "cell, and the doctor re-runs the cell with smaller batches")
 SCRIPT_BATCH_HINT = ("no smaller batch was tried: the script does not take its batch size on "
-                     "its command line. Give it a --batch_size N option (argparse) and run it "
-                     "with one, and the doctor re-runs it with smaller batches")
+                     "its command line. Pass it one (--batch_size N or --batch_size=N, or "
+                     "--batch-size; a script without such an option needs one, e.g. argparse's "
+                     "add_argument('--batch_size', type=int)), and the doctor re-runs it with "
+                     "smaller batches")
 
 _NO_BATCH = ("batch_size: the cell does not read batch_size and names no batch tensor of the "
              "namespace: make the batch with batch_size in the cell (e.g. "
@@ -500,7 +506,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
          needs="optimizer", panel=Control("menu", unset_label="as in the cell"),
          option=Option("What-if knob: replace the optimizer the cell builds.",
                        metavar="{sgd,sgd-momentum,adam,adamw,adafactor}"),
-         doctor=Doctor(_optimizer_fixes)),
+         doctor=Doctor(_optimizer_fixes, from_first_step=True)),
     Knob("inplace", "in-place activations", "bool", False, "inplace=True on activation and "
          "dropout modules", apply=apply_inplace, needs="inplace", short="inplace",
          panel=Control("checkbox"),

@@ -7,6 +7,7 @@ pointers of their own, as on a GPU, where a fake tensor's is 0."""
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import pytest
@@ -29,6 +30,7 @@ def _inside(world_size: int, fn):
 def test_the_job_looks_like_torchrun_rank_zero_and_the_environment_comes_back():
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     before = {k: os.environ.get(k) for k in keys}
+    hook = sys.excepthook  # init_process_group wraps it ("[rank0]:" on every line), for good
 
     def seen():
         return ({k: os.environ[k] for k in keys}, torch.cuda.device_count(),
@@ -42,6 +44,7 @@ def test_the_job_looks_like_torchrun_rank_zero_and_the_environment_comes_back():
     assert _inside(2, lambda: torch.cuda.device_count()) == 2
     assert {k: os.environ.get(k) for k in keys} == before
     assert not dist.is_initialized()
+    assert sys.excepthook is hook
 
 
 def test_the_jobs_own_init_and_destroy_of_the_process_group_are_accepted():

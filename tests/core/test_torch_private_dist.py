@@ -29,6 +29,21 @@ def test_fake_process_group_destroyed_after_an_exception():
     assert not dist.is_initialized()
 
 
+def test_init_process_group_wraps_the_excepthook_and_the_fake_group_puts_it_back():
+    import sys
+
+    hook = sys.excepthook
+    with priv.fake_process_group(2):
+        # torch's contract as the fake group meets it: a "[rank0]:" prefixing hook
+        assert sys.excepthook is not hook
+        assert "distributed_excepthook" in sys.excepthook.__name__
+    assert sys.excepthook is hook
+    with pytest.raises(KeyError):
+        with priv.fake_process_group(2):
+            raise KeyError("x")
+    assert sys.excepthook is hook
+
+
 def test_fake_process_group_refuses_a_second_group_and_bad_sizes():
     with priv.fake_process_group(2):
         with pytest.raises(RuntimeError, match="already initialized"):

@@ -75,8 +75,8 @@ def test_a_fix_the_cell_already_makes_gets_no_row_but_a_note():
     # the cell's own bf16 autocast: AMP bf16 changes nothing (AMP fp16, another dtype and
     # a GradScaler, keeps its row)
     assert [s.label for s in rows] == ["AMP fp16"]
-    assert "AMP bf16: the same figures as as written (the cell already does this, or it " \
-           "changes nothing here)" in notes
+    assert 'AMP bf16: the same figures as the "as written" row (the cell already does this, ' \
+           'or it changes nothing here)' in notes
 
 
 def test_the_command_line_speaks_of_the_script_and_ranks_what_ran(tmp_path, capsys, clean_state):
@@ -97,3 +97,70 @@ def test_the_command_line_speaks_of_the_script_and_ranks_what_ran(tmp_path, caps
             if line.startswith("  ") and ("> " in line or "fits" in line)]
     assert "as run (amp bf16)" in rows[0] and not [r for r in rows if r.startswith("AMP bf16")]
     assert "the script does not take its batch size on its command line" in captured.out
+
+
+# a cell that builds its model and optimizer and runs out of memory in its first backward
+BUILDS_AND_FAILS = """
+import torch
+model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(4)]).cuda()
+opt = torch.optim.AdamW(model.parameters())
+x = torch.randn(batch_size, 2048, device="cuda")
+model(x).float().pow(2).mean().backward()
+opt.step()
+"""
+
+
+def test_a_cell_that_built_its_model_and_ran_out_is_not_repeated_per_micro_step():
+    # the run that failed built model and opt: accumulation (the cell repeated per
+    # micro-step) would build them again, so it is not offered (it was, and each row ran
+    # the cell to fail with a KnobError at its end)
+    engine = ranking_engine(BUILDS_AND_FAILS, {"batch_size": 8192}, gpu_memory="512MiB")
+    base, rows, _ = doctor.rank(engine, combine=False)
+    assert base.out_of_memory
+    engine.run()
+    assert engine.last_info.built == ["model", "opt"]
+    assert "accum_steps" not in engine.applicable()
+    assert not [s for s in rows if "accumulate" in s.label]
+    assert any(s.fits for s in rows if set(s.knobs) == {"batch_size"})
+
+
+def test_optimizer_rows_are_not_rerun_when_the_run_failed_before_its_first_step():
+    engine = ranking_engine(BUILDS_AND_FAILS, {"batch_size": 8192}, gpu_memory="512MiB")
+    base, rows, notes = doctor.rank(engine, combine=False)
+    assert not [s for s in rows if "optimizer" in s.knobs]
+    assert ("optimizer: not re-run, the cell ran out of memory before its first optimizer "
+            "step began (where an optimizer makes its state), so it would run out at the "
+            "same place") in notes
+    # run anyway, an optimizer row runs out exactly where the cell did
+    again = engine.run(optimizer="sgd")
+    first = engine.run()
+    assert engine.last_info.steps_begun == 0
+    assert (again.failed_request, again.live_at_failure) == (first.failed_request,
+                                                            first.live_at_failure)
+
+
+def test_optimizer_rows_are_rerun_when_the_run_failed_in_its_optimizer_step():
+    # the step's state is what does not fit: another optimizer is a real fix
+    cell = BUILDS_AND_FAILS.replace("batch_size, 2048", "2, 2048") + "opt.step()\n"
+    engine = ranking_engine(cell, {"batch_size": 2}, gpu_memory="300MiB")
+    base, rows, notes = doctor.rank(engine, combine=False)
+    assert base.out_of_memory
+    engine.run()
+    assert engine.last_info.steps_begun == 1
+    sgd = [s for s in rows if s.knobs == {"optimizer": "sgd-momentum"}]
+    assert sgd and sgd[0].fits
+    assert not [n for n in notes if "not re-run" in n]
+
+
+def test_rows_that_run_out_exactly_as_the_cell_did_become_one_note():
+    # out of memory in the optimizer step: offloading saved activations (all freed by then)
+    # runs out at the same place, with the same tensors live
+    cell = BUILDS_AND_FAILS.replace("batch_size, 2048", "2, 2048") + "opt.step()\n"
+    engine = ranking_engine(cell, {"batch_size": 2}, gpu_memory="300MiB")
+    base, rows, notes = doctor.rank(engine, knobs=("offload", "optimizer"), combine=False)
+    assert base.out_of_memory
+    assert [s.label for s in rows] == ["optimizer: Adafactor (factored state)",
+                                       "optimizer: SGD with momentum (1 state)"]
+    assert ('offload saved activations to CPU: ran out of memory exactly as the "as written" '
+            'row did (the same tensors live, the same request): they change nothing before '
+            'that point') in notes

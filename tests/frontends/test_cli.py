@@ -240,6 +240,30 @@ def test_steps_count_optimizer_steps_when_the_script_evaluates_first(tmp_path, c
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "note: stopped after 2 optimizer step(s) (--steps 2)" in text
+    assert "forward passes with gradients off" not in text  # 5: no note
+
+
+def test_a_long_evaluation_gets_a_note_on_what_it_costs(tmp_path, capsys, clean_state):
+    """nanoGPT evaluates 400 batches before its first step: each is simulated, and every
+    re-run of the doctor repeats them; the note says so (from cli.EVALUATION_NOTE_AT)."""
+    n = cli.EVALUATION_NOTE_AT
+    (tmp_path / "t.py").write_text(textwrap.dedent(f'''
+        import torch
+        model = torch.nn.Linear(64, 64).cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        model.eval()
+        with torch.no_grad():
+            for _ in range({n}):
+                model(torch.randn(8, 64, device="cuda"))
+        model.train()
+        model(torch.randn(8, 64, device="cuda")).sum().backward()
+        opt.step()
+    '''))
+    rc = cli.main(["run", "--gpu", "T4", "--steps", "1", str(tmp_path / "t.py")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert (f"note: the script ran {n} forward passes with gradients off (an evaluation): the "
+            "simulation runs each one, and each re-run of the doctor repeats them") in text
 
 
 def test_a_time_limit_cuts_the_run_and_a_long_run_shows_progress(tmp_path, capsys, monkeypatch,
