@@ -676,6 +676,27 @@ def _panel_status(row: dict[str, Any]) -> str:
     return status_of(ok)
 
 
+def _beside(against: Any, fn: str, jobs: list[dict[str, Any]], *, here: Callable | None = None,
+            threads: int = 1):
+    """(row, the other commit's row or None) of ``fn(**job)`` per job: with ``against``, each
+    in a fresh process beside that commit's (alternating which goes first); else in this
+    process (``here``) or in a fresh one."""
+    from .against import _child
+
+    for i, job in enumerate(jobs):
+        if against is not None:
+            yield against.pair(fn, job, i)
+        elif here is not None:
+            yield here(**job), None
+        else:
+            yield _child(None, fn, job, threads), None
+
+
+def _threads_note() -> str:
+    return (f"torch ran {torch.get_num_threads()} intra-op thread(s); the machine's load "
+            "during the run adds to every figure")
+
+
 def whatif_panel(size: str, n: int, cases: tuple[str, ...], against: Any = None) -> Figure:
     """Figure 3w; ``against`` (benchmarks.against.Against): each case measured with that
     commit's memmagic too, in a process of its own beside this tree's, alternating."""
@@ -700,14 +721,11 @@ def whatif_panel(size: str, n: int, cases: tuple[str, ...], against: Any = None)
            ("rerun_s", "re-run part", "s"), ("ratio", "median / re-run", "x"),
            ("status", "target", "text")],
         metric=("median_s", "s"),
-        notes=[f"torch ran {torch.get_num_threads()} intra-op thread(s); the machine's load "
-               "during the run adds to every figure"],
+        notes=[_threads_note()],
     )
-    for i, case in enumerate(cases):
-        if against is None:
-            row = whatif_panel_row(size, n, case)
-        else:
-            row, prev = against.pair("whatif_panel_row", dict(size=size, n=n, case=case), i)
+    jobs = [dict(size=size, n=n, case=case) for case in cases]
+    for row, prev in _beside(against, "whatif_panel_row", jobs, here=whatif_panel_row):
+        if prev is not None:
             row.update(prev_median_s=prev.get("median_s"), prev_p90_s=prev.get("p90_s"))
         if isinstance(row.get("median_s"), float) and row.get("rerun_s"):
             row["ratio"] = row["median_s"] / row["rerun_s"]
@@ -833,8 +851,6 @@ def doctor_scale_row(case: str) -> dict[str, Any]:
 
 def doctor_scale(against: Any = None, threads: int = 1) -> Figure:
     """Figure 3s: the doctor after an out of memory at GPT-2-small scale, beside ``against``."""
-    from .against import _child
-
     fig = Figure(
         "s_doctor_scale", "3s. The doctor at real scale: out of memory on a training script",
         "python -m memmagic run --gpu T4 --steps 2 on the nanoGPT-style training script "
@@ -853,14 +869,11 @@ def doctor_scale(against: Any = None, threads: int = 1) -> Figure:
            ("rows", "rows", "text"), ("fits", "rows that fit", "text"),
            ("status", "target", "text")],
         metric=("wall_s", "s"),
-        notes=[f"torch ran {torch.get_num_threads()} intra-op thread(s); the machine's load "
-               "during the run adds to every figure"],
+        notes=[_threads_note()],
     )
-    for i, case in enumerate(DOCTOR_CASES):
-        if against is None:
-            row = _child(None, "doctor_scale_row", {"case": case}, threads)
-        else:
-            row, prev = against.pair("doctor_scale_row", {"case": case}, i)
+    jobs = [{"case": case} for case in DOCTOR_CASES]
+    for row, prev in _beside(against, "doctor_scale_row", jobs, threads=threads):
+        if prev is not None:
             row.update(prev_wall_s=prev.get("wall_s", prev.get("median_s")),
                        prev_rss_mib=prev.get("rss_mib"), prev_rows=prev.get("rows"))
         wall = row.setdefault("wall_s", row.get("median_s"))  # a failed child says why there
@@ -869,5 +882,72 @@ def doctor_scale(against: Any = None, threads: int = 1) -> Figure:
         for key in ("rss_mib", "prev_rss_mib"):
             if isinstance(row.get(key), float):
                 row[key] = f"{row[key]:.0f}"
+        fig.rows.append(row)
+    return fig
+
+
+# the fit map at GPT-2-124M's sizes: the model built from transformers' config in the cell
+FIT_MAP_CELL = """
+from transformers import GPT2Config, GPT2LMHeadModel
+model = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=2048,
+                                   bos_token_id=0, eos_token_id=0)).cuda()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+x = torch.randint(0, 50257, (batch_size, seq_len), device="cuda")
+with torch.autocast("cuda", dtype=torch.float16):
+    loss = model(x, labels=x).loss
+loss.backward()
+opt.step()
+"""
+FIT_MAP_TARGET_S = 2.0
+
+
+def fit_map_row(method: str) -> dict[str, Any]:
+    """One fit map of :data:`FIT_MAP_CELL` on a T4 (batch 1..64 x context 128..2048), by
+    ``method``: wall time, runs, pairs evaluated, the boundary."""
+    import resource
+
+    import torch as _torch
+
+    from memmagic import Cell
+    from memmagic.whatif.fitmap import fit_map
+
+    cell = Cell(FIT_MAP_CELL, {"torch": _torch, "batch_size": 8, "seq_len": 512},
+                backend_options={"gpu": "T4"})
+    t0 = time.perf_counter()
+    fm = fit_map(cell, batch=(1, 64), seq=(128, 2048), method=method)
+    wall = time.perf_counter() - t0
+    return {"case": f"GPT-2-124M fp16 AMP + AdamW, T4, by {method}", "wall_s": wall,
+            "runs": fm.runs, "evaluated": fm.evaluated, "contexts": len(fm.seqs),
+            "method": fm.method, "largest": {str(s): b for s, b in fm.largest.items()},
+            "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def fit_map_figure(threads: int = 1) -> Figure:
+    """Figure 3m: the fit map read off the plane, beside the same map run pair by pair."""
+    fig = Figure(
+        "m_fit_map", "3m. The fit map: batch x context on a T4 at GPT-2-small scale",
+        "memmagic.fit_map of a cell that builds GPT-2-124M from transformers' config and "
+        "trains one AdamW step under fp16 autocast, on a simulated T4, batch 1..64 x context "
+        "128..2048 (16 contexts, every batch): 'plane' reads every pair off six runs and "
+        "checks it with runs; 'runs' runs each pair its search tries. Each in a fresh "
+        "process; the cell builds the model in every run",
+        f"the plane's map equal to the pair-by-pair map at every context; under "
+        f"{FIT_MAP_TARGET_S:.0f} s (the issue's target for one symbolic run)",
+        [("case", "case", "text"), ("wall_s", "wall", "s"), ("runs", "runs", "text"),
+         ("evaluated", "pairs evaluated", "text"), ("same", "same map", "text"),
+         ("rss_mib", "peak RSS MiB", "text"), ("status", "target", "text")],
+        metric=("wall_s", "s"),
+        notes=[_threads_note()],
+    )
+    rows = [row for row, _ in _beside(None, "fit_map_row", [{"method": m} for m in ("plane", "runs")],
+                                      threads=threads)]
+    same = rows[0].get("largest") == rows[1].get("largest") and rows[0].get("largest")
+    for row in rows:
+        row["same"] = "yes" if same else "no"
+        wall = row.setdefault("wall_s", row.get("median_s"))
+        if isinstance(row.get("rss_mib"), float):
+            row["rss_mib"] = f"{row['rss_mib']:.0f}"
+        row["status"] = ("n/a" if not isinstance(wall, float) or row.get("method") != "plane"
+                         else "pass" if same and wall <= FIT_MAP_TARGET_S else "miss")
         fig.rows.append(row)
     return fig

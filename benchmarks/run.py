@@ -12,9 +12,9 @@ from typing import Callable
 from .common import RESULTS_DIR, Figure, code_version, machine_info, write_results
 
 __all__ = ["main", "RESULTS_DIR"]
-FIGURES = ("a", "b", "c", "d", "e", "f", "w", "s")
-# the what-if panel, trace-cost and doctor-at-scale figures: a full run or --only
-QUICK_SKIPS = {"w", "f", "s"}
+FIGURES = ("a", "b", "c", "d", "e", "f", "w", "s", "m")
+# the what-if panel, trace-cost, doctor-at-scale and fit-map figures: a full run or --only
+QUICK_SKIPS = {"w", "f", "s", "m"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,8 +25,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the CUDA figures (skips cleanly without a usable GPU)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the JSON (default: results/)")
     p.add_argument("--only", default=None,
-                   help="comma-separated figures to run, from a,b,c,d,e,f,w,s (default: all; "
-                        "--quick leaves out w, f and s)")
+                   help="comma-separated figures to run, from a,b,c,d,e,f,w,s,m (default: all; "
+                        "--quick leaves out w, f, s and m)")
     p.add_argument("--reps", type=int, default=None, help="pairs per timing (default 3)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for the run (default 1; 0 keeps torch's default). "
@@ -89,6 +89,8 @@ def _run_figures(only: set[str], args: argparse.Namespace, size: str, reps: int,
         finally:
             if against is not None:
                 against.close()
+    if "m" in only:
+        show(F.fit_map_figure(args.threads))
     if "s" in only:
         from .against import Against
 

@@ -21,7 +21,7 @@ _install_moved()  # the module paths of before the sub-packages: see memmagic._m
 __all__ = [
     "Category", "MemoryReport", "format_bytes", "parse_bytes", "measure", "track",
     "run_cell", "CellRequest",
-    "Cell", "Setting", "KNOBS", "find_batch_size", "find_seq_len", "WhatIfPanel",
+    "Cell", "Setting", "KNOBS", "find_batch_size", "find_seq_len", "fit_map", "WhatIfPanel",
     "check_budget", "BudgetExceeded",
     "load_ipython_extension", "unload_ipython_extension", "__version__",
 ]
@@ -38,7 +38,7 @@ def __getattr__(name: str):
         from . import pipeline
 
         return getattr(pipeline, name)
-    if name in ("Cell", "Setting", "KNOBS", "find_batch_size", "find_seq_len"):  # what-if
+    if name in ("Cell", "Setting", "KNOBS", "find_batch_size", "find_seq_len", "fit_map"):
         from . import whatif
 
         return getattr(whatif, name)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = ["plot_breakdown", "breakdown_figure", "breakdown_chart", "plot_comparison",
-           "plot_sweep", "plot_timeline", "timeline_figure", "timeline_chart", "figure_png",
+           "plot_sweep", "plot_fit_map", "plot_timeline", "timeline_figure", "timeline_chart", "figure_png",
            "Chart", "merged_spans"]
 
 # Text, ticks and reference lines: the grey with the most contrast on both a white and a
@@ -397,6 +397,44 @@ def merged_spans(spans: Sequence[tuple[str, int, int]], n_ops: int) -> list[tupl
         else:
             out.append((phase, first, last))
     return out
+
+
+def plot_fit_map(fit_map: Any, ax: "Axes | None" = None) -> "Axes":
+    """The (context length, batch size) plane of a :class:`memmagic.whatif.fitmap.FitMap`:
+    the pairs that fit shaded, the boundary (the largest batch that fits at each context)
+    as a step line, the runs it was read from as dots and the checking runs as rings
+    (filled where the run fit)."""
+    if ax is None:
+        ax = _new_axes((7, 3.6))
+    _theme(ax)
+    seqs = list(fit_map.seqs)
+    lo, hi = fit_map.batch
+    tops = [fit_map.largest[s] if fit_map.largest[s] is not None else lo - 0.5 for s in seqs]
+    ax.fill_between(seqs, lo - 0.5, tops, step="mid", color="#54a24b", alpha=0.35, lw=0,
+                    label="fits")
+    ax.fill_between(seqs, tops, hi + 0.5, step="mid", color=ALERT, alpha=0.12, lw=0,
+                    label="does not fit")
+    ax.step(seqs, tops, where="mid", color="#2f6f2a", lw=1.5, label="largest batch that fits")
+    if fit_map.lattice:
+        xs, ys = zip(*[(s, b) for b, s in fit_map.lattice])
+        ax.scatter(xs, [min(y, hi) for y in ys], s=18, color=FG, zorder=3,
+                   label="runs the plane is read from")
+    for i, (b, s, ok) in enumerate(sorted(fit_map.checks, key=lambda c: not c[2])):
+        first = i == 0 or ok != sorted(fit_map.checks, key=lambda c: not c[2])[i - 1][2]
+        ax.scatter([s], [min(b, hi)], s=46, facecolors="#2f6f2a" if ok else "none",
+                   edgecolors="#2f6f2a" if ok else ALERT, zorder=4, lw=1.3,
+                   label=(f"check run: {'fits' if ok else 'does not fit'}" if first else None))
+    ax.set_xlim(seqs[0], seqs[-1])
+    ax.set_ylim(lo - 0.5, hi + 0.5)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("batch size")
+    how = (f"read off {len(fit_map.lattice)} runs, checked by {len(fit_map.checks)}"
+           if fit_map.method == "plane" else f"{fit_map.runs} runs")
+    ax.set_title(f"what fits {fit_map.card} ({format_bytes(fit_map.capacity)}): {how}",
+                 color=FG, fontsize=10)
+    handles, labels = ax.get_legend_handles_labels()
+    _legend(ax, handles, labels, fontsize=8)
+    return ax
 
 
 def plot_timeline(report: MemoryReport, ax: "Axes | None" = None, *,

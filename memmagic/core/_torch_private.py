@@ -586,6 +586,12 @@ def constant_fake(mode: FakeTensorMode, real: torch.Tensor, device: torch.device
     return fake
 
 
+def may_turn_const_holder():
+    """(class, name) of FakeTensorMode's test of whether an op's real output on constants
+    becomes a constant again (it bounds it by :func:`constant_numel_limit_holder`'s global)."""
+    return FakeTensorMode, "may_turn_const"
+
+
 def constant_numel_limit_holder():
     """(module, name) of FakeTensorMode's bound on constant propagation (a module global)."""
     from torch._subclasses import fake_tensor
@@ -617,6 +623,7 @@ def drop_constant(t: torch.Tensor) -> None:
 
 
 __all__ += ["fake_device", "fake_constant", "constant_fake", "constant_numel_limit_holder",
+            "may_turn_const_holder",
             "drop_constant"]
 
 
@@ -746,16 +753,15 @@ def fake_process_group(world_size: int) -> Iterator[None]:
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already initialized in this "
                            "process: the sharding simulation needs one of its own")
-    from .patching import Patches
-
-    patches = Patches()
-    patches.set(sys, "excepthook", sys.excepthook)  # the hook as it is, put back on exit
+    hook = sys.excepthook  # (this bottom layer imports no memmagic: no Patches here)
     try:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=int(world_size))
-        patches.call_on_restore(dist.destroy_process_group)
-        yield
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
     finally:
-        patches.restore()
+        sys.excepthook = hook
 
 
 @contextmanager

@@ -100,28 +100,10 @@ def rank(engine: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = 
               and k.name not in applicable and (knobs is None or k.name in knobs)]
     known = Fixes(c.baseline.effective_batch, optimizer,
                   getattr(c.baseline, resizing(SEQ_DIM).name))
-    if baseline.out_of_memory and info is not None and info.steps_begun == 0:
-        late = [k for k in applicable if KNOBS[k].doctor.from_first_step]
-        if late:  # the re-runs would run out where it did: not re-run
-            applicable = [k for k in applicable if k not in late]
-            notes.append(f"{', '.join(late)}: not re-run, the {unit} ran out of memory before "
-                         "its first optimizer step began (where an optimizer makes its "
-                         "state), so it would run out at the same place")
+    applicable = _worth_running(applicable, baseline, info, unit, notes)
     rows = [_measure(c, label, knobs) for label, knobs in _candidates(applicable, known)
             if any(getattr(c.baseline, k) != v for k, v in knobs.items())]  # not what ran
-    same = [s for s in rows if s.peak is not None and s.out_of_memory == baseline.out_of_memory
-            and (s.peak, s.reserved_peak, s.reason)
-            == (baseline.peak, baseline.reserved_peak, baseline.reason)]
-    if same:  # a fix the cell already makes (its own autocast): no row of its own
-        rows = [s for s in rows if s not in same]
-        if baseline.out_of_memory:
-            notes.append(f"{', '.join(s.label for s in same)}: ran out of memory exactly as "
-                         f"the \"{baseline.label}\" row did (the same tensors live, the same "
-                         "request): they change nothing before that point")
-        else:
-            notes.append(f"{', '.join(s.label for s in same)}: the same figures as the "
-                         f"\"{baseline.label}\" row (the {unit} already does this, or it "
-                         "changes nothing here)")
+    rows = _without_repeats(rows, baseline, unit, notes)
     targeted = baseline.fits is not None or any(s.fits is not None for s in rows)
     if combine and targeted and not baseline.fits and not any(s.fits for s in rows):
         combo = _combine(c, baseline, rows)
@@ -138,6 +120,40 @@ def rank(engine: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = 
             notes.append(_NCCL_NOTE)
     rows.sort(key=_order)
     return baseline, tuple(rows), notes
+
+
+def _worth_running(applicable: list[str], baseline: Strategy, info: Any, unit: str,
+                   notes: list[str]) -> list[str]:
+    """``applicable`` less the knobs whose re-runs would run out where the run did: those
+    that change nothing before the first optimizer step, when none began (a note says so)."""
+    if not (baseline.out_of_memory and info is not None and info.steps_begun == 0):
+        return applicable
+    late = [k for k in applicable if KNOBS[k].doctor.from_first_step]
+    if late:
+        notes.append(f"{', '.join(late)}: not re-run, the {unit} ran out of memory before its "
+                     "first optimizer step began (where an optimizer makes its state), so it "
+                     "would run out at the same place")
+    return [k for k in applicable if k not in late]
+
+
+def _without_repeats(rows: list[Strategy], baseline: Strategy, unit: str,
+                     notes: list[str]) -> list[Strategy]:
+    """``rows`` less those that gave the baseline's own figures (a fix the cell already
+    makes, its own autocast; or one that ran out exactly where it did): a note instead."""
+    same = [s for s in rows if s.peak is not None and s.out_of_memory == baseline.out_of_memory
+            and (s.peak, s.reserved_peak, s.reason)
+            == (baseline.peak, baseline.reserved_peak, baseline.reason)]
+    if not same:
+        return rows
+    labels = ", ".join(s.label for s in same)
+    if baseline.out_of_memory:
+        notes.append(f"{labels}: ran out of memory exactly as the \"{baseline.label}\" row did "
+                     "(the same tensors live, the same request): they change nothing before "
+                     "that point")
+    else:
+        notes.append(f"{labels}: the same figures as the \"{baseline.label}\" row (the {unit} "
+                     "already does this, or it changes nothing here)")
+    return [s for s in rows if s not in same]
 
 
 def _as_run(asked: Setting) -> str:

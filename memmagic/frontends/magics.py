@@ -18,7 +18,7 @@ from IPython.core.magic_arguments import argument, construct_parser, parse_argst
 from IPython.display import display
 
 from ..whatif.knobs import BATCH_DIM, KNOBS, resizing
-from .options import OPTIONS, check_options, line_problem, unquote
+from .options import OPTIONS, check_options, line_problem, unquote, views
 from ..pipeline import CellRequest, RequestError, make_cell, run_cell
 from ..report import MemoryReport
 
@@ -82,7 +82,7 @@ class MemMagics(Magics):
             return None
         request = self._request(args, source, run)
         try:
-            if args.whatif or args.sweep is not None:
+            if views(args):
                 return self._whatif(make_cell(request, isolated=True), args)
             result = run_cell(request)
         except RequestError as exc:
@@ -127,8 +127,8 @@ class MemMagics(Magics):
             raise UsageError("nothing to measure: use %gpumem STATEMENT or put code in a %%gpumem cell")
         if args.var is not None and not args.var.isidentifier():
             raise UsageError(f"-v needs a Python variable name, not {args.var!r}")
-        if (args.whatif or args.sweep is not None) and cell is None:
-            raise UsageError("--whatif and --sweep work on a %%gpumem cell, not a line")
+        if views(args) and cell is None:
+            raise UsageError("--whatif, --sweep and --fitmap work on a %%gpumem cell, not a line")
         return args
 
     def _request(self, args: argparse.Namespace, source: str, run) -> CellRequest:
@@ -138,7 +138,7 @@ class MemMagics(Magics):
         mode = sim_mode(self.shell)
         backend, gpu, gpu_memory = args.backend, args.gpu, args.gpu_memory
         if backend is None:  # re-runs are simulated unless asked otherwise
-            whatif = args.whatif or args.sweep is not None
+            whatif = views(args)
             backend = "sim" if mode.on or whatif or args.world_size is not None else "auto"
             if mode.on and not (gpu or gpu_memory):  # the notebook's card
                 gpu, gpu_memory = mode.gpu, mode.gpu_memory
@@ -215,12 +215,15 @@ class MemMagics(Magics):
         return problem
 
     def _whatif(self, engine, args: argparse.Namespace) -> Any:
-        """--whatif: the panel; --sweep: the sweep and its chart."""
+        """--whatif: the panel; --sweep: the sweep and its chart; --fitmap: the fit map."""
+        from ..whatif.fitmap import run_fitmap_option
         from ..whatif.sweeps import run_sweep_option
         from .widgets import WhatIfPanel, parse_ranges
 
         try:
-            if args.sweep is not None:
+            if args.fitmap is not None:
+                shown = run_fitmap_option(engine, args.fitmap)
+            elif args.sweep is not None:
                 shown = run_sweep_option(engine, args.sweep)
             else:
                 batch = resizing(BATCH_DIM)
@@ -233,7 +236,7 @@ class MemMagics(Magics):
         if args.var:
             self.shell.user_ns[args.var] = shown
         if not args.quiet:
-            if args.sweep is not None and not args.no_chart:
+            if (args.sweep is not None or args.fitmap is not None) and not args.no_chart:
                 display(shown.chart())
             if not args.output:
                 display(shown)

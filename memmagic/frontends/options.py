@@ -8,7 +8,7 @@ import argparse
 
 from ..backends import BACKEND_NAMES
 
-__all__ = ["OPTIONS", "check_card_options", "check_options", "unquote", "line_problem"]
+__all__ = ["OPTIONS", "check_card_options", "check_options", "unquote", "line_problem", "views"]
 
 # (flags, argparse options) of the options that are not knobs; the knobs' go between the two
 OPTIONS = [
@@ -69,6 +69,13 @@ OPTIONS = [
              "for each strategy (AMP, checkpointing) and plot the memory against it, with the "
              "largest value that fits the card. Values between two runs that the run between "
              "them shows to be on a straight line are replayed, not run (rings on the chart).")),
+    (("--fitmap",), dict(
+        nargs="?", const="", default=None, metavar="batch=LO:HI,seq=LO:HI",
+        help="The fit map: for the target card (--gpu), which pairs of batch size and context "
+             "length fit, as a chart of the plane with its boundary (default: batch 1:64, "
+             "context 64 up to twice the cell's). Read off six runs of the cell where each "
+             "allocation's size is a polynomial in the two, checked by runs; otherwise run pair "
+             "by pair.")),
     (("--advise",), dict(
         action="store_true",
         help="The memory doctor: after the cell, who holds the memory it left (names, the "
@@ -102,10 +109,19 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
     if args.whatif and args.sweep is not None:
         raise ValueError("--whatif and --sweep are two views of the cell: give one (the "
                          "panel's 'sweep batch size' button runs a sweep inside it)")
+    if args.fitmap is not None and (args.whatif or args.sweep is not None):
+        raise ValueError("--fitmap is a view of the cell of its own: give it without --whatif "
+                         "and --sweep")
     if args.range and not args.whatif:
         raise ValueError("--range sets a knob's range in the --whatif panel: add --whatif "
                          "(a sweep takes its range itself: --sweep batch_size=1:512)")
     return args
+
+
+def views(args: argparse.Namespace) -> bool:
+    """Whether the line asks for a view of the cell re-run (the panel, a sweep, the fit map)
+    rather than one run of it."""
+    return args.whatif or args.sweep is not None or args.fitmap is not None
 
 
 def unquote(args: argparse.Namespace) -> argparse.Namespace:

@@ -144,13 +144,15 @@ class Interpolated:
         return f"~{format_bytes(self.peak)} peak at {self.value}, {self.source}"
 
 
-def _shape(run: MemoryReport) -> tuple[tuple, list[int]] | None:
+def allocation_shape(run: MemoryReport, exclude: frozenset = frozenset()
+                     ) -> tuple[tuple, list[int]] | None:
     """What a simulated run did, as a shape and sizes: the allocator's allocs and frees (keys
     numbered by first use) and where its peaks restart, then the tracker's device events
     (storages numbered the same way) and the bytes live at the start; the sizes are the
     allocs' then the events'. Frees in a row are taken in key order (autocast empties its
     cache in the order of addresses: their order moves no peak). None without a
-    replayable allocator log."""
+    replayable allocator log. ``exclude``: storages left out (a reduction's staging
+    buffers, which :class:`memmagic.whatif.fitmap.SizePlane` recomputes)."""
     trace = getattr(run, "trace", None)
     log = getattr(trace, "allocator_log", None)
     if log is None or getattr(log, "start", None) is None:
@@ -162,12 +164,12 @@ def _shape(run: MemoryReport) -> tuple[tuple, list[int]] | None:
     restart = 0
     for n, e in enumerate(log.entries):
         restart = len(steps) if n == log.restart else restart
-        if e["action"] in ("alloc", "free_completed"):
+        if e["action"] in ("alloc", "free_completed") and e["key"] not in exclude:
             free = e["action"] != "alloc"
             steps.append((2 * ids.setdefault(e["key"], len(ids)) + free, 0 if free else e["size"]))
     restart = len(steps) if log.restart >= len(log.entries) else restart
     allocs = _frees_sorted(steps)
-    events = _device_events(trace, log.entries)
+    events = _device_events(trace, log.entries, exclude)
     if events is None:
         return None
     live = sum(n for s, n in trace.seed.items() if trace.pool_of.get(s) == "device")
@@ -176,10 +178,12 @@ def _shape(run: MemoryReport) -> tuple[tuple, list[int]] | None:
     return shape, sizes + [n for _, n in events]
 
 
-def _device_events(trace: Any, entries: list[dict]) -> list[tuple[int, int]] | None:
+def _device_events(trace: Any, entries: list[dict], exclude: frozenset = frozenset()
+                   ) -> list[tuple[int, int]] | None:
     """The tracker's device events as (code, bytes requested): the bytes its allocator
     entry asked for (the tracker holds them rounded up to 512), or the event's own for a
-    storage from before the log; None where an event is not one allocator entry's."""
+    storage from before the log; None where an event is not one allocator entry's
+    (``exclude``: storages left out)."""
     from ..backends.sim import round_request
 
     asked: dict[Any, list[int]] = {}
@@ -190,7 +194,7 @@ def _device_events(trace: Any, entries: list[dict]) -> list[tuple[int, int]] | N
     ids: dict[Any, int] = {}
     out = []
     for serial, delta, _op in trace.events:
-        if trace.pool_of.get(serial) != "device" or not delta:
+        if trace.pool_of.get(serial) != "device" or not delta or serial in exclude:
             continue
         if delta > 0:
             queue = asked.get(serial)
@@ -225,7 +229,7 @@ class _Lines:
 
     def __init__(self, a: int, ra: MemoryReport, c: int, rc: MemoryReport) -> None:
         self.a, self.c = a, c
-        pa, pc = _shape(ra), _shape(rc)
+        pa, pc = allocation_shape(ra), allocation_shape(rc)
         self.ok = pa is not None and pc is not None and pa[0] == pc[0]
         if self.ok:
             (self.shape, self.sa), self.sc = pa, pc[1]  # type: ignore[misc,index]
@@ -264,7 +268,7 @@ class _Lines:
     def checked_by(self, b: int, rb: MemoryReport) -> bool:
         """Whether the run at ``b`` did exactly what the lines give at ``b``, with the same
         peak and reserved peak."""
-        pb = _shape(rb)
+        pb = allocation_shape(rb)
         return (self.ok and pb is not None and pb[0] == self.shape
                 and pb[1] == self.sizes_at(b) and self.at(b) == (rb.peak, rb.reserved_peak))
 
@@ -591,7 +595,7 @@ def _find_largest(cell: "Cell", knob: str, budget: int | str | None, margin: flo
                   method: str, step: int | None = None) -> BatchSearch:
     from ..report import parse_bytes
 
-    _check_search(cell, method, margin)
+    check_search(cell, method, margin)
     base = cell.setting(setting)
     if step is None:
         step = base.micro_steps
@@ -623,7 +627,9 @@ def _find_largest(cell: "Cell", knob: str, budget: int | str | None, margin: flo
                        reports.get(lo_ok) if lo_ok is not None else None, knob, card)
 
 
-def _check_search(cell: "Cell", method: str, margin: float) -> None:
+def check_search(cell: "Cell", method: str, margin: float) -> None:
+    """ValueError in one line for a search the cell cannot take (``method``: "simulation"
+    on the sim backend, "trials" on a GPU; ``margin``: a fraction)."""
     if method not in ("simulation", "trials"):
         raise ValueError(f"method must be 'simulation' or 'trials', not {method!r}")
     if not 0 <= margin < 1:

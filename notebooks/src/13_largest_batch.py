@@ -8,7 +8,8 @@
 # needs no GPU, and shows *why* each size fails.
 #
 # **You will learn** to sweep the batch size for several strategies, to find the
-# largest batch that fits with a safety margin, and why a margin is needed.
+# largest batch that fits with a safety margin, why a margin is needed, and, for a
+# language model, which pairs of batch size and context length fit (the fit map).
 
 # %%
 # %load_ext memmagic
@@ -80,6 +81,55 @@ tight = find_batch_size(cell, margin=0.0)
 print(f"largest batch with no margin: {tight.batch_size}, with 10%: {found.batch_size}")
 
 # %% [markdown]
+# ## Batch and context together: the fit map
+#
+# A language model's step has two sizes: how many sequences (the batch) and how long
+# each is (the context). Its memory is a polynomial in the two: the weights, gradients
+# and optimizer state are constants, most activations grow with batch x context, and
+# attention's scores (where the kernel keeps them) with batch x context². So six runs on
+# a 2 x 3 grid of sizes fix every allocation's size at *every* pair, and the simulated
+# allocator replays them for each pair instead of running the model again.
+# `fit_map` does that, checks the result against real runs of the cell (at the far
+# corner, and at the boundary it found), and falls back to running pair by pair where a
+# check fails (a kernel that rounds its sizes, a path that changes with size).
+
+# %%
+from memmagic import fit_map
+
+LM_STEP = """
+from transformers import GPT2Config, GPT2LMHeadModel
+lm = GPT2LMHeadModel(GPT2Config(n_layer=6, n_embd=512, n_head=8, vocab_size=16384,
+                                n_positions=2048, bos_token_id=0, eos_token_id=0,
+                                loss_type="ForCausalLM")).cuda()
+lm_opt = torch.optim.AdamW(lm.parameters())
+ids = torch.randint(0, 16384, (batch_size, seq_len), device="cuda")
+lm(ids, labels=ids).loss.backward()
+lm_opt.step()
+"""
+lm_cell = Cell(LM_STEP, globals(), backend="sim", backend_options={"gpu": "T4"},
+               defaults={"batch_size": 8, "seq_len": 512})
+fm = fit_map(lm_cell, batch=(1, 64), seq=(128, 2048))
+print(fm.method, "-", fm.source)
+print(f"{fm.runs} runs for {len(fm.seqs)} contexts x every batch from 1 to 64")
+for s in (128, 256, 512, 1024, 2048):
+    print(f"context {s:>4}: the largest batch that fits is {fm.largest_batch(s)}")
+
+# %%
+fm.chart()
+
+# %% [markdown]
+# Past the contexts where every batch fits, the boundary follows a constant number of
+# tokens per step: 51 x 512, 25 x 1024 and 12 x 2048 are all about 25,000 tokens. Here the
+# activations and the logits (batch x context x vocabulary) grow with the tokens, and the
+# attention kernel a T4 runs keeps no context x context scores; the weights and AdamW's
+# state are the same at every pair. Halving the context doubles the batch. The checks are
+# runs of the cell on the T4 itself; each says whether that pair fits:
+
+# %%
+for b, s, ok in fm.checks:
+    print(f"run at batch {b:>2}, context {s:>4}: {'fits' if ok else 'does not fit'}")
+
+# %% [markdown]
 # ## Fact-check: "just double the batch until it crashes"
 #
 # Doubling finds a power of two; the largest batch that fits lies between the last
@@ -103,3 +153,5 @@ else:
 for strategy, largest in result.largest_fitting().items():
     print(f"{strategy:<18} fits up to batch {largest} of those tried")
 print(f"largest batch with a 10% margin (fp32): {found.batch_size}; with none: {tight.batch_size}")
+print(f"fit map on the T4: batch {fm.largest_batch(512)} at context 512, "
+      f"{fm.largest_batch(2048)} at 2048 ({fm.runs} runs)")

@@ -11,7 +11,7 @@ import copy
 import torch
 
 from memmagic.core import _torch_private as priv
-from memmagic.backends.sim.constants import CONSTANT_NUMEL
+from memmagic.backends.sim.constants import CONSTANT_NUMEL, INDEX_NUMEL
 from test_sim import Recorder, run
 
 
@@ -62,7 +62,7 @@ def test_data_dependent_values_stay_placeholders():
         seen["mix"] = (torch.arange(3, device="cuda") + r).tolist()   # a constant meets data
         big = torch.arange(%d, device="cuda")                          # too big to carry
         seen["big"] = big[-1].item()
-    """ % (CONSTANT_NUMEL + 1), {"seen": Recorder(seen)})
+    """ % (INDEX_NUMEL + 1), {"seen": Recorder(seen)})
     assert out.error is None, out.error
     assert seen["r"] == [1.0, 1.0, 1.0] and seen["mix"] == [1.0, 1.0, 1.0]
     assert seen["big"] == 0
@@ -136,8 +136,32 @@ def test_the_constant_limit_is_restored():
         seen["limit"] = limit()
     """, {"seen": Recorder(seen), "limit": lambda: getattr(*holder)})
     assert out.error is None, out.error
-    assert seen["limit"] == CONSTANT_NUMEL
+    assert seen["limit"] == INDEX_NUMEL
     assert getattr(*holder) == before
+
+
+def test_positions_and_masks_keep_their_values_at_long_contexts_floats_only_when_small():
+    """transformers decides whether attention needs a mask from the position ids (a diff
+    and a cumsum over batch x context, then ``.all()``): integer and bool values keep their
+    values up to INDEX_NUMEL elements, floats (an optimizer's zero-filled moments) only up
+    to CONSTANT_NUMEL (computing them for real would cost every step)."""
+    seen = {}
+    cls, name = priv.may_turn_const_holder()
+    before = getattr(cls, name)
+    out, _ = run("""
+        import torch
+        pos = torch.arange(4096, device="cuda").expand(16, 4096)       # 65536 positions
+        d = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1)
+        packed = (d != 1).cumsum(-1)
+        seen["no packing"] = bool((packed[:, -1] == 0).all())
+        seen["ones"] = bool(torch.ones(16, 4096, dtype=torch.long, device="cuda").all())
+        w = torch.zeros(CONSTANT_NUMEL + 1, device="cuda")
+        seen["float"] = w.sum().item()
+    """.replace("CONSTANT_NUMEL", str(CONSTANT_NUMEL)), {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["no packing"] is True and seen["ones"] is True
+    assert seen["float"] == 1.0  # a placeholder: a float tensor that large carries no values
+    assert getattr(cls, name) is before
 
 
 def test_constant_fake_contract(monkeypatch):

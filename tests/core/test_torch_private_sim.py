@@ -95,6 +95,11 @@ def test_op_overload_and_default_constant_limit():
     module, name = priv.constant_numel_limit_holder()
     assert isinstance(priv.DEFAULT_CONSTANT_NUMEL_LIMIT, int) and priv.DEFAULT_CONSTANT_NUMEL_LIMIT >= 1
     assert getattr(module, name) == priv.DEFAULT_CONSTANT_NUMEL_LIMIT  # no run patched it
+    # FakeTensorMode asks may_turn_const(tensor) of each real output computed on constants
+    cls, name = priv.may_turn_const_holder()
+    mode = priv.new_fake_mode()
+    assert getattr(cls, name)(mode, torch.ones(1)) is True
+    assert getattr(cls, name)(mode, torch.ones(2)) is (priv.DEFAULT_CONSTANT_NUMEL_LIMIT >= 2)
 
 
 def test_fake_device_attr_holds_the_device():

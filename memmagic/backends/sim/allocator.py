@@ -384,18 +384,30 @@ class AllocatorLog:
     start: "CachingAllocatorModel | None" = None
     restart: int = 0
 
-    def replay(self, sizes: Sequence[int]) -> tuple[int, int] | None:
+    def replay(self, sizes: Sequence[int], capacity: int | None = None,
+               entries: Sequence[dict] | None = None, restart: int | None = None
+               ) -> tuple[int, int] | None:
         """The allocated and reserved peaks (from entry ``restart`` on) of this log's allocs
         and frees done again on a copy of the model it began from, the allocs' sizes
         replaced by ``sizes`` (one per "alloc" entry, in order); None when the log cannot
-        be replayed (no start, an out of memory, or a request that does not fit)."""
+        be replayed (no start, an out of memory, or a request that does not fit).
+        ``capacity``: the bytes the copy may reserve instead of the model's (a card of
+        that size: cached blocks are released before a request fails, as on a GPU).
+        ``entries`` and ``restart``: other actions to replay from the same start (a run's
+        at other sizes, with other transient buffers)."""
         if self.start is None:
             return None
         model = self.start.clone()
+        if capacity is not None:
+            model.set_capacity(capacity, fraction=False)
+        if entries is None:
+            entries, restart = self.entries, self.restart
+        elif restart is None:
+            restart = len(entries)
         sizes_it = iter(sizes)
         try:
-            for n, e in enumerate(self.entries):
-                if n == self.restart:
+            for n, e in enumerate(entries):
+                if n == restart:
                     model.restart_peaks()
                 action = e["action"]
                 if action == "alloc":
@@ -406,7 +418,7 @@ class AllocatorLog:
                     return None
         except AllocatorFull:
             return None
-        if self.restart >= len(self.entries):
+        if restart >= len(entries):
             model.restart_peaks()
         return model.allocated_peak, model.reserved_peak
 
@@ -586,6 +598,11 @@ class CachingAllocatorModel:
         :meth:`AllocatorLog.replay`)."""
         self._log, self._clock = [], clock
         self._log_start, self._log_restart = self.clone(), 0
+
+    @property
+    def log_length(self) -> int | None:
+        """How many entries the log holds now (None: no log)."""
+        return None if self._log is None else len(self._log)
 
     def stop_log(self) -> None:
         """Stop recording and drop the log."""

@@ -24,7 +24,7 @@ from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
 from .compat import install_compat
 from .cuda_api import SimulatedCuda
-from .constants import CONSTANT_NUMEL
+from .constants import INDEX_NUMEL, numel_bound
 from .files import keep_overwritten_files
 from .ranks import node_gpus, rank_zero_of
 from .rewrite import DeviceRewriteMode
@@ -501,8 +501,15 @@ def _install_torch_adjustments(patches: Patches, notes: list[str]) -> None:
 
     patches.set(torch.utils, "swap_tensors", swap_tensors)
     # values that follow from constants and shapes (arange, linspace, full, masks made
-    # from them) stay real up to this many elements: control flow on them is right
-    patches.set(*_priv.constant_numel_limit_holder(), CONSTANT_NUMEL)
+    # from them) stay real up to numel_bound elements: control flow on them is right
+    patches.set(*_priv.constant_numel_limit_holder(), INDEX_NUMEL)
+    cls, name = _priv.may_turn_const_holder()
+    may_turn = getattr(cls, name)
+
+    def may_turn_const(mode, t) -> bool:
+        return may_turn(mode, t) and t.numel() <= numel_bound(t.dtype)
+
+    patches.set(cls, name, may_turn_const)
     import torch.backends.cudnn as cudnn
 
     # nn.RNNBase asks whether cuDNN can take its weights (it warns on a CPU build)

@@ -16,7 +16,7 @@ import torch
 from ...core import _torch_private as _priv
 from .state import CPU
 
-__all__ = ["CONSTANT_NUMEL", "propagate", "drop_unfounded_in_place"]
+__all__ = ["CONSTANT_NUMEL", "INDEX_NUMEL", "numel_bound", "propagate", "drop_unfounded_in_place"]
 
 _aten = torch.ops.aten
 
@@ -24,6 +24,17 @@ _aten = torch.ops.aten
 # for real and carried as the fake tensor's constant, so FakeTensorMode propagates real
 # values through ops on such constants (up to CONSTANT_NUMEL) and reads give real numbers.
 CONSTANT_NUMEL = 4096
+# integer and bool values (positions, indices, masks) up to this many: transformers decides
+# whether attention needs a mask from them (``find_packed_sequence_indices``: a diff and a
+# cumsum of the position ids over batch x context, then ``.all()``); past 4096 elements a
+# placeholder's False built a mask a GPU does not, and took another attention kernel
+INDEX_NUMEL = 1 << 20
+
+
+def numel_bound(dtype: torch.dtype) -> int:
+    """How many elements a tensor of ``dtype`` may have and still carry its values."""
+    return CONSTANT_NUMEL if dtype.is_floating_point or dtype.is_complex else INDEX_NUMEL
+
 _VALUE_FACTORIES = {
     _aten.arange.default, _aten.arange.start, _aten.arange.start_step, _aten.linspace.default,
     _aten.logspace.default, _aten.zeros.default, _aten.ones.default, _aten.full.default,
@@ -126,7 +137,7 @@ def _realias(args: tuple, out):
 
 def _with_values(func, args, kwargs, out, on_gpu: bool):
     """``out`` (a fake factory output) with its real values as its constant, when small."""
-    if (not isinstance(out, torch.Tensor) or out.numel() > CONSTANT_NUMEL
+    if (not isinstance(out, torch.Tensor) or out.numel() > numel_bound(out.dtype)
             or out.dtype.is_complex or _priv.fake_constant(out) is not None):
         return out
     mode = getattr(out, "fake_mode", None)

@@ -117,6 +117,10 @@ class SimTracker(StorageTracker):
         # C++ code, and what is computed from them): never used to report a device mismatch
         self._unsure: set[int] = set()
         self._out_unsure = False
+        # serial -> (recipe, index) of a reduction's scratch buffer (see _take_scratch), and
+        # each reduction that may stage one, as (allocator log length then, recipe)
+        self.scratch: dict[int, tuple[tuple, int]] = {}
+        self.scratch_sites: list[tuple[int | None, tuple]] = []
         self._device_rules: dict[object, str] = {}
         self._op_info: dict[object, tuple[bool, str, bool]] = {}
         # FakeOutputCache of the run (set by the backend): outputs from metadata
@@ -149,6 +153,7 @@ class SimTracker(StorageTracker):
         self.history_from = 0
         self._closed = False
         self.quiet = 0
+        self.scratch_sites = []
         self._forget_freed()
         a = self.allocator
         self._restart_report_peaks()
@@ -163,7 +168,7 @@ class SimTracker(StorageTracker):
         ever made (about 0.8 MB per re-run of a training cell). The tables are emptied and
         refilled, so that their memory shrinks too."""
         live = {e.serial for e in self._live.values()}
-        for table in (self.pool_of, self.roles, self.saver, self.owner, self.frames):
+        for table in (self.pool_of, self.roles, self.saver, self.owner, self.frames, self.scratch):
             kept = {s: v for s, v in table.items() if s in live}
             if len(kept) < len(table):
                 table.clear()
@@ -190,6 +195,8 @@ class SimTracker(StorageTracker):
         While the cell's code records the allocator's history, what it recorded so far
         moves to :attr:`history`, framed by this trace (a later cell's snapshot has it)."""
         trace = super().trace()
+        trace.scratch = {k: v for k, v in self.scratch.items() if k in trace.pool_of}
+        trace.scratch_sites = list(self.scratch_sites)
         a = self.allocator
         if a is not None and a.logging:
             trace.allocator_log = log = a.take_log(keep_logging=True)
@@ -389,7 +396,7 @@ class SimTracker(StorageTracker):
                     s.rnn_ran = True
             out = self._record_outputs(func, name, mutating, args, kwargs, out)
             if func in REDUCTION_OPS and pool == "device" and self.workspaces is not None:
-                self._take_scratch(self.workspaces.scratch(func, args, kwargs))
+                self._take_scratch(*self.workspaces.scratch(func, args, kwargs))
             return out
         finally:
             s.in_dispatch -= 1
@@ -445,11 +452,18 @@ class SimTracker(StorageTracker):
         for key, size in ws.needed(func, args, kwargs, thread):
             ws.held[key] = self.hold_workspace(round_request(size))[1]
 
-    def _take_scratch(self, sizes: list[int]) -> None:
+    def _take_scratch(self, sizes: list[int], recipe: tuple | None = None) -> None:
         """A kernel's transient buffers (a reduction's staging memory): allocated beside
-        its output, freed when it is queued (see .workspaces.reduction_scratch)."""
+        its output, freed when it is queued (see .workspaces.reduction_scratch). Each
+        one's ``recipe`` and index in it are kept (``scratch``: serial -> (recipe, i)), and
+        the reduction as a site (``scratch_sites``), staging or not."""
+        if recipe is not None and self.allocator is not None:
+            # where a staging buffer may be, staged or not (another size may stage)
+            self.scratch_sites.append((self.allocator.log_length, recipe))
         serials = [self.hold_workspace(round_request(n))[0] for n in sizes]
-        for serial in serials:
+        for i, serial in enumerate(serials):
+            if recipe is not None:
+                self.scratch[serial] = (recipe, i)
             self._on_free(-serial, serial)
 
     def hold_workspace(self, nbytes: int) -> tuple[int, int]:

@@ -192,17 +192,20 @@ class Workspaces:
                 out.append((key, self.cublaslt))
         return out
 
-    def scratch(self, func, args: tuple, kwargs: dict) -> list[int]:
-        """Bytes of the transient buffers ``func`` (a reduction) allocates and frees."""
+    def scratch(self, func, args: tuple, kwargs: dict) -> tuple[list[int], tuple | None]:
+        """Bytes of the transient buffers ``func`` (a reduction) allocates and frees, and
+        the recipe they come from: ``reduction_scratch(*recipe)`` gives them again (a run
+        at other sizes recomputes them from its sizes, see memmagic.whatif.fitmap)."""
         x = args[0] if args else None
         if not isinstance(x, torch.Tensor) or x.dtype not in _ACC_BYTES or x.dim() < 2:
-            return []
+            return [], None
         dims = args[1] if len(args) > 1 else kwargs.get("dim")
         if dims is None or (isinstance(dims, (list, tuple)) and not dims):
-            return []
+            return [], None
         dims = {int(d) % x.dim() for d in (dims if isinstance(dims, (list, tuple)) else (dims,))}
-        return reduction_scratch(tuple(x.shape), tuple(x.stride()), dims, _ACC_BYTES[x.dtype],
-                                 self.sms, self.threads_per_sm)
+        recipe = (tuple(x.shape), tuple(x.stride()), frozenset(dims), _ACC_BYTES[x.dtype],
+                  self.sms, self.threads_per_sm)
+        return reduction_scratch(*recipe), recipe
 
     def describe(self) -> str | None:
         if not self.held:

@@ -1,0 +1,629 @@
+"""The fit map: for a card, which (batch size, context length) pairs of a cell fit, read off
+a few simulated runs instead of one run per pair.
+
+A transformer step's allocations are polynomials in the batch ``b`` and the context ``s``:
+weights a constant, activations ``b*s*c``, attention scores ``b*s*s*c``, masks ``s*s*c``.
+:class:`SizePlane` takes six runs on a 2 x 3 lattice of (batch, context) that made the
+same allocations and frees in the same order (the simulated allocator's log and the
+tracker's events, as :class:`~memmagic.whatif.sweeps.Interpolated` reads them) and fits
+each allocation's size exactly (integer arithmetic) as ``sum c_ij b^i s^j`` for ``i <= 1``,
+``j <= 2``. A size that is no such polynomial (a kernel's rounding) makes the plane
+unusable, except a reduction's staging buffer, recomputed from its fitted recipe
+(:func:`memmagic.backends.sim.reduction_scratch`). At a new pair the sizes are
+evaluated and the allocator model replays the log on a card of the target's size: it
+fits when no request fails. :func:`fit_map` checks the plane against runs before it
+trusts it (two runs away from the lattice, then the boundary it found: the largest batch
+that fits and the one above, at a middle context), and falls back to runs where a check
+fails. Knows nothing of IPython or widgets.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..report import format_bytes
+from .knobs import BATCH_DIM, KNOBS, SEQ_DIM, resizing
+from .sweeps import allocation_shape
+
+if TYPE_CHECKING:
+    from .engine import Cell
+    from ..report import MemoryReport
+
+__all__ = ["FitMap", "SizePlane", "fit_map", "run_fitmap_option"]
+
+# the monomials b^i s^j of a size, in this order
+BASIS = ((0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2))
+_INT64_SAFE = 1 << 62
+# contexts of a map whose pairs are run one by one (where the plane cannot be used)
+FALLBACK_CONTEXTS = 8
+
+
+def _weights(bs: Sequence[int], ss: Sequence[int]) -> tuple[list[list[int]], int]:
+    """(W, D): integer weights with ``D * c = W @ y``, where ``y`` are a size's values at the
+    lattice points ``[(b, s) for b in bs for s in ss]`` and ``c`` its coefficients on
+    :data:`BASIS`. Exact: the inverse of the lattice's design matrix, in fractions."""
+    pts = [(b, s) for b in bs for s in ss]
+    n = len(BASIS)
+    m = [[Fraction(b ** i * s ** j) for i, j in BASIS] + [Fraction(int(r == c)) for c in range(n)]
+         for r, (b, s) in enumerate(pts)]
+    for c in range(n):  # Gauss-Jordan
+        p = next(r for r in range(c, n) if m[r][c] != 0)
+        m[c], m[p] = m[p], m[c]
+        pivot = m[c][c]
+        m[c] = [v / pivot for v in m[c]]
+        for r in range(n):
+            if r != c and m[r][c] != 0:
+                f = m[r][c]
+                m[r] = [a - f * b for a, b in zip(m[r], m[c])]
+    inv = [row[n:] for row in m]
+    d = 1
+    for row in inv:
+        for v in row:
+            d = math.lcm(d, v.denominator)
+    return [[int(v * d) for v in row] for row in inv], d
+
+
+def _fit(weights: list[list[int]], d: int, values: Sequence[Sequence[int]]) -> list[list[int] | None]:
+    """Per column of ``values`` (one row per lattice point), its integer coefficients on
+    :data:`BASIS`, or None where they are not whole numbers (no such polynomial)."""
+    out: list[list[int] | None] = []
+    for col in zip(*values):
+        coef = []
+        for row in weights:
+            num = sum(w * y for w, y in zip(row, col))
+            q, r = divmod(num, d)
+            if r:
+                coef = None
+                break
+            coef.append(q)
+        out.append(coef)
+    return out
+
+
+def _monomials(b: int, s: int) -> list[int]:
+    return [b ** i * s ** j for i, j in BASIS]
+
+
+class SizePlane:
+    """Six simulated runs of one cell on the lattice ``bs`` x ``ss`` (2 batch sizes x 3
+    context lengths), and each allocation's size as a polynomial through them.
+
+    A reduction's staging buffers are left out of the comparison: each reduction that may
+    stage one is a *site*, at the same place of every run, whose buffers (none, or a
+    staging buffer and its semaphores) are recomputed from its fitted recipe at each size.
+    ``ok`` says whether the runs did the same things in the same order and every other
+    size is such a polynomial; ``reason`` says why not."""
+
+    def __init__(self, runs: dict[tuple[int, int], "MemoryReport"], bs: Sequence[int],
+                 ss: Sequence[int]) -> None:
+        self.bs, self.ss = tuple(bs), tuple(ss)
+        self.ok, self.reason = False, ""
+        pts = [(b, s) for b in self.bs for s in self.ss]
+        shapes, plans = [], []
+        for p in pts:
+            trace = runs[p].trace
+            sh = allocation_shape(runs[p], exclude=frozenset(getattr(trace, "scratch", ())))
+            plan = _plan(trace)
+            if sh is None or plan is None:
+                self.reason = (f"the run at batch {p[0]}, context {p[1]} has no replayable "
+                               "allocator log (it failed, or ran out of memory)")
+                return
+            shapes.append(sh)
+            plans.append(plan)
+        first = shapes[0][0]
+        entries, restart, sites = plans[0]
+        if any(sh[0] != first for sh in shapes) or any(
+                (len(e), r, [(pos, _form(rc)) for pos, rc in st])
+                != (len(entries), restart, [(pos, _form(rc)) for pos, rc in sites])
+                for e, r, st in plans):
+            self.reason = ("the runs at the lattice's sizes did different things (the cell "
+                           "takes another path at some of them)")
+            return
+        self.shape, self.entries, self.restart = first, entries, restart
+        self.log = runs[pts[0]].trace.allocator_log
+        weights, d = _weights(self.bs, self.ss)
+        coefs = _fit(weights, d, [sh[1] for sh in shapes])
+        if any(c is None for c in coefs):
+            self.reason = ("an allocation's size is not a polynomial in the batch and the "
+                           "context (a kernel that rounds its sizes)")
+            return
+        self.coefs = coefs
+        # each site: its place among the entries, its recipe's form, its whole numbers fitted
+        self.sites = []
+        for i, (pos, recipe) in enumerate(sites):
+            ints = [list(plan[2][i][1][0]) + list(plan[2][i][1][1]) for plan in plans]
+            fitted = _fit(weights, d, ints)
+            if any(c is None for c in fitted):
+                self.reason = "a reduction's sizes are not polynomials in the batch and the context"
+                return
+            self.sites.append((pos, _form(recipe), fitted))
+        import numpy as np
+
+        self._numpy = None
+        top = _monomials(max(self.bs) * 64, max(self.ss) * 64)  # bounds the values asked
+        if all(sum(abs(c) * m for c, m in zip(co, top)) < _INT64_SAFE for co in coefs):
+            self._numpy = np.array(coefs, dtype=np.int64)
+        self._limit = 64 * max(max(self.bs), max(self.ss))
+        self.ok = True
+
+    def sizes_at(self, b: int, s: int) -> list[int] | None:
+        """The sizes of the allocations that are not staging buffers at batch ``b``, context
+        ``s`` (None: one would be below one byte)."""
+        m = _monomials(b, s)
+        if self._numpy is not None and max(b, s) <= self._limit:
+            import numpy as np
+
+            sizes = (self._numpy @ np.array(m, dtype=np.int64)).tolist()
+        else:
+            sizes = [sum(c * x for c, x in zip(co, m)) for co in self.coefs]
+        return sizes if min(sizes, default=1) >= 1 else None
+
+    def actions_at(self, b: int, s: int) -> tuple[list[dict], int, list[int]] | None:
+        """What the allocator does at (b, s): its allocs and frees (with each site's
+        staging buffers put in), the entry from which peaks count, and the allocs' sizes."""
+        from ..backends.sim import reduction_scratch, round_request
+
+        sizes = self.sizes_at(b, s)
+        if sizes is None:
+            return None
+        m = _monomials(b, s)
+        n_alloc = self.shape[2]
+        alloc_sizes = iter(sizes[:n_alloc])
+        entries: list[dict] = []
+        out_sizes: list[int] = []
+        restart = None
+        sites = iter(self.sites)
+        site = next(sites, None)
+        for i, e in enumerate(self.entries + [None]):
+            while site is not None and site[0] == i:
+                pos, (rank, dims, acc, sms, threads), fitted = site
+                ints = [sum(c * x for c, x in zip(co, m)) for co in fitted]
+                got = reduction_scratch(tuple(ints[:rank]), tuple(ints[rank:]), set(dims), acc,
+                                        sms, threads)
+                keys = [("staging", pos, j) for j in range(len(got))]
+                entries += [{"action": "alloc", "key": k} for k in keys]
+                out_sizes += [round_request(n) for n in got]  # as the tracker asks for them
+                entries += [{"action": "free_completed", "key": k} for k in keys]
+                site = next(sites, None)
+            if i == self.restart:
+                restart = len(entries)
+            if e is None:
+                break
+            entries.append(e)
+            if e["action"] == "alloc":
+                out_sizes.append(next(alloc_sizes))
+        return entries, len(entries) if restart is None else restart, out_sizes
+
+    def at(self, b: int, s: int, capacity: int | None = None) -> tuple[int, int] | None:
+        """(allocated peak, reserved peak) of the allocator model replaying the actions at
+        (b, s), on a card that lets it reserve ``capacity`` bytes (None: no limit; a
+        request that does not fit: None)."""
+        acts = self.actions_at(b, s) if self.ok else None
+        if acts is None:
+            return None
+        entries, restart, sizes = acts
+        return self.log.replay(sizes, capacity, entries, restart)
+
+    def answers(self, b: int, s: int) -> bool:
+        """Whether the plane has sizes at (b, s)."""
+        return self.ok and self.sizes_at(b, s) is not None
+
+    def checked_by(self, b: int, s: int, run: "MemoryReport") -> bool:
+        """Whether the run at (b, s) did exactly what the plane gives there: the same
+        allocs and frees in the same order, each of the same size (staging buffers too), and
+        the same allocated and reserved peaks."""
+        if not self.ok:
+            return False
+        trace = run.trace
+        sh = allocation_shape(run, exclude=frozenset(getattr(trace, "scratch", ())))
+        acts = self.actions_at(b, s)
+        if sh is None or acts is None or sh[0] != self.shape or sh[1] != self.sizes_at(b, s):
+            return False
+        log = trace.allocator_log
+        done = [e for e in log.entries if e["action"] in ("alloc", "free_completed")]
+        if ([e["action"] for e in done] != [e["action"] for e in acts[0]]
+                or [e["size"] for e in done if e["action"] == "alloc"] != acts[2]):
+            return False
+        return self.at(b, s) == log.replay([e["size"] for e in done if e["action"] == "alloc"])
+
+
+def _plan(trace: Any) -> tuple[list[dict], int, list[tuple[int, tuple]]] | None:
+    """A run's allocs and frees without its staging buffers, the one from which peaks
+    count, and its sites as (their place among those, recipe)."""
+    log = getattr(trace, "allocator_log", None)
+    if log is None or getattr(log, "start", None) is None:
+        return None
+    staging = getattr(trace, "scratch", {})
+    kept: list[dict] = []
+    at: list[int] = []  # kept entries before each raw entry
+    restart = None
+    for n, e in enumerate(log.entries):
+        at.append(len(kept))
+        if n == log.restart:
+            restart = len(kept)
+        if e["action"] == "oom":
+            return None
+        if e["action"] in ("alloc", "free_completed") and e["key"] not in staging:
+            kept.append({"action": e["action"], "key": e["key"]})
+    at.append(len(kept))
+    sites = [(at[pos] if pos is not None and pos < len(at) else len(kept), recipe)
+             for pos, recipe in getattr(trace, "scratch_sites", ())]
+    return kept, len(kept) if restart is None else restart, sites
+
+
+def _form(recipe: tuple) -> tuple:
+    """What must agree between runs for a site's recipe to be fitted: all but its sizes."""
+    shape, strides, dims, acc, sms, threads = recipe
+    return len(shape), dims, acc, sms, threads
+
+
+@dataclass
+class FitMap:
+    """Which (batch size, context length) pairs of a cell fit a card.
+
+    ``largest[s]`` is the largest batch size in ``batch`` that fits at context ``s`` (None:
+    none does), for each ``s`` of ``seqs``; a pair fits when its batch is at most that
+    (the memory a step needs grows with its batch). ``method``: "plane" (read off six
+    runs, :class:`SizePlane`, checked by ``checks``) or "runs" (a run per tried pair,
+    where the plane could not be used: ``notes`` say why). ``runs`` counts the simulated
+    runs it took."""
+
+    card: str
+    capacity: int
+    batch: tuple[int, int]
+    seqs: tuple[int, ...]
+    largest: dict[int, int | None]
+    method: str
+    runs: int
+    lattice: tuple[tuple[int, int], ...] = ()
+    checks: tuple[tuple[int, int, bool], ...] = ()  # (b, s, fits) of the checking runs
+    notes: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    evaluated: int = 0  # pairs answered by the plane
+
+    def fits(self, batch: int, seq: int) -> bool | None:
+        """Whether (batch, seq) fits (None: ``seq`` is not one of the map's contexts)."""
+        if seq not in self.largest:
+            return None
+        top = self.largest[seq]
+        return top is not None and batch <= top
+
+    def largest_batch(self, seq: int) -> int | None:
+        return self.largest.get(seq)
+
+    def longest_context(self, batch: int) -> int | None:
+        """The longest context of the map at which ``batch`` fits (None: none)."""
+        ok = [s for s, top in self.largest.items() if top is not None and batch <= top]
+        return max(ok) if ok else None
+
+    @property
+    def source(self) -> str:
+        if self.method == "plane":
+            return (f"sim: {self.evaluated} pairs evaluated from the runs at "
+                    f"{_pairs(self.lattice)} (sizes as polynomials in batch and context, "
+                    f"replayed by the allocator model), checked by runs at "
+                    f"{_pairs((b, s) for b, s, _ in self.checks)}")
+        return f"sim: {self.runs} runs"
+
+    def __str__(self) -> str:
+        mid = self.seqs[len(self.seqs) // 2]
+        parts = [f"context {s}: batch {self.largest[s] if self.largest[s] is not None else 'none'}"
+                 for s in (self.seqs[0], mid, self.seqs[-1])]
+        return (f"fit map on {self.card} ({format_bytes(self.capacity)}): batch "
+                f"{self.batch[0]}..{self.batch[1]} x context {self.seqs[0]}..{self.seqs[-1]} "
+                f"({len(self.seqs)} contexts, {self.runs} runs, {self.wall_s:.1f} s); largest "
+                f"batch that fits at " + ", ".join(parts))
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(f"<FitMap : {self}>")
+
+    def figure(self):
+        """A ``matplotlib.figure.Figure``: the (context, batch) plane, the pairs that fit
+        shaded, the boundary, the runs it was read from and the checks."""
+        from ..charts.plots import plot_fit_map
+
+        return plot_fit_map(self).figure
+
+    def chart(self):
+        """The map as a displayable chart with a one-line text repr."""
+        from ..charts.plots import Chart
+
+        return Chart(self.figure(), f"<memmagic chart: fit map on {self.card}, batch "
+                                    f"{self.batch[0]}..{self.batch[1]} x context "
+                                    f"{self.seqs[0]}..{self.seqs[-1]}>")
+
+
+def _pairs(points) -> str:
+    return ", ".join(f"({b}, {s})" for b, s in points)
+
+
+def _grid(lo: int, hi: int, points: int, step: int) -> tuple[int, ...]:
+    """Up to ``points`` values from ``lo`` to ``hi``, multiples of ``step``, evenly spaced."""
+    lo, hi = -(-lo // step) * step, hi // step * step
+    if hi < lo:
+        raise ValueError(f"no context between {lo} and {hi} is a multiple of {step}")
+    n = (hi - lo) // step + 1
+    if n <= points:
+        return tuple(range(lo, hi + 1, step))
+    return tuple(sorted({lo + round(i * (n - 1) / (points - 1)) * step for i in range(points)}))
+
+
+def fit_map(cell: "Cell", *, gpu: Any = None, gpu_memory: Any = None,
+            batch: tuple[int, int] = (1, 64), seq: tuple[int, int] | None = None,
+            points: int = 64, step: int = 128, method: str = "plane") -> FitMap:
+    """The (batch size, context length) pairs of ``cell`` that fit a card: for each of
+    ``points`` contexts from ``seq`` = (lo, hi) (multiples of ``step``; default: from
+    ``step`` to twice the cell's own), the largest batch in ``batch`` = (lo, hi) that fits.
+
+    The card is ``gpu`` (a name, "T4") or ``gpu_memory``, else the cell's own target. The
+    cell must read ``batch_size`` and ``seq_len`` or name the batch and token tensors
+    memmagic resizes (see :mod:`memmagic.whatif.knobs`). Six runs on a larger card of the
+    same kind give a :class:`SizePlane`; every other pair is evaluated from it, checked by
+    runs (see the module's docstring); where it cannot be used, each tried pair is run (on
+    at most FALLBACK_CONTEXTS contexts). ``method="runs"`` runs each tried pair at every
+    context (the slow way, to compare)."""
+    from ..backends.sim import resolve_target
+    from .sweeps import check_search
+
+    t0 = time.perf_counter()
+    check_search(cell, "simulation", 0.0)
+    target = _target(cell, gpu, gpu_memory, resolve_target)
+    blo, bhi = (int(v) for v in batch)
+    if not 1 <= blo < bhi:
+        raise ValueError(f"batch takes (lo, hi) with 1 <= lo < hi, not {batch!r}")
+    if method not in ("plane", "runs"):
+        raise ValueError(f"method is 'plane' or 'runs', not {method!r}")
+    seqs = _contexts(cell, seq, points, step)
+    m = _Mapper(cell, target)
+    if method == "runs":
+        m.plane = _NO_PLANE
+        largest = _boundaries(m.fits, seqs, blo, bhi)
+    else:
+        m.read_plane(blo, bhi, seqs, step)
+        largest = _boundaries(m.fits, seqs, blo, bhi) if m.plane.ok else {}
+    if m.plane.ok:
+        m.check_boundary(largest, seqs, blo, bhi)
+    if not m.plane.ok and method == "plane":  # a run per tried pair, on fewer contexts
+        seqs = _grid(seqs[0], seqs[-1], FALLBACK_CONTEXTS, step)
+        m.notes.append(f"so each tried pair was run, at {len(seqs)} contexts")
+        largest = _boundaries(m.fits, seqs, blo, bhi)
+    m.notes.append("a pair fits when its batch is at most the largest that fits at its context "
+                   "(memory grows with the batch); the CUDA context counts, as in a run's verdict")
+    ok = m.plane.ok
+    return FitMap(target.name, target.total_memory, (blo, bhi), seqs, largest,
+                  "plane" if ok else "runs", m.runs, m.lattice if ok else (),
+                  tuple(m.checks) if ok else (), m.notes, time.perf_counter() - t0,
+                  m.evaluated if ok else 0)
+
+
+def _contexts(cell: "Cell", seq: tuple[int, int] | None, points: int, step: int
+              ) -> tuple[int, ...]:
+    """The map's contexts: ``points`` multiples of ``step`` in ``seq`` (default: from
+    ``step`` to twice the cell's own context)."""
+    if seq is None:
+        own = getattr(cell.baseline, resizing(SEQ_DIM).name)
+        if own is None:
+            raise ValueError("the cell has no context length to start from: give seq=(lo, hi) "
+                             "(--fitmap seq=LO:HI)")
+        seq = (step, max(2 * own, 2 * step))
+    seqs = _grid(int(seq[0]), int(seq[1]), int(points), int(step))
+    if len(seqs) < 3:
+        raise ValueError(f"the fit map needs at least 3 contexts between {seq[0]} and {seq[1]} "
+                         f"(multiples of {step})")
+    return seqs
+
+
+class _NoPlane:
+    """The plane of a map asked to run every pair."""
+
+    ok = False
+
+
+_NO_PLANE = _NoPlane()
+
+
+class _Mapper:
+    """One fit map's runs: on a roomy card of the target's kind (the lattice, the far
+    corner) and on the target itself (the checks of the boundary, the fallback)."""
+
+    def __init__(self, cell: "Cell", target: Any) -> None:
+        from ..backends.sim import cuda_context
+
+        self.roomy, self.real = _roomy(cell, target), _on_card(cell, target)
+        context = cuda_context(target)  # what a run's verdict counts beside the allocator
+        self.room = target.total_memory - (context.nbytes if context is not None else 0)
+        self.runs = self.evaluated = 0
+        self.notes: list[str] = []
+        self.checks: list[tuple[int, int, bool]] = []
+        self.lattice: tuple[tuple[int, int], ...] = ()
+        self.plane: SizePlane | Any = None
+
+    def run(self, engine: "Cell", b: int, s: int) -> "MemoryReport":
+        self.runs += 1
+        return engine.run(**{resizing(BATCH_DIM).name: b, resizing(SEQ_DIM).name: s},
+                          strict=True)
+
+    def read_plane(self, blo: int, bhi: int, seqs: Sequence[int], step: int) -> None:
+        """The plane through the lattice's six runs, checked byte for byte at the far corner:
+        the largest batch, at the longest context that is an odd multiple of ``step`` (a
+        kernel that rounds a size to a coarser multiple shows there)."""
+        bs = (max(blo, bhi // 4), max(blo + 1, bhi // 2))
+        # odd, even and odd multiples of the step: a size rounded to a coarser multiple is
+        # then no polynomial through them
+        n = len(seqs)
+        ss = tuple(_near(seqs, seqs[i * n // 4], step, odd)
+                   for i, odd in ((1, True), (2, False), (3, True)))
+        if len(set(ss)) < 3:
+            ss = (seqs[0], seqs[n // 2], seqs[-1])
+        self.lattice = tuple((b, s) for b in bs for s in ss)
+        plane = self.plane = SizePlane({p: self.run(self.roomy, *p) for p in self.lattice}, bs, ss)
+        if not plane.ok:
+            self.notes.append(f"the runs at {_pairs(self.lattice)} cannot be read as one plane "
+                              f"({plane.reason})")
+            return
+        far = max((s for s in seqs if s // step % 2), default=seqs[-1])
+        if plane.checked_by(bhi, far, self.run(self.roomy, bhi, far)):
+            self.checks.append((bhi, far, _verdict(plane, bhi, far, self.room) is True))
+        else:
+            self.notes.append(f"the run at batch {bhi}, context {far} differs from the "
+                              f"plane through the runs at {_pairs(self.lattice)}")
+            plane.ok = False
+
+    def fits(self, b: int, s: int) -> bool:
+        """Whether (b, s) fits the target: by the plane where it answers, else by a run."""
+        if self.plane.ok:
+            v = _verdict(self.plane, b, s, self.room)
+            if v is not None:
+                self.evaluated += 1
+                return v
+        return bool(self.run(self.real, b, s).fits)
+
+    def check_boundary(self, largest: dict[int, int | None], seqs: Sequence[int], blo: int,
+                       bhi: int) -> None:
+        """Runs on the target at the boundary of the first, middle and last contexts: the
+        largest batch found to fit, and the one above it."""
+        for s in (seqs[0], seqs[len(seqs) // 2], seqs[-1]):
+            top = largest[s]
+            tried = ([top] if top is not None else []) + ([(top or blo - 1) + 1]
+                                                          if (top or 0) < bhi else [])
+            for b in tried:
+                ok = bool(self.run(self.real, b, s).fits)
+                self.checks.append((b, s, ok))
+                if ok != self.fits(b, s):
+                    self.notes.append(f"the run at batch {b}, context {s} disagrees with the plane")
+                    self.plane.ok = False
+                    return
+
+
+def _near(seqs: Sequence[int], s: int, step: int, odd: bool) -> int:
+    """The context of ``seqs`` nearest ``s`` that is an odd (or even) multiple of ``step``
+    (``s`` where there is none)."""
+    pick = [c for c in seqs if (c // step % 2 == 1) == odd]
+    return min(pick, key=lambda c: abs(c - s)) if pick else s
+
+
+def _boundaries(fits, seqs: Sequence[int], lo: int, hi: int) -> dict[int, int | None]:
+    """The largest batch that fits at each context, each search starting from the boundary
+    of the context before (it moves little from one to the next)."""
+    out: dict[int, int | None] = {}
+    prev = hi
+    for s in seqs:
+        out[s] = _boundary(lambda b, s=s: fits(b, s), lo, hi, prev)
+        prev = out[s] if out[s] is not None else lo
+    return out
+
+
+def run_fitmap_option(cell: "Cell", option: str) -> FitMap:
+    """The fit map of ``--fitmap`` (``""``, ``"batch=1:64"``, ``"batch=1:64,seq=128:4096"``)."""
+    ranges: dict[str, tuple[int, int]] = {}
+    for part in filter(None, (p.strip() for p in option.replace(" ", "").split(","))):
+        name, _, span = part.partition("=")
+        lo, _, hi = span.partition(":")
+        if name not in ("batch", "seq") or not (lo.isdigit() and hi.isdigit()) or name in ranges:
+            raise ValueError(f"--fitmap takes batch=LO:HI and seq=LO:HI (e.g. --fitmap "
+                             f"batch=1:64,seq=128:4096), not {option!r}")
+        ranges[name] = (int(lo), int(hi))
+    try:
+        return fit_map(cell, **ranges)
+    except _NoCard:
+        raise ValueError("--fitmap needs a card: add --gpu (e.g. --gpu T4) or --gpu-memory, "
+                         "or run it under %gpusim on --gpu T4") from None
+
+
+def _verdict(plane: SizePlane, b: int, s: int, room: int) -> bool | None:
+    """Whether (b, s) fits by the plane when the allocator may reserve ``room`` bytes (the
+    card less its CUDA context; None: no answer)."""
+    if not plane.answers(b, s):
+        return None
+    return plane.at(b, s, room) is not None
+
+
+def _boundary(fits, lo: int, hi: int, start: int) -> int | None:
+    """The largest b in [lo, hi] with fits(b) (None: none), fits taken to hold below it:
+    gallops from ``start`` (the boundary of the context before, which moves little), then
+    bisects. (``sweeps._largest``, the finders', doubles from the bottom instead.)"""
+    start = min(max(start, lo), hi)
+    if fits(start):
+        good, step = start, 1
+        while good < hi:
+            b = min(hi, good + step)
+            if not fits(b):
+                bad = b
+                break
+            good, step = b, step * 2
+        else:
+            return good
+    else:
+        bad, step = start, 1
+        while True:
+            b = max(lo, bad - step)
+            if fits(b):
+                good = b
+                break
+            if b == lo:
+                return None
+            bad, step = b, step * 2
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def _target(cell: "Cell", gpu: Any, gpu_memory: Any, resolve) -> Any:
+    """The card of the map: the one asked, else the cell's own."""
+    opts = cell.backend_options
+    if gpu is None and gpu_memory is None:
+        gpu, gpu_memory = (opts.get(o) for o in _card_options())
+        own = getattr(cell.baseline, _card_knob().name)
+        if own is not None and gpu_memory is None:
+            gpu = own
+    target = resolve(gpu, gpu_memory)
+    if target is None:
+        raise _NoCard("a fit map needs a card: fit_map(cell, gpu='T4') (or gpu_memory='16GiB')")
+    return target
+
+
+class _NoCard(ValueError):
+    """No card to draw a fit map for."""
+
+
+def _on_card(cell: "Cell", target: Any) -> "Cell":
+    """A copy of ``cell`` that runs on ``target``."""
+    import copy
+
+    other = copy.copy(cell)
+    option, *_ = names = _card_options()
+    opts = {k: v for k, v in cell.backend_options.items() if k not in names}
+    other.backend_options = {**opts, option: target}
+    # the target card's knob: the options say the card now
+    other.baseline = cell.baseline.replace(**{_card_knob().name: None})
+    return other
+
+
+def _card_knob() -> Any:
+    """The knob of the target card: the one the engine applies by a backend option."""
+    return next(k for k in KNOBS.values() if k.backend is not None)
+
+
+def _card_options() -> tuple[str, ...]:
+    """The backend options that name the card: its own (``gpu``) and those it replaces."""
+    by = _card_knob().backend
+    return (by.option, *by.replaces)
+
+
+def _roomy(cell: "Cell", target: Any) -> "Cell":
+    """A copy of ``cell`` on a card of ``target``'s kind (its kernels, its multiprocessors)
+    that nothing outgrows: the lattice's runs must not run out of memory."""
+    from ..backends.sim import CardSpec
+
+    card = target.resized_from or target
+    big = CardSpec(f"{card.name} (no memory limit)", 1 << 50, card.capability,
+                   card.multi_processor_count, resized_from=card)
+    return _on_card(cell, big)

@@ -1,0 +1,193 @@
+"""The fit map: sizes read off six runs as polynomials in batch and context, equal to real
+runs byte for byte where it answers, checked by runs, and a run per pair where it cannot."""
+
+from __future__ import annotations
+
+import pytest
+
+from memmagic import Cell
+from memmagic.backends.sim import resolve_target
+from memmagic.whatif import fitmap as F
+
+pytest.importorskip("transformers")
+
+GPT2 = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1024,
+                                   n_positions=4096)).cuda()
+opt = torch.optim.AdamW(model.parameters())
+x = torch.randint(0, 1024, (batch_size, seq_len), device="cuda")
+model(x, labels=x).loss.backward()
+opt.step()
+"""
+
+LLAMA = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+model = LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     vocab_size=1024, max_position_embeddings=4096)).cuda()
+x = torch.randint(0, 1024, (batch_size, seq_len), device="cuda")
+model(x, labels=x).loss.backward()
+"""
+
+BERT = """
+import torch
+from transformers import BertConfig, BertForMaskedLM
+model = BertForMaskedLM(BertConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, vocab_size=1024,
+                                   max_position_embeddings=4096)).cuda()
+x = torch.randint(0, 1024, (batch_size, seq_len), device="cuda")
+model(input_ids=x, labels=x).loss.backward()
+"""
+
+# attention written out: scores of batch x heads x context x context (a size in s**2)
+MANUAL = """
+import torch
+import torch.nn.functional as F
+torch.manual_seed(0)
+w = torch.nn.Linear(64, 3 * 64).cuda()
+x = torch.randn(batch_size, seq_len, 64, device="cuda", requires_grad=True)
+q, k, v = w(x).view(batch_size, seq_len, 3, 4, 16).unbind(2)
+scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
+out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+out.float().pow(2).mean().backward()
+"""
+
+BS, SS = (4, 8), (128, 256, 384)
+
+
+def _plane(source: str, card: str = "A100-80GB", **defaults):
+    cell = Cell(source, {"batch_size": 2, "seq_len": 64}, backend_options={"gpu": card},
+                defaults=defaults)
+    roomy = F._roomy(cell, resolve_target(card))
+    runs = {(b, s): roomy.run(batch_size=b, seq_len=s, strict=True) for b in BS for s in SS}
+    return F.SizePlane(runs, BS, SS), roomy
+
+
+@pytest.mark.parametrize("source, card, defaults", [
+    (GPT2, "A100-80GB", {}),
+    (GPT2, "T4", {"amp": "fp16"}),
+    (GPT2, "A100-80GB", {"amp": "bf16", "checkpointing": True}),
+    (LLAMA, "H100-80GB", {}),
+    (LLAMA, "A100-80GB", {"checkpointing": True}),
+    (BERT, "A100-80GB", {"amp": "bf16"}),
+    (MANUAL, "T4", {}),
+], ids=["gpt2", "gpt2-t4-amp-fp16", "gpt2-amp-ckpt", "llama-gqa", "llama-ckpt", "bert-amp",
+        "manual-attention"])
+def test_the_plane_gives_what_a_run_gives_byte_for_byte(source, card, defaults):
+    plane, roomy = _plane(source, card, **defaults)
+    assert plane.ok, plane.reason
+    for b, s in ((6, 640), (12, 1024), (3, 128)):  # between, beyond and below the lattice
+        run = roomy.run(batch_size=b, seq_len=s, strict=True)
+        assert plane.checked_by(b, s, run), (b, s)
+        # the allocator's reserved peak of the run, to the byte
+        assert plane.at(b, s)[1] == run.reserved_peak
+
+
+def test_a_reductions_staging_buffer_comes_from_its_recipe():
+    # on a T4 (40 SMs) the bias gradients' sums stage through a buffer whose size is capped:
+    # the lattice's sizes lie on a line that the far corner leaves
+    plane, roomy = _plane(GPT2, "T4")
+    assert plane.ok and plane.sites
+    run = roomy.run(batch_size=32, seq_len=2048, strict=True)
+    assert plane.checked_by(32, 2048, run)
+
+
+def test_sizes_that_are_no_such_polynomial_are_found_out():
+    # a size rounded down: no whole-number coefficients through the lattice
+    rounded = "import torch\nx = torch.empty(seq_len // 3 * batch_size, device='cuda')\n"
+    plane, _ = _plane(rounded)
+    assert not plane.ok
+    assert "not a polynomial in the batch and the context" in plane.reason
+    # cubic in the batch: through two batch sizes any size is a line, so the lattice cannot
+    # tell; a run off it can
+    cubic = "import torch\nx = torch.empty(batch_size ** 3 * seq_len, device='cuda')\n"
+    plane, roomy = _plane(cubic)
+    assert plane.ok
+    assert not plane.checked_by(12, 1024, roomy.run(batch_size=12, seq_len=1024, strict=True))
+
+
+def test_a_size_rounded_coarser_than_the_step_is_not_read_off_the_plane():
+    # rounded up to a multiple of 256 while the map steps by 128: the lattice mixes odd and
+    # even multiples of the step, so no plane passes through it, and the pairs are run
+    cell = Cell("import torch\nx = torch.empty(batch_size * ((seq_len + 255) // 256 * 256) * "
+                "1024, device='cuda')\n", {"batch_size": 2, "seq_len": 256},
+                backend_options={"gpu_memory": "1GiB"})
+    fm = F.fit_map(cell, batch=(1, 64), seq=(128, 2048))
+    assert fm.method == "runs"
+    for s in fm.seqs:  # 4 KiB a token of the rounded context: 2**30 bytes hold 2**18 tokens
+        top = fm.largest[s]
+        rounded = (s + 255) // 256 * 256
+        assert top == min(64, 2 ** 30 // (rounded * 4096))
+
+
+def test_the_fit_map_is_read_off_the_plane_and_its_boundary_holds_in_runs():
+    cell = Cell(GPT2, {"batch_size": 2, "seq_len": 256}, backend_options={"gpu_memory": "1GiB"})
+    fm = F.fit_map(cell, batch=(1, 64), seq=(128, 2048))
+    assert fm.method == "plane", fm.notes
+    assert fm.runs <= 6 + 1 + 6 and fm.evaluated > 3 * len(fm.seqs)
+    assert len(fm.seqs) == 16 and fm.seqs[0] == 128 and fm.seqs[-1] == 2048
+    tops = [fm.largest[s] for s in fm.seqs]
+    assert all(a >= b for a, b in zip(tops, tops[1:]))  # longer contexts fit fewer
+    # a context the checks did not run: its boundary is the runs' boundary
+    real = F._on_card(cell, resolve_target(None, "1GiB"))
+    s = fm.seqs[5]
+    top = fm.largest[s]
+    assert top is not None and top < 64
+    assert real.run(batch_size=top, seq_len=s, strict=True).fits
+    assert not real.run(batch_size=top + 1, seq_len=s, strict=True).fits
+    assert fm.fits(top, s) and not fm.fits(top + 1, s) and fm.fits(1, s)
+    assert fm.largest_batch(s) == top and fm.longest_context(top) >= s
+    assert str(fm).startswith("fit map on GPU with 1.00 GiB (1.00 GiB): batch 1..64 x context "
+                              "128..2048 (16 contexts, ")
+    assert "evaluated from the runs at (16, " in fm.source
+    chart = fm.chart()
+    assert repr(chart) == ("<memmagic chart: fit map on GPU with 1.00 GiB, batch 1..64 x "
+                           "context 128..2048>")
+    assert chart._repr_png_()[0][:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_where_the_plane_cannot_be_used_each_pair_is_run():
+    cubic = ("import torch\nx = torch.empty(batch_size ** 3 * seq_len, device='cuda')\n"
+             "y = x * 2\n")
+    cell = Cell(cubic, {"batch_size": 2, "seq_len": 64}, backend_options={"gpu_memory": "1GiB"})
+    fm = F.fit_map(cell, batch=(1, 32), seq=(128, 1024))
+    assert fm.method == "runs" and fm.evaluated == 0 and fm.lattice == ()
+    assert len(fm.seqs) == F.FALLBACK_CONTEXTS
+    assert any("differs from the plane through the runs at" in n for n in fm.notes)
+    assert "so each tried pair was run, at 8 contexts" in fm.notes
+    # x and y: 8 * b**3 * s bytes, within 1 GiB up to the boundary the runs found
+    for s in fm.seqs:
+        top = fm.largest[s]
+        assert top is not None and 8 * top ** 3 * s <= 2 ** 30
+        assert top == 32 or 8 * (top + 1) ** 3 * s > 2 ** 30 * 0.9
+
+
+def test_bad_input_gets_one_line():
+    cell = Cell(GPT2, {"batch_size": 2, "seq_len": 256})
+    with pytest.raises(ValueError, match="a fit map needs a card"):
+        F.fit_map(cell)
+    with pytest.raises(ValueError, match="batch takes"):
+        F.fit_map(cell, gpu="T4", batch=(8, 4))
+    with pytest.raises(ValueError, match="--fitmap takes batch=LO:HI and seq=LO:HI"):
+        F.run_fitmap_option(cell, "batch=1-64")
+    with pytest.raises(ValueError, match="--fitmap needs a card"):
+        F.run_fitmap_option(cell, "")
+
+
+def test_the_magic_draws_the_fit_map(ip):
+    ip.run_cell("batch_size, seq_len = 2, 128")
+    fm = ip.run_cell_magic("gpumem", "--fitmap batch=1:16,seq=128:512 --gpu-memory 512MiB -o "
+                           "--no-chart", GPT2)
+    assert isinstance(fm, F.FitMap) and fm.batch == (1, 16) and fm.seqs == (128, 256, 384, 512)
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="--fitmap is a view of the cell of its own"):
+        ip.run_cell_magic("gpumem", "--fitmap --whatif --gpu T4", GPT2)
+    with pytest.raises(UsageError, match="--fitmap needs a card"):
+        ip.run_cell_magic("gpumem", "--fitmap", GPT2)
+    with pytest.raises(UsageError, match="on a %%gpumem cell, not a line"):
+        ip.run_line_magic("gpumem", "--fitmap --gpu T4 x = 1")
