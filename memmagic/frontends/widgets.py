@@ -24,6 +24,7 @@ from ..report import MemoryReport, format_bytes
 
 if TYPE_CHECKING:
     from ..whatif.engine import Cell
+    from ..whatif.fitmap import FitMap
     from ..whatif.sweeps import Sweep
 
 __all__ = ["WhatIfPanel", "parse_ranges", "INSTALL_HINT"]
@@ -104,6 +105,7 @@ class WhatIfPanel:
         self.runs = 1
         self.last_update_s: float | None = None
         self.sweep_result: "Sweep | None" = None
+        self.fit_map_result: "FitMap | None" = None
         self.controls: dict[str, Any] = {}
         for name in self.knobs:
             ctl = self._control(w, name)
@@ -122,11 +124,17 @@ class WhatIfPanel:
         # hidden until a sweep has run (an empty Image shows as a broken-image icon)
         self.sweep_image = w.Image(format="png", layout=w.Layout(max_width="100%", display="none"))
         self.sweep_text = w.HTML()
+        self.fit_map_button = w.Button(description="fit map", tooltip=(
+            "which pairs of batch size and context length fit the target card, over the "
+            "sliders' ranges (read off six runs, checked by runs)"))
+        self.fit_map_button.on_click(lambda _b: self.run_fit_map())
         # one row per knob: its name in a right-aligned column, then the control, so that
         # sliders, toggle buttons, checkboxes and menus line up
         rows = [self._row(w, KNOBS[name].label, ctl) for name, ctl in self.controls.items()]
         if swept is not None and swept.name in self.controls:
             rows.append(self._row(w, "", self.sweep_button))
+        if self._plane_knobs() is not None:
+            rows.append(self._row(w, "", self.fit_map_button))
         self.box = w.VBox([w.VBox(rows), self.status, self.chart, self.text,
                            self.sweep_image, self.sweep_text])
         self._draw()
@@ -387,6 +395,40 @@ class WhatIfPanel:
         self.sweep_image.value = figure_png(result.figure(), dpi=_PANEL_DPI)
         self.sweep_image.layout.display = ""
         self.sweep_text.value = html.escape(str(result))
+        return result
+
+    # -- fit map -------------------------------------------------------------------------------------
+    def _plane_knobs(self) -> tuple[Any, Any] | None:
+        """The batch and context controls, when the panel has both (a fit map's axes)."""
+        from ..whatif.knobs import BATCH_DIM, SEQ_DIM, resizing
+
+        b, s = (self.controls.get(resizing(d).name) for d in (BATCH_DIM, SEQ_DIM))
+        return (b, s) if b is not None and s is not None else None
+
+    def run_fit_map(self) -> "FitMap":
+        """The fit map of the current setting over the batch and context sliders' ranges,
+        drawn under the panel (where the sweep's chart goes)."""
+        from ..charts.plots import figure_png
+        from ..whatif.fitmap import fit_map
+
+        axes = self._plane_knobs()
+        if axes is None:
+            raise ValueError("a fit map needs the batch size and the context length: this cell "
+                             "has no control for one of them")
+        (b_lo, *_, b_hi), (s_lo, *_, s_hi) = (list(c.options) for c in axes)
+        self.sweep_text.value = "<i>drawing the fit map…</i>"
+        try:
+            step = 128 if s_hi >= 3 * 128 else max(1, s_hi // 4)  # at least 3 contexts
+            result = fit_map(self.cell, setting=self.current(), batch=(b_lo, b_hi),
+                             seq=(s_lo, s_hi), step=step)
+        except Exception as exc:  # noqa: BLE001
+            self.sweep_text.value = (f"fit map failed: "
+                                     f"{html.escape(_short(f'{type(exc).__name__}: {exc}'))}")
+            raise
+        self.fit_map_result = result
+        self.sweep_image.value = figure_png(result.figure(), dpi=_PANEL_DPI)
+        self.sweep_image.layout.display = ""
+        self.sweep_text.value = html.escape(f"{result} — {result.source}")
         return result
 
     # -- display -----------------------------------------------------------------------------------

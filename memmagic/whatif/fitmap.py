@@ -354,7 +354,8 @@ def _grid(lo: int, hi: int, points: int, step: int) -> tuple[int, ...]:
 
 def fit_map(cell: "Cell", *, gpu: Any = None, gpu_memory: Any = None,
             batch: tuple[int, int] = (1, 64), seq: tuple[int, int] | None = None,
-            points: int = 64, step: int = 128, method: str = "plane") -> FitMap:
+            points: int = 64, step: int = 128, method: str = "plane",
+            setting: Any = None) -> FitMap:
     """The (batch size, context length) pairs of ``cell`` that fit a card: for each of
     ``points`` contexts from ``seq`` = (lo, hi) (multiples of ``step``; default: from
     ``step`` to twice the cell's own), the largest batch in ``batch`` = (lo, hi) that fits.
@@ -365,20 +366,23 @@ def fit_map(cell: "Cell", *, gpu: Any = None, gpu_memory: Any = None,
     same kind give a :class:`SizePlane`; every other pair is evaluated from it, checked by
     runs (see the module's docstring); where it cannot be used, each tried pair is run (on
     at most FALLBACK_CONTEXTS contexts). ``method="runs"`` runs each tried pair at every
-    context (the slow way, to compare)."""
+    context (the slow way, to compare). ``setting``: the other knobs of the runs (AMP,
+    checkpointing; a :class:`Setting` or a dict, as ``cell.run`` takes it; its target card
+    is the map's unless ``gpu`` or ``gpu_memory`` says otherwise)."""
     from ..backends.sim import resolve_target
     from .sweeps import check_search
 
     t0 = time.perf_counter()
     check_search(cell, "simulation", 0.0)
-    target = _target(cell, gpu, gpu_memory, resolve_target)
+    base = cell.setting(setting)
+    target = _target(cell, base, gpu, gpu_memory, resolve_target)
     blo, bhi = (int(v) for v in batch)
     if not 1 <= blo < bhi:
         raise ValueError(f"batch takes (lo, hi) with 1 <= lo < hi, not {batch!r}")
     if method not in ("plane", "runs"):
         raise ValueError(f"method is 'plane' or 'runs', not {method!r}")
-    seqs = _contexts(cell, seq, points, step)
-    m = _Mapper(cell, target)
+    seqs = _contexts(base, seq, points, step)
+    m = _Mapper(cell, target, base)
     if method == "runs":
         m.plane = _NO_PLANE
         largest = _boundaries(m.fits, seqs, blo, bhi)
@@ -400,12 +404,12 @@ def fit_map(cell: "Cell", *, gpu: Any = None, gpu_memory: Any = None,
                   m.evaluated if ok else 0)
 
 
-def _contexts(cell: "Cell", seq: tuple[int, int] | None, points: int, step: int
+def _contexts(base: Any, seq: tuple[int, int] | None, points: int, step: int
               ) -> tuple[int, ...]:
     """The map's contexts: ``points`` multiples of ``step`` in ``seq`` (default: from
-    ``step`` to twice the cell's own context)."""
+    ``step`` to twice the context of ``base``, the runs' setting)."""
     if seq is None:
-        own = getattr(cell.baseline, resizing(SEQ_DIM).name)
+        own = getattr(base, resizing(SEQ_DIM).name)
         if own is None:
             raise ValueError("the cell has no context length to start from: give seq=(lo, hi) "
                              "(--fitmap seq=LO:HI)")
@@ -430,10 +434,11 @@ class _Mapper:
     """One fit map's runs: on a roomy card of the target's kind (the lattice, the far
     corner) and on the target itself (the checks of the boundary, the fallback)."""
 
-    def __init__(self, cell: "Cell", target: Any) -> None:
+    def __init__(self, cell: "Cell", target: Any, base: Any) -> None:
         from ..backends.sim import cuda_context
 
         self.roomy, self.real = _roomy(cell, target), _on_card(cell, target)
+        self.base = base.replace(**{_card_knob().name: None})  # the copies' options say it
         context = cuda_context(target)  # what a run's verdict counts beside the allocator
         self.room = target.total_memory - (context.nbytes if context is not None else 0)
         self.runs = self.evaluated = 0
@@ -444,8 +449,8 @@ class _Mapper:
 
     def run(self, engine: "Cell", b: int, s: int) -> "MemoryReport":
         self.runs += 1
-        return engine.run(**{resizing(BATCH_DIM).name: b, resizing(SEQ_DIM).name: s},
-                          strict=True)
+        return engine.run(self.base.replace(**{resizing(BATCH_DIM).name: b,
+                                               resizing(SEQ_DIM).name: s}), strict=True)
 
     def read_plane(self, blo: int, bhi: int, seqs: Sequence[int], step: int) -> None:
         """The plane through the lattice's six runs, checked byte for byte at the far corner:
@@ -576,14 +581,14 @@ def _boundary(fits, lo: int, hi: int, start: int) -> int | None:
     return good
 
 
-def _target(cell: "Cell", gpu: Any, gpu_memory: Any, resolve) -> Any:
-    """The card of the map: the one asked, else the cell's own."""
+def _target(cell: "Cell", base: Any, gpu: Any, gpu_memory: Any, resolve) -> Any:
+    """The card of the map: the one asked, else the setting's (``base``), else the cell's."""
     opts = cell.backend_options
     if gpu is None and gpu_memory is None:
         gpu, gpu_memory = (opts.get(o) for o in _card_options())
-        own = getattr(cell.baseline, _card_knob().name)
-        if own is not None and gpu_memory is None:
-            gpu = own
+        own = getattr(base, _card_knob().name)
+        if own is not None:
+            gpu, gpu_memory = own, None
     target = resolve(gpu, gpu_memory)
     if target is None:
         raise _NoCard("a fit map needs a card: fit_map(cell, gpu='T4') (or gpu_memory='16GiB')")

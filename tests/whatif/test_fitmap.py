@@ -191,3 +191,24 @@ def test_the_magic_draws_the_fit_map(ip):
         ip.run_cell_magic("gpumem", "--fitmap", GPT2)
     with pytest.raises(UsageError, match="on a %%gpumem cell, not a line"):
         ip.run_line_magic("gpumem", "--fitmap --gpu T4 x = 1")
+
+
+def test_the_panel_draws_the_fit_map_of_its_setting(ip):
+    pytest.importorskip("ipywidgets")
+    ip.run_cell("batch_size, seq_len = 2, 128")
+    panel = ip.run_cell_magic("gpumem", "--whatif --gpu-memory 1GiB -o --range batch_size=1:32 "
+                              "--range seq_len=128:1024", GPT2)
+    assert panel.fit_map_button in [c for row in panel.box.children[0].children
+                                    for c in row.children]
+    panel.controls["amp"].value = "bf16"  # the map is of the panel's setting
+    fm = panel.run_fit_map()
+    assert panel.fit_map_result is fm and fm.batch == (1, 32)
+    assert fm.seqs == (128, 256, 384, 512, 640, 768, 896, 1024) and fm.method == "plane"
+    assert panel.sweep_image.value[:8] == b"\x89PNG\r\n\x1a\n"
+    assert panel.sweep_text.value.startswith("fit map on GPU with 1.00 GiB")
+    # under AMP the activations are half as large: more fits than in fp32
+    plain = F.fit_map(Cell(GPT2, {"batch_size": 2, "seq_len": 128},
+                           backend_options={"gpu_memory": "1GiB"}), batch=(1, 32),
+                      seq=(128, 1024))
+    assert all(fm.largest[s] >= plain.largest[s] for s in fm.seqs)
+    assert any(fm.largest[s] > plain.largest[s] for s in fm.seqs)
