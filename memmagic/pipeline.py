@@ -49,8 +49,8 @@ class CellRequest:
     the notebook's simulated GPU that sim cells run on (None: a fresh card per run).
     ``knobs``: knob name -> value or option text (``{"amp": "fp16"}``); ``advise``: the
     memory doctor's full advice, also after a cell that ran; ``world_size``: the simulated
-    GPU is rank 0 of that many (the cell's tensor parallel, FSDP2, DTensors), the cell runs
-    on a copy of the notebook's simulated GPU. ``backend_options`` go to the backend as
+    GPU is rank 0 (or ``rank``) of that many (the cell's tensor parallel, FSDP2, DTensors),
+    the cell runs on a copy of the notebook's simulated GPU. ``backend_options`` go to the backend as
     they are (the Python API's keyword arguments); ``simulate`` is how the front end says
     "run it on the simulated GPU" in its notes; ``unit``, what it runs in its words ("cell",
     "script")."""
@@ -67,6 +67,7 @@ class CellRequest:
     advise: bool = False
     run: Callable[[dict], Any] | None = field(default=None, repr=False)
     world_size: int | None = None
+    rank: int | None = None
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     simulate: str = "--backend sim"
     unit: str = "cell"
@@ -157,6 +158,11 @@ def backend_spec(request: CellRequest, *, persistent: bool = True) -> tuple[str,
             raise RequestError(f"--world-size is a number of GPUs, 2 or more, not "
                                f"{request.world_size}")
         options["world_size"] = request.world_size
+        if request.rank is not None:
+            if not 0 <= request.rank < request.world_size:
+                raise RequestError(f"--rank is one of the job's ranks, 0 to "
+                                   f"{request.world_size - 1}, not {request.rank}")
+            options["rank"] = request.rank
         persistent = False  # its process group ends with the run: on a copy of the card
     if name == "sim" and request.session is not None:
         options["session" if persistent else "start_from"] = request.session

@@ -734,8 +734,8 @@ _FSDP_PKG = "torch.distributed.fsdp._fully_shard."
 
 
 @contextmanager
-def fake_process_group(world_size: int) -> Iterator[None]:
-    """A default process group of ``world_size`` ranks in which this process is rank 0 and
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A default process group of ``world_size`` ranks in which this process is ``rank`` and
     every collective returns at once with outputs of the right shape (torch's "fake"
     backend, made for tests: no GPUs, no network, no other processes). Destroyed on exit.
 
@@ -750,12 +750,15 @@ def fake_process_group(world_size: int) -> Iterator[None]:
 
     if int(world_size) < 1:
         raise ValueError(f"world_size must be 1 or more, not {world_size!r}")
+    if not 0 <= int(rank) < int(world_size):
+        raise ValueError(f"rank must be from 0 to world_size - 1, not {rank!r}")
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already initialized in this "
                            "process: the sharding simulation needs one of its own")
     hook = sys.excepthook  # (this bottom layer imports no memmagic: no Patches here)
     try:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=int(world_size))
+        dist.init_process_group("fake", store=FakeStore(), rank=int(rank),
+                                world_size=int(world_size))
         try:
             yield
         finally:

@@ -44,9 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--snapshot", type=Path, default=None,
                      help="write a memory_viz snapshot (pickle) here")
     run.add_argument("--world-size", type=int, default=None, metavar="N",
-                     help="run as rank 0 of an N-GPU job, as torchrun starts it (its "
+                     help="run as rank 0 (or --rank R) of an N-GPU job, as torchrun starts it (its "
                           "environment, N GPUs a node up to 8, init_process_group on a fake "
                           "process group): the report is one GPU's")
+    run.add_argument("--rank", type=int, default=None, metavar="R",
+                     help="with --world-size: run as rank R instead of 0 (RANK, LOCAL_RANK, "
+                          "GROUP_RANK as torchrun sets them, the process group's rank): ranks "
+                          "differ where a script makes them (rank 0 logs and saves)")
     run.add_argument("-m", dest="module", default=None, metavar="MODULE",
                      help="run a module as python -m MODULE does (its arguments follow it)")
     run.add_argument("script", type=Path, nargs="?", help="the Python script")
@@ -101,7 +105,7 @@ def run_script(args: argparse.Namespace) -> int:
     ns: dict[str, Any] = {**runner.base, **runner.initial_values()}
     request = CellRequest(source, ns, backend=args.backend, gpu=args.gpu,
                           gpu_memory=args.gpu_memory, run=runner, knobs=knobs,
-                          world_size=args.world_size, unit="script")
+                          world_size=args.world_size, rank=args.rank, unit="script")
     try:
         result = run_cell(request)
     except RequestError as exc:
@@ -139,6 +143,8 @@ def _bad_input(args: argparse.Namespace) -> str | None:
         return "--steps needs a positive number of optimizer steps"
     if args.time_limit is not None and not args.time_limit > 0:
         return "--time-limit needs a positive number of seconds"
+    if args.rank is not None and args.world_size is None:
+        return "--rank R needs --world-size N: the job whose rank R the script runs as"
     try:  # the magic's own check: an empty card would run with no target and no word
         check_card_options(args.gpu, args.gpu_memory)
     except ValueError as exc:

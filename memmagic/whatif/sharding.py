@@ -23,10 +23,10 @@ import weakref
 from ..core.failures import is_out_of_memory
 from ..report import MemoryReport, format_bytes
 from ..core import _torch_private as _priv
-from ..backends.sim import rank_zero_of
+from ..backends.sim import rank_of
 
 __all__ = ["ShardResult", "simulate_fsdp", "simulate_tp", "shard_memory", "ShardingUnsupported",
-           "WORLD_SIZES", "rank_zero_of", "tp_plan", "parallelize"]
+           "WORLD_SIZES", "rank_of", "tp_plan", "parallelize"]
 
 WORLD_SIZES = (2, 4, 8)
 
@@ -392,7 +392,7 @@ def _simulate(cell: str | RunFn, namespace: Mapping[str, Any] | None, world_size
         session = None
     try:
         with ExitStack() as stack:
-            stack.enter_context(rank_zero_of(world_size))
+            stack.enter_context(rank_of(world_size))
             auto = _AutoShard(dist_priv.device_mesh("cuda", world_size), ns, style)
             stack.enter_context(auto.installed())
             if session is not None:

@@ -147,8 +147,38 @@ def test_what_a_rank_cannot_simulate_is_not_sent_to_the_cpu_backend():
     with pytest.raises(Exception) as info:
         memmagic.measure(script, backend="sim", world_size=2)
     text = str(info.value)
-    assert "cannot be simulated" in text and "rank 0 of 2 GPUs" in text
+    assert "cannot be simulated" in text and "as one rank of 2 GPUs" in text
     assert "--backend cpu" not in text and "torchrun" in text
     with pytest.raises(Exception) as plain:
         memmagic.measure(script, backend="sim")
     assert "--backend cpu" in str(plain.value)
+
+
+def test_another_rank_of_the_job_sees_its_own_environment_and_group():
+    def seen():
+        return ({k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE")},
+                dist.get_rank(), dist.get_world_size(), torch.cuda.device_count())
+
+    box = {}
+    r = memmagic.measure(lambda: box.setdefault("v", seen()), backend="sim", gpu="H100",
+                         world_size=16, rank=9)
+    env, rank, world, count = box["v"]
+    # rank 9 of 16 on 8-GPU nodes: the second node's second GPU
+    assert env == {"RANK": "9", "LOCAL_RANK": "1", "GROUP_RANK": "1", "WORLD_SIZE": "16"}
+    assert (rank, world, count) == (9, 16, 8)
+    assert "rank 9 of 16 GPUs" in r.device and any(n.startswith("rank 9 of 16 GPUs")
+                                                   for n in map(str, r.notes))
+    assert not dist.is_initialized() and "RANK" not in os.environ
+    # its GPU was cuda:1 of its node (LOCAL_RANK), for the run only
+    seen = {}
+    memmagic.measure(lambda: seen.update(dev=torch.cuda.current_device(),
+                                         x=torch.ones(2, device="cuda:1").sum().item()),
+                     backend="sim", world_size=16, rank=9)
+    assert seen == {"dev": 1, "x": 2.0}
+    from memmagic.backends.sim.errors import SimulationUnsupported
+    with pytest.raises(SimulationUnsupported, match="one GPU, cuda:0"):
+        memmagic.measure(lambda: torch.ones(2, device="cuda:1"), backend="sim")
+    with pytest.raises(ValueError, match="rank takes one of the job's ranks"):
+        memmagic.measure(lambda: None, backend="sim", world_size=4, rank=4)
+    with pytest.raises(ValueError, match="rank takes one of the job's ranks"):
+        memmagic.measure(lambda: None, backend="sim", rank=1)

@@ -105,11 +105,47 @@ def test_a_module_runs_as_python_dash_m_runs_it(tmp_path, capsys, clean_state, m
     (["run", "--backend", "cpu", "--world-size", "2", "-m", "json.tool"],
      "--world-size makes the simulated GPU one rank of a job: add --backend sim"),
     (["run", "--world-size", "1", "-m", "json.tool"], "--world-size is a number of GPUs, 2 or more"),
+    (["run", "--rank", "1", "-m", "json.tool"], "--rank R needs --world-size N"),
+    (["run", "--world-size", "4", "--rank", "4", "-m", "json.tool"],
+     "--rank is one of the job's ranks, 0 to 3, not 4"),
 ])
 def test_bad_jobs_get_one_line(argv, words, capsys, clean_state):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("memmagic: ") and words in err and len(err.strip().splitlines()) == 1
+
+
+RANK_ZERO_KEEPS = textwrap.dedent('''
+    import os
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("nccl")
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    shard = torch.empty(64 * 2**20 // dist.get_world_size(), device="cuda")  # 64 Mi floats
+    if rank == 0:  # the rank that logs keeps a copy of everything it gathers
+        gathered = torch.empty(64 * 2**20, device="cuda")
+    print("rank", rank, "of", dist.get_world_size(), "on GPU", torch.cuda.current_device())
+''')
+
+
+def test_another_rank_runs_the_script_as_that_rank(tmp_path, capsys, clean_state):
+    script = tmp_path / "job.py"
+    script.write_text(RANK_ZERO_KEEPS)
+    reports = {}
+    for rank in (0, 5):
+        out = tmp_path / f"r{rank}.json"
+        argv = ["run", "--gpu", "H100", "--world-size", "16", "--json", str(out), str(script)]
+        if rank:
+            argv[5:5] = ["--rank", str(rank)]
+        assert cli.main(argv) == 0
+        text = capsys.readouterr().out
+        reports[rank] = json.loads(out.read_text())
+        assert f"rank {rank} of 16 on GPU {rank % 8}" in text
+        assert f"rank {rank} of 16 GPUs" in text
+    # a shard of 64 Mi floats over 16 ranks on every rank; the whole of it on rank 0 only
+    assert reports[5]["after"] == 4 * 2**20 * 4
+    assert reports[0]["after"] == reports[5]["after"] + 64 * 2**20 * 4
 
 
 TRAINER_FSDP = textwrap.dedent('''

@@ -34,7 +34,7 @@ from .errors import (
 )
 from .allocator import round_request
 from .gpus import GPUS, CardSpec, cuda_context, option_spelling, resolve_target
-from .ranks import rank_zero_of
+from .ranks import rank_of
 from .session import SimSession, session_of, shell_session
 from .values import SimulatedValue
 from .workspaces import reduction_scratch
@@ -43,7 +43,7 @@ from .workspaces import reduction_scratch
 # (tests/test_architecture.py checks it)
 __all__ = [
     "SimBackend", "KERNELS", "SIM_NOTES", "clear_op_cache", "GPUS", "CardSpec", "resolve_target",
-    "option_spelling", "round_request", "rank_zero_of", "SimSession", "session_of",
+    "option_spelling", "round_request", "rank_of", "SimSession", "session_of",
     "shell_session", "cuda_context", "reduction_scratch",
     "SimulationError", "SimulationUnsupported", "SimulationBudgetExceeded",
     "SimulatedOutOfMemoryError", "SimulatedValueError", "SimulatedDeviceMismatchError",

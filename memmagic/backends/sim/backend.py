@@ -26,7 +26,7 @@ from .compat import install_compat
 from .cuda_api import SimulatedCuda
 from .constants import INDEX_NUMEL, numel_bound
 from .files import keep_overwritten_files
-from .ranks import node_gpus, rank_zero_of
+from .ranks import node_gpus, rank_of
 from .rewrite import DeviceRewriteMode
 from .state import CPU, CUDA0, SimState, is_cuda_device
 from .tracker import SimTracker
@@ -65,12 +65,12 @@ _RNN_NOTE = ("LSTMs keep cuDNN's training reserve (gates and cell state of every
 _CPU_NOTE = ("kernels='cpu': CPU kernels and defaults, the simulated device behaves like the "
              "CPU (for checking the simulation against --backend cpu)")
 _FAST_ENTRIES: dict[tuple, dict] = {}  # FakeOutputCache entries per kernel configuration
-_RANKS_NOTE = ("rank 0 of {n} GPUs: the figures are one GPU's; the cell ran on a fake "
+_RANKS_NOTE = ("rank {r} of {n} GPUs: the figures are one GPU's; the cell ran on a fake "
                "process group (init_device_mesh, parallelize_module, fully_shard and DTensors "
                "as on a GPU of the job; collectives return at once), so NCCL's own buffers "
                "(hundreds of MiB a GPU, outside PyTorch's allocator) are not counted")
 # a job's rank has no CPU run to fall back on (--backend cpu takes no --world-size)
-_RANK_HINT = ("as rank 0 of {n} GPUs it has no CPU run to fall back on: run the job on its "
+_RANK_HINT = ("as one rank of {n} GPUs it has no CPU run to fall back on: run the job on its "
               "GPUs (torchrun), or simulate the part that fails without --world-size")
 _WORKERS_NOTE = "DataLoader workers ran in-process (num_workers=0) in the simulation"
 _ACTIVE: list = []  # the simulated run in progress (they do not nest)
@@ -147,11 +147,12 @@ class SimBackend(Backend):
                  kernels: str = "cuda", max_ops: int = 2_000_000, max_seconds: float = 120.0,
                  op_cache: bool = True, session: SimSession | None = None,
                  start_from: SimSession | None = None, leave_out: Iterable[str] = (),
-                 world_size: int | None = None, **options: Any) -> None:
+                 world_size: int | None = None, rank: int | None = None,
+                 **options: Any) -> None:
         if options:
             raise TypeError(f"the sim backend takes gpu=, gpu_memory=, kernels=, max_ops=, "
                             f"max_seconds=, op_cache=, session=, start_from=, leave_out=, "
-                            f"world_size=; got {sorted(options)}")
+                            f"world_size=, rank=; got {sorted(options)}")
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, not {kernels!r}")
         if int(max_ops) <= 0 or float(max_seconds) <= 0:
@@ -174,7 +175,12 @@ class SimBackend(Backend):
             if session is not None:
                 raise TypeError("a world_size run cannot stay on the notebook's simulated GPU "
                                 "(its process group ends with the run): give start_from=")
+        if rank is not None and (world_size is None or isinstance(rank, bool)
+                                 or not isinstance(rank, int) or not 0 <= rank < world_size):
+            raise ValueError(f"rank takes one of the job's ranks, 0 to world_size - 1 (a "
+                             f"world_size is needed), not {rank!r}")
         self.world_size = world_size
+        self.rank = rank or 0
         self.session = session
         self.start_from = start_from
         self.leave_out = frozenset(leave_out)
@@ -183,8 +189,9 @@ class SimBackend(Backend):
 
     @property
     def device_name(self) -> str:
-        rank = f", rank 0 of {self.world_size} GPUs" if self.world_size else ""
-        return f"simulated cuda:0 ({self.target.name if self.target else 'no target'}{rank})"
+        rank = f", rank {self.rank} of {self.world_size} GPUs" if self.world_size else ""
+        index = self.rank % node_gpus(self.world_size) if self.world_size else 0  # LOCAL_RANK
+        return f"simulated cuda:{index} ({self.target.name if self.target else 'no target'}{rank})"
 
     def measure(self, fn: Callable[[], Any]) -> Outcome:
         """Measure a zero-argument callable; the globals of a plain function are sandboxed
@@ -229,11 +236,11 @@ class SimBackend(Backend):
         del card
         if self.world_size is None:
             return self._execute_on(box, run, namespace, notes, copied)
-        notes.append(_RANKS_NOTE.format(n=self.world_size))
+        notes.append(_RANKS_NOTE.format(r=self.rank, n=self.world_size))
         box[0].state.node_gpus = node_gpus(self.world_size)  # the job's card is a copy
         with ExitStack() as stack:
             try:
-                stack.enter_context(rank_zero_of(self.world_size))
+                stack.enter_context(rank_of(self.world_size, self.rank))
             except RuntimeError as exc:  # a process group exists already
                 box.clear()
                 raise SimulationUnsupported(f"world_size={self.world_size}: {exc}") from None

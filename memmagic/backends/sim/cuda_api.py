@@ -38,6 +38,7 @@ from ...report import format_bytes
 from ...core.snapshot import PICKLE_PROTOCOL
 from .values import SimulatedFloat
 from .errors import RERUN_HINT, SimulationUnsupported
+from .state import local_gpu
 from .gpus import DEFAULT_CAPABILITY, GPUS, CardSpec
 from ...core.patching import Patches
 
@@ -251,9 +252,10 @@ def device_index(device) -> int | None:
 
 
 def check_device(device=None) -> None:
-    """Refuse a device other than the one simulated GPU (``torch.cuda.set_device``)."""
+    """Refuse a device other than the one simulated GPU (``torch.cuda.set_device``): cuda:0,
+    or a job's rank's own GPU (``local_gpu``)."""
     idx = device_index(device)
-    if idx not in (None, 0):
+    if idx not in (None, 0, local_gpu()):
         raise SimulationUnsupported(f"the simulation has one GPU (cuda:0), not cuda:{idx}; {RERUN_HINT}")
 
 
@@ -394,7 +396,7 @@ class SimulatedCuda:
         return self.tracker.s.node_gpus
 
     def current_device(self) -> int:
-        return 0
+        return local_gpu()  # 0, or a job's rank's own GPU on its node
 
     def is_initialized(self) -> bool:
         return True

@@ -12,29 +12,33 @@ from typing import Iterator
 from ...core import _torch_private as dist_priv
 from ...core import tracking
 from ...core.patching import Patches
+from .state import set_local_gpu
 
-__all__ = ["rank_zero_of", "node_gpus", "torchrun_environment"]
+__all__ = ["rank_of", "node_gpus", "torchrun_environment"]
 
 # GPUs on one node of a job (torchrun's --nproc-per-node on an 8-GPU machine, the common case)
 GPUS_PER_NODE = 8
 
 
 def node_gpus(world_size: int) -> int:
-    """The GPUs rank 0's node has (what ``torch.cuda.device_count()`` answers there)."""
+    """The GPUs a node of the job has (what ``torch.cuda.device_count()`` answers there):
+    the job's, up to GPUS_PER_NODE."""
     return max(1, min(int(world_size), GPUS_PER_NODE))
 
 
-def torchrun_environment(world_size: int) -> dict[str, str]:
-    """The environment torchrun gives rank 0 of a ``world_size`` job."""
-    return {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0",
-            "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(node_gpus(world_size)),
+def torchrun_environment(world_size: int, rank: int = 0) -> dict[str, str]:
+    """The environment torchrun gives ``rank`` of a ``world_size`` job (its nodes of
+    :func:`node_gpus` GPUs each, ranks numbered node by node)."""
+    local = node_gpus(world_size)
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank % local), "GROUP_RANK": str(rank // local),
+            "ROLE_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(local),
             "ROLE_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": "29500"}
 
 
 @contextmanager
-def _as_torchrun(world_size: int) -> Iterator[None]:
-    """While active, the process looks like rank 0 of a torchrun job: torchrun's
+def _as_torchrun(world_size: int, rank: int) -> Iterator[None]:
+    """While active, the process looks like ``rank`` of a torchrun job: torchrun's
     environment variables (put back after), and the job's own ``init_process_group`` /
     ``destroy_process_group`` accepted on the fake group that is already there (whatever
     backend they name: NCCL has no GPUs to talk to here)."""
@@ -43,8 +47,12 @@ def _as_torchrun(world_size: int) -> Iterator[None]:
 
     patches = Patches()
     try:
-        for key, value in torchrun_environment(world_size).items():
+        env = torchrun_environment(world_size, rank)
+        for key, value in env.items():
             patches.set_item(os.environ, key, value)
+        # the simulated GPU is this rank's own: cuda:LOCAL_RANK, as set_device picks it
+        old = set_local_gpu(int(env["LOCAL_RANK"]))
+        patches.call_on_restore(lambda: set_local_gpu(old))
         init = c10d.init_process_group
 
         def init_process_group(*args, **kwargs):
@@ -87,13 +95,14 @@ def _fsdp_tracking() -> Iterator[None]:
 
 
 @contextmanager
-def rank_zero_of(world_size: int) -> Iterator[None]:
-    """While active, this process is rank 0 of ``world_size`` ranks on a fake process group
+def rank_of(world_size: int, rank: int = 0) -> Iterator[None]:
+    """While active, this process is ``rank`` of ``world_size`` ranks on a fake process group
     (collectives return at once with outputs of the right shape), as torchrun starts it
     (its environment; the job's own ``init_process_group`` accepted): a simulated cell's
     ``init_device_mesh``, ``parallelize_module`` (tensor parallel), ``fully_shard`` (FSDP2)
     and DTensors run as on one GPU of the job, FSDP2's storage resizes counted. Raises
     RuntimeError when a process group exists already."""
-    with dist_priv.fake_process_group(world_size), _fsdp_tracking(), _as_torchrun(world_size), \
+    with dist_priv.fake_process_group(world_size, rank), _fsdp_tracking(), \
+            _as_torchrun(world_size, rank), \
             dist_priv.dtensor_fake_args_on("cpu"):  # the simulation's CUDA fakes are CPU ones
         yield

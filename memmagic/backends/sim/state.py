@@ -17,7 +17,8 @@ from ...core.failures import is_user_file
 from ...core.tracking import StorageTracker
 from .errors import SimulationUnsupported
 
-__all__ = ["SimState", "is_cuda_device", "user_line", "CUDA0", "CPU", "META"]
+__all__ = ["SimState", "is_cuda_device", "user_line", "CUDA0", "CPU", "META", "local_gpu",
+           "set_local_gpu"]
 
 CUDA0 = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -28,6 +29,21 @@ _DEVICE_KINDS: dict[object, bool] = {}
 # 1 << 40): apart from each other and from the card's
 _HOST_ADDRESSES = 1 << 56
 _OTHER_OK = ("cpu", "meta")
+# the index of the simulated GPU as the process sees it: 0, or a job's rank's own GPU on
+# its node (LOCAL_RANK: ``torch.cuda.set_device(local_rank)``, ``f"cuda:{local_rank}"``)
+_LOCAL = [0]
+
+
+def local_gpu() -> int:
+    """The index the simulated GPU answers to besides 0 (a job's rank's LOCAL_RANK)."""
+    return _LOCAL[0]
+
+
+def set_local_gpu(index: int) -> int:
+    """Make the simulated GPU answer to ``index`` too; the index it answered to before (a
+    job's rank puts it back when it ends)."""
+    old, _LOCAL[0] = _LOCAL[0], int(index)
+    return old
 
 
 def is_cuda_device(dev: object) -> bool | None:
@@ -49,6 +65,8 @@ def is_cuda_device(dev: object) -> bool | None:
         except (RuntimeError, ValueError):
             return None  # not a device string: torch raises its own error
     name = str(dev) if isinstance(dev, torch.device) else dev
+    if d is not None and d.type == "cuda" and d.index == _LOCAL[0] != 0:
+        return True  # a job's rank's own GPU (not cached: the next run may be another rank)
     if d is None or (d.type == "cuda" and d.index not in (None, 0)):
         raise SimulationUnsupported(
             f"device {name!r} is not simulated: the simulated machine has one GPU, cuda:0; "
