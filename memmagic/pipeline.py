@@ -53,7 +53,8 @@ class CellRequest:
     the cell runs on a copy of the notebook's simulated GPU. ``backend_options`` go to the backend as
     they are (the Python API's keyword arguments); ``simulate`` is how the front end says
     "run it on the simulated GPU" in its notes; ``unit``, what it runs in its words ("cell",
-    "script")."""
+    "script"); ``rank_fixes``: after an out of memory the doctor ranks fixes (False: its
+    short advice only, for the runs of a job's other ranks)."""
 
     source: str
     namespace: dict = field(default_factory=dict, repr=False)
@@ -71,6 +72,7 @@ class CellRequest:
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     simulate: str = "--backend sim"
     unit: str = "cell"
+    rank_fixes: bool = True
 
 
 @dataclass
@@ -320,7 +322,8 @@ def _advise(request: CellRequest, report: MemoryReport, error: BaseException | N
     """The doctor's advice: with ``advise`` always; after a failed cell, the short one (an
     out of memory on the simulated GPU is ranked too: its re-runs are cheap, through the
     engine :func:`ranking_engine` gives)."""
-    ranked = bool(request.source) and (request.advise or request.backend == "sim")
+    ranked = request.rank_fixes and bool(request.source) and (request.advise
+                                                               or request.backend == "sim")
     try:
         return doctor.after_cell(request.namespace, report, error, full=request.advise,
                                  session=_sim_session(request), since=before,

@@ -108,6 +108,13 @@ def test_a_module_runs_as_python_dash_m_runs_it(tmp_path, capsys, clean_state, m
     (["run", "--rank", "1", "-m", "json.tool"], "--rank R needs --world-size N"),
     (["run", "--world-size", "4", "--rank", "4", "-m", "json.tool"],
      "--rank is one of the job's ranks, 0 to 3, not 4"),
+    (["run", "--ranks", "all", "-m", "json.tool"], "--ranks needs --world-size N"),
+    (["run", "--world-size", "4", "--ranks", "0,9", "-m", "json.tool"],
+     "--ranks takes all or ranks of the job, 0 to 3"),
+    (["run", "--world-size", "4", "--rank", "1", "--ranks", "all", "-m", "json.tool"],
+     "give --rank R (one rank) or --ranks (several), not both"),
+    (["run", "--world-size", "128", "--ranks", "all", "-m", "json.tool"],
+     "with 128 ranks, name the ones to run (--ranks 0,1,127)"),
 ])
 def test_bad_jobs_get_one_line(argv, words, capsys, clean_state):
     assert cli.main(argv) == 2
@@ -146,6 +153,33 @@ def test_another_rank_runs_the_script_as_that_rank(tmp_path, capsys, clean_state
     # a shard of 64 Mi floats over 16 ranks on every rank; the whole of it on rank 0 only
     assert reports[5]["after"] == 4 * 2**20 * 4
     assert reports[0]["after"] == reports[5]["after"] + 64 * 2**20 * 4
+
+
+def test_every_rank_is_run_and_the_one_that_needs_the_most_decides(tmp_path, capsys, clean_state):
+    script = tmp_path / "job.py"
+    script.write_text(RANK_ZERO_KEEPS)
+    out = tmp_path / "ranks.json"
+    assert cli.main(["run", "--gpu", "H100", "--world-size", "4", "--ranks", "all", "--json",
+                     str(out), str(script)]) == 0
+    text = capsys.readouterr().out
+    quarter = 16 * 2**20 * 4  # each rank's shard: 64 Mi floats over 4 ranks
+    assert "  rank 0           peak 320.00 MiB, reserved 320.00 MiB: fits" in text
+    assert "  ranks 1-3        peak 64.00 MiB, reserved 64.00 MiB: fits" in text
+    assert "the rank that needs the most, whose report follows: rank 0" in text
+    data = json.loads(out.read_text())
+    assert data["deciding_rank"] == 0 and data["after"] == quarter + 64 * 2**20 * 4
+    assert [data["ranks"][str(r)]["peak"] for r in range(4)] == [5 * quarter] + [quarter] * 3
+    # on a card where only rank 0 runs out: the job does not fit, and its fixes are ranked
+    assert cli.main(["run", "--gpu-memory", "256MiB", "--world-size", "4", "--ranks", "1,0",
+                     str(script)]) == 1
+    captured = capsys.readouterr()
+    assert "  rank 0           out of memory asking for 256.00 MiB with 64.00 MiB live" in \
+        captured.out
+    assert "  rank 1           peak 64.00 MiB, reserved 64.00 MiB: fits" in captured.out
+    assert "whose report follows: rank 0" in captured.out
+    # the doctor ranked fixes for rank 0 (none applies to this script: it says why)
+    assert "note: no smaller batch was tried: the script does not take its batch size" in \
+        captured.out
 
 
 TRAINER_FSDP = textwrap.dedent('''
