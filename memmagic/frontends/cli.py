@@ -168,7 +168,8 @@ def _run_ranks(request: Any, runner: Any, args: argparse.Namespace) -> int:
     print(f"ranks of the job of {args.world_size} GPUs, each run:")
     for ranks, line in _grouped({r: _rank_line(res.report) for r, res in results.items()}):
         print(f"  {ranks:<16} {line}")
-    print(f"the rank that needs the most, whose report follows: rank {worst}")
+    print(f"the rank that {'failed' if _demand(results[worst].report)[0] == 2 else 'needs the most'}"
+          f", whose report follows: rank {worst}")
     final = results[worst]
     if final.out_of_memory:  # its fixes, ranked by the doctor
         final = run_cell(replace(request, namespace=_fresh(runner), rank=worst))
@@ -179,12 +180,15 @@ def _run_ranks(request: Any, runner: Any, args: argparse.Namespace) -> int:
     return _show(final, runner, args, ranks_json)
 
 
-def _demand(report: Any) -> tuple[bool, int]:
-    """How much a rank needs: one that ran out of memory first (the live bytes and the
-    request that failed), then what it needs of the card."""
+def _demand(report: Any) -> tuple[int, int]:
+    """How much a rank needs: one that failed first (the job fails with it), then one that
+    ran out of memory (the live bytes and the request that failed), then what it needs of
+    the card."""
     if report.failed_request is not None:
-        return True, (report.live_at_failure or report.peak) + report.failed_request
-    return False, report.card_need
+        return 1, (report.live_at_failure or report.peak) + report.failed_request
+    if report.error is not None:
+        return 2, report.card_need
+    return 0, report.card_need
 
 
 def _rank_line(report: Any) -> str:
@@ -193,6 +197,8 @@ def _rank_line(report: Any) -> str:
     if report.failed_request is not None:
         return (f"out of memory asking for {format_bytes(report.failed_request)} with "
                 f"{format_bytes(report.live_at_failure or report.peak)} live")
+    if report.error is not None:
+        return f"failed: {report.error}"[:120]
     verdict = {True: "fits", False: "does not fit", None: ""}[report.fits]
     reserved = (f", reserved {format_bytes(report.reserved_peak)}"
                 if report.reserved_peak is not None else "")

@@ -172,9 +172,11 @@ def test_another_rank_of_the_job_sees_its_own_environment_and_group():
     # its GPU was cuda:1 of its node (LOCAL_RANK), for the run only
     seen = {}
     memmagic.measure(lambda: seen.update(dev=torch.cuda.current_device(),
-                                         x=torch.ones(2, device="cuda:1").sum().item()),
+                                         x=torch.ones(2, device="cuda:1").sum().item(),
+                                         on=str(torch.ones(2, device="cuda").device)),
                      backend="sim", world_size=16, rank=9)
-    assert seen == {"dev": 1, "x": 2.0}
+    # its tensors say they are on it (FSDP2 checks a parameter's device against the rank's)
+    assert seen == {"dev": 1, "x": 2.0, "on": "cuda:1"}
     from memmagic.backends.sim.errors import SimulationUnsupported
     with pytest.raises(SimulationUnsupported, match="one GPU, cuda:0"):
         memmagic.measure(lambda: torch.ones(2, device="cuda:1"), backend="sim")

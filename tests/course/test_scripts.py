@@ -389,6 +389,20 @@ def test_fsdp2_meta_device_recipe_as_a_gpumem_cell_over_two_ranks(ip, clean_stat
     assert {k: os.environ.get(k) for k in env} == env and not dist.is_initialized()
 
 
+def test_fsdp2_script_as_every_rank_on_the_command_line(tmp_path_factory):
+    """Rank 1 calls set_device(1) and materialises its shards on cuda:1 (FSDP2 checks that
+    each parameter is on the rank's device): it runs as rank 0 does, with the other half of
+    every tensor, which is as large."""
+    run = run_cli(clean_dir(tmp_path_factory, "fsdp-ranks"),
+                  ["--gpu", "H100", "--world-size", "2", "--ranks", "all"], FSDP)
+    assert run.rc == 0, run.text
+    assert "memmagic: rank 1 of 2: peak" in run.err  # the script reports on rank 0 only
+    assert re.search(r"  ranks 0-1 +peak [0-9.]+ MiB, reserved [0-9.]+ MiB: fits", run.out), run.out
+    assert run.report["deciding_rank"] == 0
+    assert run.report["ranks"]["0"] == run.report["ranks"]["1"]
+    check_fsdp(run.report["breakdown"])
+
+
 def test_fsdp2_script_refuses_a_node_with_fewer_gpus_than_the_job(ip, clean_state, monkeypatch,
                                                                   capsys):
     """Without --world-size the simulated node has one GPU: a script started as rank 0 of 2

@@ -177,6 +177,13 @@ def test_every_rank_is_run_and_the_one_that_needs_the_most_decides(tmp_path, cap
         captured.out
     assert "  rank 1           peak 64.00 MiB, reserved 64.00 MiB: fits" in captured.out
     assert "whose report follows: rank 0" in captured.out
+    # a rank that fails decides: the job fails with it
+    script.write_text(RANK_ZERO_KEEPS + "assert rank != 2, 'rank 2 has no data'\n")
+    assert cli.main(["run", "--gpu", "H100", "--world-size", "4", "--ranks", "all",
+                     str(script)]) == 1
+    failed = capsys.readouterr()
+    assert "  rank 2           failed: AssertionError: rank 2 has no data" in failed.out
+    assert "the rank that failed, whose report follows: rank 2" in failed.out
     # the doctor ranked fixes for rank 0 (none applies to this script: it says why)
     assert "note: no smaller batch was tried: the script does not take its batch size" in \
         captured.out

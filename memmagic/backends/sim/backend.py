@@ -28,7 +28,7 @@ from .constants import INDEX_NUMEL, numel_bound
 from .files import keep_overwritten_files
 from .ranks import node_gpus, rank_of
 from .rewrite import DeviceRewriteMode
-from .state import CPU, CUDA0, SimState, is_cuda_device
+from .state import CPU, SimState, gpu_device, is_cuda_device
 from .tracker import SimTracker
 from .errors import (
     RERUN_HINT,
@@ -452,7 +452,7 @@ def _install_devices(patches: Patches, state: SimState) -> None:
         state.default_cuda = bool(cuda)
 
     def get_default_device() -> torch.device:
-        return CUDA0 if state.default_cuda and state.cuda else CPU
+        return gpu_device() if state.default_cuda and state.cuda else CPU
 
     real_device = _priv.fake_tensor_device_getter()
 
@@ -474,7 +474,7 @@ def _install_devices(patches: Patches, state: SimState) -> None:
         dev = kwargs.get("device")
         if (dev is not None and state.cuda and state.in_dispatch and state.pending == "device"
                 and torch.device(dev).type == "cpu"):
-            kwargs["device"] = CUDA0
+            kwargs["device"] = gpu_device()
         return make_wrapper(cls, size, *args, **kwargs)
 
     patches.set(owner, attr, staticmethod(make_wrapper_subclass))

@@ -23,7 +23,7 @@ from ...core import _torch_private as _priv
 from ...core.interrupts import atomic
 from .errors import RERUN_HINT, SimulationUnsupported
 from ...core.tracking import held_by
-from .state import CPU, CUDA0, SimState, is_cuda_device
+from .state import CPU, SimState, gpu_device, is_cuda_device
 from .values import holds_placeholder, marked, tensor_numpy, tensor_repr, tensor_tolist
 
 __all__ = ["DeviceRewriteMode"]
@@ -34,11 +34,11 @@ def _int_device(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     through the (absent) accelerator: name the device instead."""
     if args and isinstance(args[0], int) and not isinstance(args[0], bool):
         is_cuda_device(args[0])  # raises for another index
-        args = (CUDA0, *args[1:])
+        args = (gpu_device(), *args[1:])
     dev = kwargs.get("device")
     if isinstance(dev, int) and not isinstance(dev, bool):
         is_cuda_device(dev)
-        kwargs = {**kwargs, "device": CUDA0}
+        kwargs = {**kwargs, "device": gpu_device()}
     return args, kwargs
 
 

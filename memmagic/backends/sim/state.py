@@ -18,7 +18,7 @@ from ...core.tracking import StorageTracker
 from .errors import SimulationUnsupported
 
 __all__ = ["SimState", "is_cuda_device", "user_line", "CUDA0", "CPU", "META", "local_gpu",
-           "set_local_gpu"]
+           "set_local_gpu", "gpu_device"]
 
 CUDA0 = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -32,6 +32,7 @@ _OTHER_OK = ("cpu", "meta")
 # the index of the simulated GPU as the process sees it: 0, or a job's rank's own GPU on
 # its node (LOCAL_RANK: ``torch.cuda.set_device(local_rank)``, ``f"cuda:{local_rank}"``)
 _LOCAL = [0]
+_GPU_DEVICES = [CUDA0]  # torch.device("cuda", _LOCAL[0]), made once per index
 
 
 def local_gpu() -> int:
@@ -43,7 +44,13 @@ def set_local_gpu(index: int) -> int:
     """Make the simulated GPU answer to ``index`` too; the index it answered to before (a
     job's rank puts it back when it ends)."""
     old, _LOCAL[0] = _LOCAL[0], int(index)
+    _GPU_DEVICES[0] = torch.device("cuda", _LOCAL[0])
     return old
+
+
+def gpu_device() -> torch.device:
+    """The device the simulated GPU's tensors report: cuda:0, or a job's rank's own GPU."""
+    return _GPU_DEVICES[0]
 
 
 def is_cuda_device(dev: object) -> bool | None:
@@ -127,15 +134,16 @@ class SimState:
         self.library_kernels = {}
 
     def fake_device(self, t: torch.Tensor, real: torch.device) -> torch.device:
-        """``FakeTensor.device`` during a run: cuda:0 for tensors on the simulated GPU, as
-        seen by user and torch Python code; the real (CPU) device inside dispatch."""
+        """``FakeTensor.device`` during a run: the simulated GPU (cuda:0, or a job's rank's
+        own GPU) for tensors on it, as seen by user and torch Python code; the real (CPU)
+        device inside dispatch."""
         if self.in_dispatch or not self.cuda or real.type != "cpu":
             return real
-        return CUDA0 if self.pool_of(t) == "device" else real
+        return _GPU_DEVICES[0] if self.pool_of(t) == "device" else real
 
     def device_of(self, t: torch.Tensor) -> torch.device:
-        """The device user code sees for ``t``: cuda:0 on the simulated GPU, else the CPU."""
-        return CUDA0 if self.cuda and self.pool_of(t) == "device" else CPU
+        """The device user code sees for ``t``: the simulated GPU, else the CPU."""
+        return _GPU_DEVICES[0] if self.cuda and self.pool_of(t) == "device" else CPU
 
     def note_read(self, what: str) -> None:
         """A read of values the simulation does not have, counted by the user's line."""
