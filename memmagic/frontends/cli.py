@@ -45,9 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--snapshot", type=Path, default=None,
                      help="write a memory_viz snapshot (pickle) here")
     run.add_argument("--world-size", type=int, default=None, metavar="N",
-                     help="run as rank 0 (or --rank R) of an N-GPU job, as torchrun starts it (its "
-                          "environment, N GPUs a node up to 8, init_process_group on a fake "
-                          "process group): the report is one GPU's")
+                     help="run as rank 0 (or --rank R) of an N-GPU job, as torchrun starts it "
+                          "(its environment, N GPUs a node up to 8, init_process_group on a "
+                          "fake process group): the report is one GPU's")
     run.add_argument("--rank", type=int, default=None, metavar="R",
                      help="with --world-size: run as rank R instead of 0 (RANK, LOCAL_RANK, "
                           "GROUP_RANK as torchrun sets them, the process group's rank): ranks "
@@ -168,8 +168,9 @@ def _run_ranks(request: Any, runner: Any, args: argparse.Namespace) -> int:
     print(f"ranks of the job of {args.world_size} GPUs, each run:")
     for ranks, line in _grouped({r: _rank_line(res.report) for r, res in results.items()}):
         print(f"  {ranks:<16} {line}")
-    print(f"the rank that {'failed' if _demand(results[worst].report)[0] == 2 else 'needs the most'}"
-          f", whose report follows: rank {worst}")
+    failed = _demand(results[worst].report)[0] == _FAILED
+    print(f"the rank that {'failed' if failed else 'needs the most'}, whose report follows: "
+          f"rank {worst}")
     final = results[worst]
     if final.out_of_memory:  # its fixes, ranked by the doctor
         final = run_cell(replace(request, namespace=_fresh(runner), rank=worst))
@@ -180,15 +181,19 @@ def _run_ranks(request: Any, runner: Any, args: argparse.Namespace) -> int:
     return _show(final, runner, args, ranks_json)
 
 
+# how a rank ended, in the order that decides a job: ran, ran out of memory, failed
+_RAN, _OUT_OF_MEMORY, _FAILED = 0, 1, 2
+
+
 def _demand(report: Any) -> tuple[int, int]:
     """How much a rank needs: one that failed first (the job fails with it), then one that
     ran out of memory (the live bytes and the request that failed), then what it needs of
     the card."""
     if report.failed_request is not None:
-        return 1, (report.live_at_failure or report.peak) + report.failed_request
+        return _OUT_OF_MEMORY, (report.live_at_failure or report.peak) + report.failed_request
     if report.error is not None:
-        return 2, report.card_need
-    return 0, report.card_need
+        return _FAILED, report.card_need
+    return _RAN, report.card_need
 
 
 def _rank_line(report: Any) -> str:
@@ -211,7 +216,8 @@ def _grouped(lines: dict[int, str]) -> list[tuple[str, str]]:
     ranks = sorted(lines)
     start = 0
     for i in range(1, len(ranks) + 1):
-        if i == len(ranks) or lines[ranks[i]] != lines[ranks[start]] or ranks[i] != ranks[i - 1] + 1:
+        if (i == len(ranks) or lines[ranks[i]] != lines[ranks[start]]
+                or ranks[i] != ranks[i - 1] + 1):
             a, b = ranks[start], ranks[i - 1]
             out.append((f"rank {a}" if a == b else f"ranks {a}-{b}", lines[a]))
             start = i

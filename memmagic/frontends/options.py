@@ -73,7 +73,7 @@ OPTIONS = [
         nargs="?", const="", default=None, metavar="batch=LO:HI,seq=LO:HI",
         help="The fit map: for the target card (--gpu), which pairs of batch size and context "
              "length fit, as a chart of the plane with its boundary (default: batch 1:64, "
-             "context 64 up to twice the cell's). Read off six runs of the cell where each "
+             "context 128 up to twice the cell's). Read off six runs of the cell where each "
              "allocation's size is a polynomial in the two, checked by runs; otherwise run pair "
              "by pair.")),
     (("--advise",), dict(

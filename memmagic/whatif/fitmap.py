@@ -12,9 +12,9 @@ unusable, except a reduction's staging buffer, recomputed from its fitted recipe
 (:func:`memmagic.backends.sim.reduction_scratch`). At a new pair the sizes are
 evaluated and the allocator model replays the log on a card of the target's size: it
 fits when no request fails. :func:`fit_map` checks the plane against runs before it
-trusts it (two runs away from the lattice, then the boundary it found: the largest batch
-that fits and the one above, at a middle context), and falls back to runs where a check
-fails. Knows nothing of IPython or widgets.
+trusts it (the far corner, byte for byte; then the boundary it found: the largest batch
+that fits and the one above, at the first, middle and last contexts), and falls back to
+runs where a check fails. Knows nothing of IPython or widgets.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..report import format_bytes
-from .knobs import BATCH_DIM, KNOBS, SEQ_DIM, resizing
+from .knobs import BATCH_DIM, SEQ_DIM, resizing, targeting
 from .sweeps import allocation_shape
 
 if TYPE_CHECKING:
@@ -144,17 +144,18 @@ class SizePlane:
         import numpy as np
 
         self._numpy = None
-        top = _monomials(max(self.bs) * 64, max(self.ss) * 64)  # bounds the values asked
+        # int64 arithmetic where no size up to 64 times the lattice's overflows it
+        self._limits = (64 * max(self.bs), 64 * max(self.ss))
+        top = _monomials(*self._limits)
         if all(sum(abs(c) * m for c, m in zip(co, top)) < _INT64_SAFE for co in coefs):
             self._numpy = np.array(coefs, dtype=np.int64)
-        self._limit = 64 * max(max(self.bs), max(self.ss))
         self.ok = True
 
     def sizes_at(self, b: int, s: int) -> list[int] | None:
         """The sizes of the allocations that are not staging buffers at batch ``b``, context
         ``s`` (None: one would be below one byte)."""
         m = _monomials(b, s)
-        if self._numpy is not None and max(b, s) <= self._limit:
+        if self._numpy is not None and b <= self._limits[0] and s <= self._limits[1]:
             import numpy as np
 
             sizes = (self._numpy @ np.array(m, dtype=np.int64)).tolist()
@@ -203,14 +204,13 @@ class SizePlane:
         (b, s), on a card that lets it reserve ``capacity`` bytes (None: no limit; a
         request that does not fit: None)."""
         acts = self.actions_at(b, s) if self.ok else None
-        if acts is None:
-            return None
+        return None if acts is None else self.replay(acts, capacity)
+
+    def replay(self, acts: tuple[list[dict], int, list[int]], capacity: int | None = None
+               ) -> tuple[int, int] | None:
+        """:meth:`at` for actions :meth:`actions_at` gave."""
         entries, restart, sizes = acts
         return self.log.replay(sizes, capacity, entries, restart)
-
-    def answers(self, b: int, s: int) -> bool:
-        """Whether the plane has sizes at (b, s)."""
-        return self.ok and self.sizes_at(b, s) is not None
 
     def checked_by(self, b: int, s: int, run: "MemoryReport") -> bool:
         """Whether the run at (b, s) did exactly what the plane gives there: the same
@@ -220,15 +220,16 @@ class SizePlane:
             return False
         trace = run.trace
         sh = allocation_shape(run, exclude=frozenset(getattr(trace, "scratch", ())))
-        acts = self.actions_at(b, s)
-        if sh is None or acts is None or sh[0] != self.shape or sh[1] != self.sizes_at(b, s):
+        sizes = self.sizes_at(b, s)
+        if sh is None or sizes is None or sh[0] != self.shape or sh[1] != sizes:
             return False
+        acts = self.actions_at(b, s)
         log = trace.allocator_log
         done = [e for e in log.entries if e["action"] in ("alloc", "free_completed")]
-        if ([e["action"] for e in done] != [e["action"] for e in acts[0]]
-                or [e["size"] for e in done if e["action"] == "alloc"] != acts[2]):
+        asked = [e["size"] for e in done if e["action"] == "alloc"]
+        if [e["action"] for e in done] != [e["action"] for e in acts[0]] or asked != acts[2]:
             return False
-        return self.at(b, s) == log.replay([e["size"] for e in done if e["action"] == "alloc"])
+        return self.replay(acts) == log.replay(asked)
 
 
 def _plan(trace: Any) -> tuple[list[dict], int, list[tuple[int, tuple]]] | None:
@@ -438,7 +439,7 @@ class _Mapper:
         from ..backends.sim import cuda_context
 
         self.roomy, self.real = _roomy(cell, target), _on_card(cell, target)
-        self.base = base.replace(**{_card_knob().name: None})  # the copies' options say it
+        self.base = base.replace(**{targeting().name: None})  # the copies' options say it
         context = cuda_context(target)  # what a run's verdict counts beside the allocator
         self.room = target.total_memory - (context.nbytes if context is not None else 0)
         self.runs = self.evaluated = 0
@@ -542,9 +543,8 @@ def run_fitmap_option(cell: "Cell", option: str) -> FitMap:
 def _verdict(plane: SizePlane, b: int, s: int, room: int) -> bool | None:
     """Whether (b, s) fits by the plane when the allocator may reserve ``room`` bytes (the
     card less its CUDA context; None: no answer)."""
-    if not plane.answers(b, s):
-        return None
-    return plane.at(b, s, room) is not None
+    acts = plane.actions_at(b, s)
+    return None if acts is None else plane.replay(acts, room) is not None
 
 
 def _boundary(fits, lo: int, hi: int, start: int) -> int | None:
@@ -586,7 +586,7 @@ def _target(cell: "Cell", base: Any, gpu: Any, gpu_memory: Any, resolve) -> Any:
     opts = cell.backend_options
     if gpu is None and gpu_memory is None:
         gpu, gpu_memory = (opts.get(o) for o in _card_options())
-        own = getattr(base, _card_knob().name)
+        own = getattr(base, targeting().name)
         if own is not None:
             gpu, gpu_memory = own, None
     target = resolve(gpu, gpu_memory)
@@ -608,18 +608,13 @@ def _on_card(cell: "Cell", target: Any) -> "Cell":
     opts = {k: v for k, v in cell.backend_options.items() if k not in names}
     other.backend_options = {**opts, option: target}
     # the target card's knob: the options say the card now
-    other.baseline = cell.baseline.replace(**{_card_knob().name: None})
+    other.baseline = cell.baseline.replace(**{targeting().name: None})
     return other
-
-
-def _card_knob() -> Any:
-    """The knob of the target card: the one the engine applies by a backend option."""
-    return next(k for k in KNOBS.values() if k.backend is not None)
 
 
 def _card_options() -> tuple[str, ...]:
     """The backend options that name the card: its own (``gpu``) and those it replaces."""
-    by = _card_knob().backend
+    by = targeting().backend
     return (by.option, *by.replaces)
 
 

@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Knob", "KNOBS", "NEEDS", "Fixes", "Setting", "KnobError", "Option", "Control",
            "Doctor", "Sizes", "BackendOption", "BATCH_DIM", "SEQ_DIM", "resizing",
-           "accumulating", "panel_sweep", "for_backend_option", "AMP_CHOICES",
+           "accumulating", "panel_sweep", "for_backend_option", "targeting", "AMP_CHOICES",
            "WEIGHT_DTYPES", "GRAD_MODES", "OPTIMIZERS", "knob_value", "setting_of"]
 
 AMP_CHOICES = ("off", "fp16", "bf16")
@@ -542,6 +542,11 @@ def for_backend_option(option: str) -> Knob | None:
     backend's ``gpu``: the target card), or None."""
     return next((k for k in KNOBS.values() if k.backend is not None and k.backend.option == option),
                 None)
+
+
+def targeting() -> Knob:
+    """The knob of the target card: the one the engine applies by a backend option."""
+    return _the(lambda k: k.backend is not None, "sets the target card")
 
 
 def _the(test: Callable[[Knob], bool], what: str) -> Knob:

@@ -10,7 +10,8 @@ import pytest
 
 import memmagic
 from memmagic.whatif.knobs import (BATCH_DIM, KNOBS, SEQ_DIM, Fixes, KnobError, Setting,
-                                   accumulating, for_backend_option, panel_sweep, resizing)
+                                   accumulating, for_backend_option, panel_sweep, resizing,
+                                   targeting)
 
 
 def test_a_setting_keeps_only_what_differs_from_the_cell_as_written():
@@ -99,6 +100,7 @@ def test_code_finds_the_knobs_by_what_their_entries_say():
     assert resizing(BATCH_DIM) is KNOBS["batch_size"] and resizing(SEQ_DIM) is KNOBS["seq_len"]
     assert accumulating() is KNOBS["accum_steps"] and panel_sweep() is KNOBS["batch_size"]
     assert for_backend_option("gpu") is KNOBS["gpu"] and for_backend_option("device") is None
+    assert targeting() is KNOBS["gpu"]
     with pytest.raises(LookupError, match="no knob of memmagic.KNOBS resizes dimension 2"):
         resizing(2)
     assert [k.name for k in KNOBS.values() if k.sizes is not None] == \

@@ -26,7 +26,7 @@ from .compat import install_compat
 from .cuda_api import SimulatedCuda
 from .constants import INDEX_NUMEL, numel_bound
 from .files import keep_overwritten_files
-from .ranks import node_gpus, rank_of
+from .ranks import local_rank, node_gpus, rank_of
 from .rewrite import DeviceRewriteMode
 from .state import CPU, SimState, gpu_device, is_cuda_device
 from .tracker import SimTracker
@@ -190,7 +190,7 @@ class SimBackend(Backend):
     @property
     def device_name(self) -> str:
         rank = f", rank {self.rank} of {self.world_size} GPUs" if self.world_size else ""
-        index = self.rank % node_gpus(self.world_size) if self.world_size else 0  # LOCAL_RANK
+        index = local_rank(self.world_size, self.rank) if self.world_size else 0
         return f"simulated cuda:{index} ({self.target.name if self.target else 'no target'}{rank})"
 
     def measure(self, fn: Callable[[], Any]) -> Outcome:

@@ -139,10 +139,10 @@ def _with_values(func, args, kwargs, out, on_gpu: bool):
     """``out`` (a fake factory output) with its real values as its constant, when small
     (random indices up to CONSTANT_NUMEL whatever their dtype: a batch of token ids is
     data, not positions)."""
-    bound = CONSTANT_NUMEL if func in _RANDOM_INDICES else numel_bound(out.dtype) \
-        if isinstance(out, torch.Tensor) else 0
-    if (not isinstance(out, torch.Tensor) or out.numel() > bound
-            or out.dtype.is_complex or _priv.fake_constant(out) is not None):
+    if not isinstance(out, torch.Tensor):
+        return out
+    bound = CONSTANT_NUMEL if func in _RANDOM_INDICES else numel_bound(out.dtype)
+    if out.numel() > bound or out.dtype.is_complex or _priv.fake_constant(out) is not None:
         return out
     mode = getattr(out, "fake_mode", None)
     if mode is None:

@@ -14,7 +14,7 @@ from ...core import tracking
 from ...core.patching import Patches
 from .state import set_local_gpu
 
-__all__ = ["rank_of", "node_gpus", "torchrun_environment"]
+__all__ = ["rank_of", "node_gpus", "local_rank", "torchrun_environment"]
 
 # GPUs on one node of a job (torchrun's --nproc-per-node on an 8-GPU machine, the common case)
 GPUS_PER_NODE = 8
@@ -26,11 +26,17 @@ def node_gpus(world_size: int) -> int:
     return max(1, min(int(world_size), GPUS_PER_NODE))
 
 
+def local_rank(world_size: int, rank: int) -> int:
+    """``rank``'s GPU on its node (LOCAL_RANK): ranks are numbered node by node."""
+    return rank % node_gpus(world_size)
+
+
 def torchrun_environment(world_size: int, rank: int = 0) -> dict[str, str]:
     """The environment torchrun gives ``rank`` of a ``world_size`` job (its nodes of
     :func:`node_gpus` GPUs each, ranks numbered node by node)."""
     local = node_gpus(world_size)
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank % local), "GROUP_RANK": str(rank // local),
+    return {"RANK": str(rank), "LOCAL_RANK": str(local_rank(world_size, rank)),
+            "GROUP_RANK": str(rank // local),
             "ROLE_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(local),
             "ROLE_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": "29500"}
@@ -47,11 +53,10 @@ def _as_torchrun(world_size: int, rank: int) -> Iterator[None]:
 
     patches = Patches()
     try:
-        env = torchrun_environment(world_size, rank)
-        for key, value in env.items():
+        for key, value in torchrun_environment(world_size, rank).items():
             patches.set_item(os.environ, key, value)
         # the simulated GPU is this rank's own: cuda:LOCAL_RANK, as set_device picks it
-        old = set_local_gpu(int(env["LOCAL_RANK"]))
+        old = set_local_gpu(local_rank(world_size, rank))
         patches.call_on_restore(lambda: set_local_gpu(old))
         init = c10d.init_process_group
 

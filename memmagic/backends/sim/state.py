@@ -31,20 +31,19 @@ _HOST_ADDRESSES = 1 << 56
 _OTHER_OK = ("cpu", "meta")
 # the index of the simulated GPU as the process sees it: 0, or a job's rank's own GPU on
 # its node (LOCAL_RANK: ``torch.cuda.set_device(local_rank)``, ``f"cuda:{local_rank}"``)
-_LOCAL = [0]
-_GPU_DEVICES = [CUDA0]  # torch.device("cuda", _LOCAL[0]), made once per index
+_GPU_DEVICES = [CUDA0]  # the one simulated GPU as its tensors report it
 
 
 def local_gpu() -> int:
     """The index the simulated GPU answers to besides 0 (a job's rank's LOCAL_RANK)."""
-    return _LOCAL[0]
+    return _GPU_DEVICES[0].index
 
 
 def set_local_gpu(index: int) -> int:
     """Make the simulated GPU answer to ``index`` too; the index it answered to before (a
     job's rank puts it back when it ends)."""
-    old, _LOCAL[0] = _LOCAL[0], int(index)
-    _GPU_DEVICES[0] = torch.device("cuda", _LOCAL[0])
+    old = _GPU_DEVICES[0].index
+    _GPU_DEVICES[0] = torch.device("cuda", int(index))
     return old
 
 
@@ -72,7 +71,7 @@ def is_cuda_device(dev: object) -> bool | None:
         except (RuntimeError, ValueError):
             return None  # not a device string: torch raises its own error
     name = str(dev) if isinstance(dev, torch.device) else dev
-    if d is not None and d.type == "cuda" and d.index == _LOCAL[0] != 0:
+    if d is not None and d.type == "cuda" and d.index == local_gpu() != 0:
         return True  # a job's rank's own GPU (not cached: the next run may be another rank)
     if d is None or (d.type == "cuda" and d.index not in (None, 0)):
         raise SimulationUnsupported(
