@@ -11,8 +11,8 @@ accumulation that splits the batch) and the backend option the engine sets for i
 Adding a knob is one entry in :data:`KNOBS` (and, when memmagic can apply it, one small
 ``apply`` function over an :class:`~memmagic.whatif.apply.Applier` in
 :mod:`memmagic.whatif.apply`). Code elsewhere finds a knob by what its entry says
-(:func:`resizing`, :func:`accumulating`, :func:`panel_sweep`, :func:`for_backend_option`),
-never by its name.
+(:func:`resizing`, :func:`accumulating`, :func:`panel_sweep`, :func:`for_backend_option`,
+:func:`targeting`), never by its name.
 
 Knobs and how memmagic applies them where the cell does not read the variable:
 
