@@ -86,18 +86,33 @@ def _holds(frame: FrameType) -> bool:
     return code in _ATOMIC or code.co_filename.startswith(_IMPORTING)
 
 
+def _owners(chain: list[FrameType]) -> list[str]:
+    """The package each frame of ``chain`` (innermost first) runs for: its own, or for the
+    standard library's, its caller's (contextlib's ``__exit__`` in a ``with`` of torch's
+    mode stack is torch's code: an interrupt there leaves the stack half popped)."""
+    owners = [""] * len(chain)
+    caller = ""
+    for i in range(len(chain) - 1, -1, -1):
+        own = _package(chain[i])
+        caller = owners[i] = caller if own in sys.stdlib_module_names else own
+    return owners
+
+
 def _landing(frame: FrameType | None, strict: bool) -> FrameType | None:
     """Where an interrupt that found ``frame`` running raises: the innermost frame outside
     every marked frame and every import in progress that is not memmagic's (``strict``:
     nor torch's, whose Python that C++ calls back, such as the dispatcher's rules under
-    fake tensors, cannot pass an exception on); None when there is none."""
+    fake tensors, cannot pass an exception on), the standard library counted as its
+    caller's; None when there is none."""
     chain = []
     while frame is not None:
         chain.append(frame)
         frame = frame.f_back
     outer = max((i for i, f in enumerate(chain) if _holds(f)), default=-1)
     skip = ("memmagic", "torch") if strict else ("memmagic",)
-    return next((f for f in chain[outer + 1:] if _package(f) not in skip), None)
+    owners = _owners(chain)
+    return next((f for f, owner in zip(chain[outer + 1:], owners[outer + 1:])
+                 if owner not in skip), None)
 
 
 def _no_trace(frame: FrameType, event: str, arg: Any) -> None:

@@ -53,6 +53,30 @@ def test_an_interrupt_in_a_marked_function_lands_at_the_callers_next_line():
     assert sys.gettrace() is None
 
 
+_OWN_CODE = """
+import contextlib, signal
+
+def keep_books(log):
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: (signal.raise_signal(signal.SIGINT), log.append("callback")))
+    log.append("after the with")
+"""
+
+
+def test_the_standard_library_that_memmagic_calls_counts_as_memmagic():
+    """contextlib's ``__exit__`` run by memmagic's (or, under a simulation, torch's) ``with``
+    is their code: an interrupt there would leave the ``with`` half undone (torch's mode
+    stack half popped: "trying to pop from empty mode stack")."""
+    ns = {"__name__": "memmagic.owned_by_a_test"}
+    exec(compile(_OWN_CODE, "<memmagic's code>", "exec"), ns)
+    log: list = []
+    with pytest.raises(KeyboardInterrupt):
+        with guarded():
+            ns["keep_books"](log)
+            log.append("caller's next line")
+    assert log == ["callback", "after the with"]
+
+
 def test_an_interrupt_in_a_weakref_callback_is_not_lost(monkeypatch):
     ignored = []
     monkeypatch.setattr(sys, "unraisablehook", ignored.append)
