@@ -54,7 +54,8 @@ class CellRequest:
     they are (the Python API's keyword arguments); ``simulate`` is how the front end says
     "run it on the simulated GPU" in its notes; ``unit``, what it runs in its words ("cell",
     "script"); ``rank_fixes``: after an out of memory the doctor ranks fixes (False: its
-    short advice only, for the runs of a job's other ranks)."""
+    short advice only, for the runs of a job's other ranks); ``mailbox``: what the job's
+    ranks run before sent the later ones (its pipeline stages' metadata; memmagic.jobs)."""
 
     source: str
     namespace: dict = field(default_factory=dict, repr=False)
@@ -73,6 +74,7 @@ class CellRequest:
     simulate: str = "--backend sim"
     unit: str = "cell"
     rank_fixes: bool = True
+    mailbox: dict | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -165,6 +167,8 @@ def backend_spec(request: CellRequest, *, persistent: bool = True) -> tuple[str,
                 raise RequestError(f"--rank is one of the job's ranks, 0 to "
                                    f"{request.world_size - 1}, not {request.rank}")
             options["rank"] = request.rank
+        if request.mailbox is not None:
+            options["mailbox"] = request.mailbox
         persistent = False  # its process group ends with the run: on a copy of the card
     if name == "sim" and request.session is not None:
         options["session" if persistent else "start_from"] = request.session

@@ -13,7 +13,8 @@ from typing import Any, ClassVar, Mapping
 # Category lives with the trace (what the tracker records); the report re-exports it
 from .trace import Category, ModuleRow, Trace, module_rows_at
 
-__all__ = ["Category", "MemoryReport", "Footer", "format_bytes", "parse_bytes", "needed", "Note", "notes_of"]
+__all__ = ["Category", "MemoryReport", "Footer", "JobRanks", "RankRow", "format_bytes",
+           "parse_bytes", "needed", "Note", "notes_of"]
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -132,6 +133,76 @@ def _frozen_breakdown(values: Mapping[str, int] | None) -> Mapping[str, int]:
 
 
 @dataclass(frozen=True)
+class RankRow:
+    """One rank of a job run rank by rank: how it ended and what it needed. Bytes."""
+
+    rank: int
+    peak: int
+    reserved_peak: int | None
+    fits: bool | None
+    failed_request: int | None = None
+    live_at_failure: int | None = None
+    error: str | None = None
+
+    @classmethod
+    def of(cls, rank: int, report: "MemoryReport") -> "RankRow":
+        return cls(rank, report.peak, report.reserved_peak, report.fits, report.failed_request,
+                   report.live_at_failure, report.error)
+
+    @property
+    def line(self) -> str:
+        """The rank's outcome in words."""
+        if self.failed_request is not None:
+            return (f"out of memory asking for {format_bytes(self.failed_request)} with "
+                    f"{format_bytes(self.live_at_failure or self.peak)} live")
+        if self.error is not None:
+            return f"failed: {self.error}"[:120]
+        verdict = {True: ": fits", False: ": does not fit", None: ""}[self.fits]
+        reserved = (f", reserved {format_bytes(self.reserved_peak)}"
+                    if self.reserved_peak is not None else "")
+        return f"peak {format_bytes(self.peak)}{reserved}{verdict}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"peak": self.peak, "reserved_peak": self.reserved_peak, "fits": self.fits,
+                "failed_request": self.failed_request, "error": self.error}
+
+
+@dataclass(frozen=True)
+class JobRanks:
+    """The ranks of a job, each run (``--ranks``): their rows and the rank whose report
+    this is, the one that decides whether the job fits (memmagic.jobs)."""
+
+    world_size: int
+    rows: tuple[RankRow, ...]
+    deciding: int
+
+    @property
+    def heading(self) -> str:
+        row = next(r for r in self.rows if r.rank == self.deciding)
+        why = "failed" if row.error is not None and row.failed_request is None else \
+            "needs the most"
+        return (f"ranks of the job of {self.world_size} GPUs, each run; this report is rank "
+                f"{self.deciding}'s, the rank that {why}:")
+
+    def grouped(self) -> list[tuple[str, str]]:
+        """(``rank 3`` or ``ranks 1-7``, line) for runs of consecutive ranks with one line."""
+        out: list[tuple[str, str]] = []
+        rows = sorted(self.rows, key=lambda r: r.rank)
+        start = 0
+        for i in range(1, len(rows) + 1):
+            if (i == len(rows) or rows[i].line != rows[start].line
+                    or rows[i].rank != rows[i - 1].rank + 1):
+                a, b = rows[start].rank, rows[i - 1].rank
+                out.append((f"rank {a}" if a == b else f"ranks {a}-{b}", rows[start].line))
+                start = i
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "deciding_rank": self.deciding,
+                "ranks": {str(r.rank): r.to_dict() for r in self.rows}}
+
+
+@dataclass(frozen=True)
 class MemoryReport:
     """What one measured cell (or callable) did to memory. All sizes in bytes.
 
@@ -195,6 +266,9 @@ class MemoryReport:
     advice: Any = field(default=None, repr=False, compare=False)
     # what ran, in the report's words: "cell" (the magic, the API), "script" (the command line)
     unit: str = field(default="cell", repr=False, compare=False)
+    # a job run rank by rank (--ranks): every rank's figures; this report is the deciding
+    # rank's
+    job: JobRanks | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -278,6 +352,7 @@ class MemoryReport:
                              activations_max=r.activations_max, share=r.share,
                              parameters=r.parameters, gradients=r.gradients)
                         for r in self.modules],
+            **(self.job.to_dict() if self.job is not None else {}),
         }
 
     def modules_at(self, depth: int | None = 2) -> list["ModuleRow"]:
@@ -409,6 +484,9 @@ class MemoryReport:
     def summary(self) -> str:
         """A multi-line text table: the numbers, the breakdown and the notes."""
         lines = [f"memmagic [{self.backend}] {self.device}: {self.source}"]
+        if self.job is not None:
+            lines.append(f"  {self.job.heading}")
+            lines += [f"    {ranks:<16} {line}" for ranks, line in self.job.grouped()]
         width = max(len(k) for k, _ in self._rows())
         lines += [f"  {k:<{width}}  {v}" for k, v in self._rows()]
         lines.append("  breakdown at peak:")
@@ -477,11 +555,21 @@ class MemoryReport:
                      f"<ul>{items}</ul></details>")
         err = f"<p style='{_ERROR}'>{self.unit} failed: {esc(self.error)}</p>" if self.error else ""
         return (
-            f"<div class='memmagic-report'>{head}{err}"
+            f"<div class='memmagic-report'>{head}{err}{self._job_html()}"
             f"<table>{rows}</table>"
             f"<table><tr><th style='text-align:left'>at the peak</th><th>bytes</th><th>share</th><th></th></tr>{''.join(bars)}</table>"
             + mods + notes + "</div>"
         )
+
+
+    def _job_html(self) -> str:
+        if self.job is None:
+            return ""
+        esc = html.escape
+        rows = "".join(f"<tr><td style='text-align:left'>{esc(ranks)}</td>"
+                       f"<td style='text-align:left'>{esc(line)}</td></tr>"
+                       for ranks, line in self.job.grouped())
+        return f"<p>{esc(self.job.heading)}</p><table>{rows}</table>"
 
 
 # Colours that follow the notebook's theme (JupyterLab's and VS Code's CSS variables),

@@ -112,7 +112,7 @@ LAYERS = [
     ("charts", ("memmagic.charts",)),
     ("whatif", ("memmagic.whatif",)),
     ("doctor", ("memmagic.doctor",)),
-    ("pipeline", ("memmagic.pipeline", "memmagic.api")),
+    ("pipeline", ("memmagic.pipeline", "memmagic.jobs", "memmagic.api")),
     ("frontends", ("memmagic.frontends",)),
     ("package", ("memmagic", "memmagic._moved")),
 ]

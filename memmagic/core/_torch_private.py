@@ -720,13 +720,10 @@ __all__ += ["sdp_priority_order"]
 # --- distributed (FSDP2 on simulated GPUs: memmagic.whatif.sharding) ---
 # Tested in tests/core/test_torch_private_dist.py. Imports of torch.distributed are lazy.
 __all__ += ["fake_process_group", "device_mesh", "fsdp_device_handle_without_streams",
-            "fsdp_storage_resize_hook", "is_wrapper_subclass", "wrapper_inner_tensors"]
+            "fsdp_storage_resize_hook", "is_wrapper_subclass", "wrapper_inner_tensors",
+            "FSDP_MODULES", "pipeline_mailbox", "StageNotRun"]
 import importlib  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
-
-__all__ = ["fake_process_group", "device_mesh", "fsdp_device_handle_without_streams",
-           "fsdp_storage_resize_hook", "wrapper_inner_tensors", "is_wrapper_subclass",
-           "FSDP_MODULES"]
 
 # FSDP2's modules that look the device handle up by name (``from ... import _get_device_handle``)
 FSDP_MODULES = ("_fsdp_collectives", "_fsdp_init", "_fsdp_param_group", "_fsdp_state")
@@ -868,6 +865,54 @@ def fsdp_storage_resize_hook(after: Callable[[torch.Tensor], None]) -> Iterator[
     finally:
         for mod, name, fn in reversed(undo):
             setattr(mod, name, fn)
+
+
+class StageNotRun(RuntimeError):
+    """A pipeline stage asked for what an earlier stage of the job sends it (the shapes of
+    its inputs), and no run of this job has run that stage yet."""
+
+    def __init__(self, stage: int, source: int) -> None:
+        super().__init__(f"pipeline stage {stage} takes the shapes of its inputs from stage "
+                         f"{source}, which this job has not run")
+        self.stage, self.source = stage, source
+
+
+@contextmanager
+def pipeline_mailbox(mailbox: dict[tuple[int, int], bytes]) -> Iterator[None]:
+    """While active, the stages of ``torch.distributed.pipelining`` exchange the metadata of
+    the tensors they send each other (torch 2.13's ``PipelineStage._send_meta`` /
+    ``_recv_meta``: pickled ``_StageForwardMeta`` / ``_StageBackwardMeta`` over
+    ``send_object_list``, which a fake process group cannot carry) through ``mailbox``,
+    keyed by (sending stage, receiving stage): a job's ranks run one after another in stage
+    order (memmagic.jobs) hand each later stage what the earlier ones sent. A stage's
+    gradient metadata from the next stage, not run yet, is derived from its own outputs, as
+    torch derives it (``_derive_grad_metas``: the outputs' shape, stride and dtype; None
+    where an output needs no gradient). Raises :class:`StageNotRun` for a stage whose
+    inputs come from a stage no run has sent them."""
+    import pickle
+
+    from torch.distributed.pipelining import stage as stage_mod
+    from torch.distributed.pipelining._utils import _derive_grad_metas, _StageBackwardMeta
+
+    cls = stage_mod.PipelineStage
+    recv, send = cls.__dict__["_recv_meta"], cls.__dict__["_send_meta"]
+
+    def recv_meta(self, src_stage: int) -> Any:
+        sent = mailbox.get((src_stage, self.stage_index))
+        if sent is not None:
+            return pickle.loads(sent)
+        if src_stage == self.stage_index + 1 and self._stage_meta.outputs is not None:
+            return _StageBackwardMeta(backward_metas=_derive_grad_metas(self._stage_meta.outputs))
+        raise StageNotRun(self.stage_index, src_stage)
+
+    def send_meta(self, meta: Any, dst_stage: int) -> None:
+        mailbox[(self.stage_index, dst_stage)] = pickle.dumps(meta)
+
+    cls._recv_meta, cls._send_meta = recv_meta, send_meta
+    try:
+        yield
+    finally:
+        cls._recv_meta, cls._send_meta = recv, send
 
 
 def is_wrapper_subclass(t: object) -> bool:

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -63,12 +62,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _write(report: Any, args: argparse.Namespace, extra: dict[str, Any] | None = None
-           ) -> list[str]:
+def _write(report: Any, args: argparse.Namespace) -> list[str]:
     lines = []
     if args.json is not None:
-        args.json.write_text(json.dumps({**report.to_dict(), **(extra or {})}, indent=1,
-                                        default=str))
+        args.json.write_text(json.dumps(report.to_dict(), indent=1, default=str))
         lines.append(f"report written to {args.json}")
     if args.timeline is not None:
         from ..charts.plots import figure_png, timeline_figure
@@ -89,7 +86,8 @@ def run_script(args: argparse.Namespace) -> int:
     failed or ran out of memory, 130 when it was interrupted (Ctrl-C), 2 for bad input (one
     line on stderr, before the run) and for a script that did what the run cannot keep off
     the disk (refused before it changed anything)."""
-    from ..pipeline import CellRequest, RequestError, run_cell
+    from ..jobs import job_ranks, run_job
+    from ..pipeline import CellRequest, RequestError
     from .scriptrun import ScriptRun, find_module, load_script
 
     problem = _bad_input(args)
@@ -113,9 +111,9 @@ def run_script(args: argparse.Namespace) -> int:
                           gpu_memory=args.gpu_memory, run=runner, knobs=knobs,
                           world_size=args.world_size, rank=args.rank, unit="script")
     try:
-        if args.ranks is not None:
-            return _run_ranks(request, runner, args)
-        result = run_cell(replace(request, namespace=_fresh(runner)))
+        result = run_job(request, job_ranks(args.world_size, args.rank, args.ranks),
+                         fresh=lambda: _fresh(runner),
+                         on_rank=lambda rank, report: _told(args.world_size, rank, report))
     except RequestError as exc:
         return _fail(str(exc))
     return _show(result, runner, args)
@@ -126,102 +124,12 @@ def _fresh(runner: Any) -> dict[str, Any]:
     return {**runner.base, **runner.initial_values()}
 
 
-# --ranks all runs the script once per rank: up to this many
-MAX_ALL_RANKS = 64
+def _told(world_size: int, rank: int, report: Any) -> None:
+    """A line on stderr as each rank of ``--ranks`` ends."""
+    from ..report import RankRow
 
-
-def _ranks(args: argparse.Namespace) -> list[int]:
-    """The ranks ``--ranks`` names (ValueError in one line for ones the job has not)."""
-    n = args.world_size
-    if n is None:
-        raise ValueError("--ranks needs --world-size N: the job whose ranks the script runs as")
-    if args.rank is not None:
-        raise ValueError("give --rank R (one rank) or --ranks (several), not both")
-    if args.ranks.strip() == "all":
-        if n > MAX_ALL_RANKS:
-            raise ValueError(f"--ranks all runs the script once per rank: with {n} ranks, name "
-                             f"the ones to run (--ranks 0,1,{n - 1})")
-        return list(range(n))
-    try:
-        ranks = sorted({int(r) for r in args.ranks.split(",") if r.strip()})
-    except ValueError:
-        ranks = []
-    if not ranks or not all(0 <= r < n for r in ranks):
-        raise ValueError(f"--ranks takes all or ranks of the job, 0 to {n - 1}, separated by "
-                         f"commas (--ranks 0,{n - 1}), not {args.ranks!r}")
-    return ranks
-
-
-def _run_ranks(request: Any, runner: Any, args: argparse.Namespace) -> int:
-    """Run the script as each rank of ``--ranks`` (the doctor idle), print each rank's
-    figures, and show the report of the rank that needs the most: the one that decides
-    whether the job fits (after an out of memory, run again with the doctor)."""
-    from ..pipeline import run_cell
-
-    results = {}
-    for r in _ranks(args):
-        results[r] = run_cell(replace(request, namespace=_fresh(runner), rank=r,
-                                      rank_fixes=False))
-        print(f"memmagic: rank {r} of {args.world_size}: {_rank_line(results[r].report)}",
-              file=sys.stderr, flush=True)
-    worst = max(results, key=lambda r: _demand(results[r].report))
-    print(f"ranks of the job of {args.world_size} GPUs, each run:")
-    for ranks, line in _grouped({r: _rank_line(res.report) for r, res in results.items()}):
-        print(f"  {ranks:<16} {line}")
-    failed = _demand(results[worst].report)[0] == _FAILED
-    print(f"the rank that {'failed' if failed else 'needs the most'}, whose report follows: "
-          f"rank {worst}")
-    final = results[worst]
-    if final.out_of_memory:  # its fixes, ranked by the doctor
-        final = run_cell(replace(request, namespace=_fresh(runner), rank=worst))
-    ranks_json = {"deciding_rank": worst, "ranks": {
-        str(r): {"peak": res.report.peak, "reserved_peak": res.report.reserved_peak,
-                 "fits": res.report.fits, "failed_request": res.report.failed_request}
-        for r, res in results.items()}}
-    return _show(final, runner, args, ranks_json)
-
-
-# how a rank ended, in the order that decides a job: ran, ran out of memory, failed
-_RAN, _OUT_OF_MEMORY, _FAILED = 0, 1, 2
-
-
-def _demand(report: Any) -> tuple[int, int]:
-    """How much a rank needs: one that failed first (the job fails with it), then one that
-    ran out of memory (the live bytes and the request that failed), then what it needs of
-    the card."""
-    if report.failed_request is not None:
-        return _OUT_OF_MEMORY, (report.live_at_failure or report.peak) + report.failed_request
-    if report.error is not None:
-        return _FAILED, report.card_need
-    return _RAN, report.card_need
-
-
-def _rank_line(report: Any) -> str:
-    from ..report import format_bytes
-
-    if report.failed_request is not None:
-        return (f"out of memory asking for {format_bytes(report.failed_request)} with "
-                f"{format_bytes(report.live_at_failure or report.peak)} live")
-    if report.error is not None:
-        return f"failed: {report.error}"[:120]
-    verdict = {True: "fits", False: "does not fit", None: ""}[report.fits]
-    reserved = (f", reserved {format_bytes(report.reserved_peak)}"
-                if report.reserved_peak is not None else "")
-    return f"peak {format_bytes(report.peak)}{reserved}" + (f": {verdict}" if verdict else "")
-
-
-def _grouped(lines: dict[int, str]) -> list[tuple[str, str]]:
-    """(``rank 3`` or ``ranks 1-7``, line) for runs of consecutive ranks with one line."""
-    out: list[tuple[str, str]] = []
-    ranks = sorted(lines)
-    start = 0
-    for i in range(1, len(ranks) + 1):
-        if (i == len(ranks) or lines[ranks[i]] != lines[ranks[start]]
-                or ranks[i] != ranks[i - 1] + 1):
-            a, b = ranks[start], ranks[i - 1]
-            out.append((f"rank {a}" if a == b else f"ranks {a}-{b}", lines[a]))
-            start = i
-    return out
+    print(f"memmagic: rank {rank} of {world_size}: {RankRow.of(rank, report).line}",
+          file=sys.stderr, flush=True)
 
 
 def _knob_not_taken(knobs: dict[str, Any], flags: dict[str, str]) -> str | None:
@@ -244,6 +152,7 @@ def _fail(message: str) -> int:
 
 def _bad_input(args: argparse.Namespace) -> str | None:
     """What is wrong with the command line (one line that says what to do), or None."""
+    from ..jobs import job_ranks
     from .options import check_card_options
 
     if args.module is None and args.script is None:
@@ -254,13 +163,10 @@ def _bad_input(args: argparse.Namespace) -> str | None:
         return "--steps needs a positive number of optimizer steps"
     if args.time_limit is not None and not args.time_limit > 0:
         return "--time-limit needs a positive number of seconds"
-    if args.rank is not None and args.world_size is None:
-        return "--rank R needs --world-size N: the job whose rank R the script runs as"
-    if args.ranks is not None:
-        try:
-            _ranks(args)
-        except ValueError as exc:
-            return str(exc)
+    try:
+        job_ranks(args.world_size, args.rank, args.ranks)
+    except ValueError as exc:
+        return str(exc)
     try:  # the magic's own check: an empty card would run with no target and no word
         check_card_options(args.gpu, args.gpu_memory)
     except ValueError as exc:
@@ -287,10 +193,8 @@ def _unwritable(path: Path) -> str | None:
     return None
 
 
-def _show(result: Any, runner: Any, args: argparse.Namespace,
-          extra: dict[str, Any] | None = None) -> int:
-    """Print the run's report, notes and outcome; write the files asked for (``extra``: more
-    keys for the JSON)."""
+def _show(result: Any, runner: Any, args: argparse.Namespace) -> int:
+    """Print the run's report, notes and outcome; write the files asked for."""
     from .scratchdisk import RefusedCall
 
     report, error = result.report, result.error
@@ -300,7 +204,7 @@ def _show(result: Any, runner: Any, args: argparse.Namespace,
     for line in _run_notes(runner, args, error):
         print(f"  note: {line}")
     try:
-        for line in _write(report, args, extra):
+        for line in _write(report, args):
             print(line)
     except OSError as exc:
         return _fail(f"could not write {exc.filename or 'the output'}: {exc.strerror or exc}")

@@ -19,7 +19,8 @@ from IPython.display import display
 
 from ..whatif.knobs import BATCH_DIM, KNOBS, resizing
 from .options import OPTIONS, check_options, line_problem, unquote, views
-from ..pipeline import CellRequest, RequestError, make_cell, run_cell
+from ..jobs import run_job
+from ..pipeline import CellRequest, RequestError, make_cell
 from ..report import MemoryReport
 
 __all__ = ["MemMagics"]
@@ -84,7 +85,7 @@ class MemMagics(Magics):
         try:
             if views(args):
                 return self._whatif(make_cell(request, isolated=True), args)
-            result = run_cell(request)
+            result = run_job(request, args.job)
         except RequestError as exc:
             raise UsageError(str(exc)) from None
         report, error = result.report, result.error
@@ -152,7 +153,8 @@ class MemMagics(Magics):
                            gpu_memory=gpu_memory, device=args.device,
                            breakdown=not args.no_breakdown, session=session,
                            knobs={k: v for k, v in knobs.items() if v is not None},
-                           advise=args.advise, run=run, world_size=args.world_size)
+                           advise=args.advise, run=run, world_size=args.world_size,
+                           rank=args.rank)
 
     def _compile(self, source: str):
         """The cell as a function of the namespace, with IPython's transforms; a syntax

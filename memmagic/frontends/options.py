@@ -31,10 +31,21 @@ OPTIONS = [
              "with a note.")),
     (("--world-size",), dict(
         type=int, default=None, metavar="N",
-        help="--backend sim: the simulated GPU is rank 0 of N GPUs on a fake process group, so "
+        help="--backend sim: the simulated GPU is rank 0 (or --rank R) of N GPUs on a fake "
+             "process group, so "
              "the cell's init_device_mesh, parallelize_module (tensor parallel) and fully_shard "
              "(FSDP2, 2-D with TP) run as on one GPU of the job; the report is per GPU. The "
              "cell runs on a copy of the notebook's simulated GPU (its names stay as they were).")),
+    (("--rank",), dict(
+        type=int, default=None, metavar="R",
+        help="With --world-size: the simulated GPU is rank R of the job instead of rank 0 "
+             "(torch.distributed.get_rank(), RANK and LOCAL_RANK say R; its device is "
+             "cuda:LOCAL_RANK).")),
+    (("--ranks",), dict(
+        default=None, metavar="all|R,R",
+        help="With --world-size: run the cell as each of these ranks (all: every rank, up to "
+             "64) and report the rank that decides whether the job fits (one that failed, "
+             "else the one that needs the most), with every rank's figures.")),
     (("--no-breakdown",), dict(action="store_true",
                                help="cuda only: skip the per-category breakdown (lowest overhead).")),
     (("--no-chart",), dict(action="store_true", help="Do not draw the breakdown chart.")),
@@ -104,7 +115,10 @@ def check_card_options(gpu: str | None, gpu_memory: str | None, *,
 
 def check_options(args: argparse.Namespace) -> argparse.Namespace:
     """``args``, or ValueError in one line that says what to do for options of ``%%gpumem``
-    that cannot run as given: an empty card, options that do not go together."""
+    that cannot run as given: an empty card, options that do not go together. Sets
+    ``args.job``: the ranks to run as (None: one run)."""
+    from ..jobs import job_ranks
+
     check_card_options(args.gpu, args.gpu_memory)
     if args.whatif and args.sweep is not None:
         raise ValueError("--whatif and --sweep are two views of the cell: give one (the "
@@ -112,6 +126,10 @@ def check_options(args: argparse.Namespace) -> argparse.Namespace:
     if args.fitmap is not None and (args.whatif or args.sweep is not None):
         raise ValueError("--fitmap is a view of the cell of its own: give it without --whatif "
                          "and --sweep")
+    if args.ranks is not None and views(args):
+        raise ValueError("--ranks runs the cell once per rank: give it without --whatif, "
+                         "--sweep and --fitmap (those re-run one rank: --rank R)")
+    args.job = job_ranks(args.world_size, args.rank, args.ranks)
     if args.range and not args.whatif:
         raise ValueError("--range sets a knob's range in the --whatif panel: add --whatif "
                          "(a sweep takes its range itself: --sweep batch_size=1:512)")

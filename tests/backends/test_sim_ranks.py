@@ -114,6 +114,22 @@ def test_the_meta_device_recipe_of_fsdp2_runs_and_shards_exactly():
     assert all(r.module.startswith("Sequential") for r in report.modules)
 
 
+def test_tensors_on_the_meta_device_hold_no_memory_and_stay_there():
+    """``device="meta"`` (torchtitan's and FSDP2's model init, ``torch.empty(...,
+    device="meta")``): a meta tensor, counted nowhere, as on a GPU. It was a CPU tensor of
+    the same size, counted in the host peak (1 GiB here)."""
+    def meta():
+        t = torch.empty(2**28, device="meta")
+        with torch.device("meta"):
+            layer = torch.nn.Linear(4096, 4096)
+        return t.device.type, t.is_meta, layer.weight.device.type
+
+    box = {}
+    report = memmagic.measure(lambda: box.setdefault("v", meta()), backend="sim", gpu="T4")
+    assert box["v"] == ("meta", True, "meta")
+    assert report.host_peak == 0 and report.peak == 0
+
+
 def test_simulated_tensors_have_pointers_of_their_own_and_no_warning_blames_the_user():
     def pointers():
         a = torch.zeros(1000, device="cuda")

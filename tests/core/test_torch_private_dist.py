@@ -138,3 +138,41 @@ def test_dtensor_propagation_builds_its_fake_arguments_on_the_device_asked():
             with priv.dtensor_fake_args_on("meta"):
                 raise KeyError("x")
     assert op_schema._rebuild_tensor_from_dtensor_meta is before
+
+
+def _stage(rank: int, world: int):
+    from torch.distributed.pipelining import PipelineStage
+
+    return PipelineStage(torch.nn.Linear(8, 8), rank, world, torch.device("cpu"))
+
+
+def test_pipeline_stages_exchange_their_metadata_through_the_mailbox_and_it_is_restored():
+    """torch 2.13's PipelineStage sends its metadata with ``_send_meta`` and receives it with
+    ``_recv_meta`` (pickled ``_StageForwardMeta`` / ``_StageBackwardMeta``), which a fake
+    group cannot carry: both go through the mailbox, and come back after."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed.pipelining._utils import _StageForwardMeta
+
+    before = (PipelineStage._recv_meta, PipelineStage._send_meta)
+    mailbox: dict = {}
+    with priv.fake_process_group(2, rank=0), priv.pipeline_mailbox(mailbox):
+        ScheduleGPipe(_stage(0, 2), n_microbatches=2).step(torch.randn(4, 8))
+    sent = mailbox[(0, 1)]  # stage 0's outputs, as stage 1 receives them
+    assert list(mailbox) == [(0, 1)]
+    with priv.fake_process_group(2, rank=1), priv.pipeline_mailbox(mailbox):
+        stage = _stage(1, 2)
+        losses: list = []
+        ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda o, t: (o - t).pow(2).mean()).step(
+            target=torch.zeros(4, 8), losses=losses)
+        assert isinstance(stage._recv_meta(0), _StageForwardMeta)
+    assert len(losses) == 2 and mailbox[(1, 0)] and mailbox[(0, 1)] == sent
+    assert (PipelineStage._recv_meta, PipelineStage._send_meta) == before
+
+
+def test_a_stage_whose_sender_has_not_run_raises_stage_not_run():
+    with priv.fake_process_group(3, rank=1), priv.pipeline_mailbox({}):
+        with pytest.raises(priv.StageNotRun, match="stage 1 takes the shapes of its inputs "
+                                                   "from stage 0"):
+            from torch.distributed.pipelining import ScheduleGPipe
+
+            ScheduleGPipe(_stage(1, 3), n_microbatches=3).step()

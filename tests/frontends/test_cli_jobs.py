@@ -1,6 +1,7 @@
 """The command line for multi-GPU jobs and packaged trainers: ``python -m memmagic run
 --world-size N`` runs a script written for torchrun unchanged, as rank 0, and
-``-m package.module args`` runs a module as ``python -m`` does."""
+``-m package.module args`` runs a module as ``python -m`` does; ``--rank`` and ``--ranks``
+run the job as other ranks, on the command line and in ``%%gpumem``."""
 
 from __future__ import annotations
 
@@ -163,27 +164,29 @@ def test_every_rank_is_run_and_the_one_that_needs_the_most_decides(tmp_path, cap
                      str(out), str(script)]) == 0
     text = capsys.readouterr().out
     quarter = 16 * 2**20 * 4  # each rank's shard: 64 Mi floats over 4 ranks
-    assert "  rank 0           peak 320.00 MiB, reserved 320.00 MiB: fits" in text
-    assert "  ranks 1-3        peak 64.00 MiB, reserved 64.00 MiB: fits" in text
-    assert "the rank that needs the most, whose report follows: rank 0" in text
+    assert "    rank 0           peak 320.00 MiB, reserved 320.00 MiB: fits" in text
+    assert "    ranks 1-3        peak 64.00 MiB, reserved 64.00 MiB: fits" in text
+    assert ("ranks of the job of 4 GPUs, each run; this report is rank 0's, the rank that "
+            "needs the most") in text
     data = json.loads(out.read_text())
     assert data["deciding_rank"] == 0 and data["after"] == quarter + 64 * 2**20 * 4
+    assert data["world_size"] == 4
     assert [data["ranks"][str(r)]["peak"] for r in range(4)] == [5 * quarter] + [quarter] * 3
     # on a card where only rank 0 runs out: the job does not fit, and its fixes are ranked
     assert cli.main(["run", "--gpu-memory", "256MiB", "--world-size", "4", "--ranks", "1,0",
                      str(script)]) == 1
     captured = capsys.readouterr()
-    assert "  rank 0           out of memory asking for 256.00 MiB with 64.00 MiB live" in \
+    assert "    rank 0           out of memory asking for 256.00 MiB with 64.00 MiB live" in \
         captured.out
-    assert "  rank 1           peak 64.00 MiB, reserved 64.00 MiB: fits" in captured.out
-    assert "whose report follows: rank 0" in captured.out
+    assert "    rank 1           peak 64.00 MiB, reserved 64.00 MiB: fits" in captured.out
+    assert "this report is rank 0's" in captured.out
     # a rank that fails decides: the job fails with it
     script.write_text(RANK_ZERO_KEEPS + "assert rank != 2, 'rank 2 has no data'\n")
     assert cli.main(["run", "--gpu", "H100", "--world-size", "4", "--ranks", "all",
                      str(script)]) == 1
     failed = capsys.readouterr()
-    assert "  rank 2           failed: AssertionError: rank 2 has no data" in failed.out
-    assert "the rank that failed, whose report follows: rank 2" in failed.out
+    assert "    rank 2           failed: AssertionError: rank 2 has no data" in failed.out
+    assert "this report is rank 2's, the rank that failed" in failed.out
     # the doctor ranked fixes for rank 0 (none applies to this script: it says why)
     assert "note: no smaller batch was tried: the script does not take its batch size" in \
         captured.out
@@ -232,3 +235,28 @@ def test_a_transformers_trainer_with_fsdp2_runs_unchanged_on_two_ranks(tmp_path,
     # the GPU too, one 512-byte block a parameter
     assert report["breakdown"]["optimizer_state"] == 2 * halves + len(params) * 512
     capsys.readouterr()
+
+
+def test_the_magic_runs_a_cell_as_another_rank_and_as_every_rank(ip):
+    """``%%gpumem --rank R`` / ``--ranks``: the same job as the command line's, on a cell;
+    the deciding rank's report carries every rank's row, and the names stay as they were."""
+    cell = RANK_ZERO_KEEPS.replace("gathered =", "held =")
+    ip.run_cell(f"%%gpumem --gpu H100 --world-size 16 --rank 9 -q -v one\n{cell}")
+    one = ip.user_ns["one"]
+    assert "rank 9 of 16 GPUs" in one.device and "cuda:1" in one.device
+    assert one.after == 4 * 2**20 * 4 and one.job is None
+    result = ip.run_cell(f"%%gpumem --gpu-memory 256MiB --world-size 4 --ranks all -q -v job\n"
+                         f"{cell}")
+    assert result.error_in_exec is not None  # rank 0 ran out of memory: the job does not fit
+    job = ip.user_ns["job"]
+    assert job.job.deciding == 0 and job.failed_request == 64 * 2**20 * 4 and job.fits is False
+    assert [r.rank for r in job.job.rows] == [0, 1, 2, 3]
+    assert job.job.grouped()[1] == ("ranks 1-3", "peak 64.00 MiB, reserved 64.00 MiB: fits")
+    assert "ranks 1-3" in job._repr_html_() and job.to_dict()["deciding_rank"] == 0
+    assert "shard" not in ip.user_ns and "rank" not in ip.user_ns
+    for line, words in [("--ranks all", "--ranks needs --world-size N"),
+                        ("--world-size 4 --ranks all --sweep batch_size=1:4", "--ranks runs the "
+                         "cell once per rank: give it without --whatif"),
+                        ("--world-size 4 --ranks 7", "--ranks takes all or ranks of the job")]:
+        result = ip.run_cell(f"%%gpumem {line}\nx = 1\n")
+        assert words in str(result.error_in_exec), (line, result.error_in_exec)

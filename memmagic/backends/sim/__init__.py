@@ -31,6 +31,8 @@ from .errors import (
     SimulationBudgetExceeded,
     SimulationError,
     SimulationUnsupported,
+    StageWaits,
+    waits_for_a_stage,
 )
 from .allocator import round_request
 from .gpus import GPUS, CardSpec, cuda_context, option_spelling, resolve_target
@@ -47,5 +49,5 @@ __all__ = [
     "shell_session", "cuda_context", "reduction_scratch",
     "SimulationError", "SimulationUnsupported", "SimulationBudgetExceeded",
     "SimulatedOutOfMemoryError", "SimulatedValueError", "SimulatedDeviceMismatchError",
-    "SimulatedSizeError", "SimulatedValue",
+    "SimulatedSizeError", "SimulatedValue", "StageWaits", "waits_for_a_stage",
 ]

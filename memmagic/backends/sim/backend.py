@@ -36,6 +36,7 @@ from .errors import (
     SimulationBudgetExceeded,
     SimulationError,
     SimulationUnsupported,
+    StageWaits,
     size_error,
 )
 from .gpus import DEFAULT_CAPABILITY, CardSpec, resolve_target
@@ -148,11 +149,11 @@ class SimBackend(Backend):
                  op_cache: bool = True, session: SimSession | None = None,
                  start_from: SimSession | None = None, leave_out: Iterable[str] = (),
                  world_size: int | None = None, rank: int | None = None,
-                 **options: Any) -> None:
+                 mailbox: dict | None = None, **options: Any) -> None:
         if options:
             raise TypeError(f"the sim backend takes gpu=, gpu_memory=, kernels=, max_ops=, "
                             f"max_seconds=, op_cache=, session=, start_from=, leave_out=, "
-                            f"world_size=, rank=; got {sorted(options)}")
+                            f"world_size=, rank=, mailbox=; got {sorted(options)}")
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, not {kernels!r}")
         if int(max_ops) <= 0 or float(max_seconds) <= 0:
@@ -181,6 +182,9 @@ class SimBackend(Backend):
                              f"world_size is needed), not {rank!r}")
         self.world_size = world_size
         self.rank = rank or 0
+        # what the job's earlier ranks sent this one (pipeline stages' metadata): shared by
+        # the runs of one job's ranks (memmagic.jobs), else the run's own
+        self.mailbox = mailbox
         self.session = session
         self.start_from = start_from
         self.leave_out = frozenset(leave_out)
@@ -240,7 +244,7 @@ class SimBackend(Backend):
         box[0].state.node_gpus = node_gpus(self.world_size)  # the job's card is a copy
         with ExitStack() as stack:
             try:
-                stack.enter_context(rank_of(self.world_size, self.rank))
+                stack.enter_context(rank_of(self.world_size, self.rank, self.mailbox))
             except RuntimeError as exc:  # a process group exists already
                 box.clear()
                 raise SimulationUnsupported(f"world_size={self.world_size}: {exc}") from None
@@ -696,6 +700,12 @@ def _explain(exc: BaseException, world_size: int | None = None) -> BaseException
                     pass
             exc._located = True  # type: ignore[attr-defined]
         return exc
+    if isinstance(exc, _priv.StageNotRun):
+        new = StageWaits(f"{_cell_line(exc.__traceback__) or 'the cell'}: {exc}: run the job's "
+                         "ranks together (--ranks all), so that each stage gets what the "
+                         "stages before it send")
+        new._located = True  # type: ignore[attr-defined]
+        return new
     msg = str(exc)
     fake_error = isinstance(exc, (_priv.UnsupportedOperatorException, _priv.DataDependentOutputException,
                                   _priv.DynamicOutputShapeException))

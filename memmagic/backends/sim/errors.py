@@ -10,7 +10,8 @@ from ...core.failures import register_simulated_errors
 
 __all__ = ["SimulationError", "SimulationUnsupported", "SimulationBudgetExceeded",
            "SimulatedOutOfMemoryError", "SimulatedValueError", "SimulatedDeviceMismatchError",
-           "SimulatedSizeError", "size_error", "AllocatorConfigError", "RERUN_HINT"]
+           "SimulatedSizeError", "size_error", "AllocatorConfigError", "StageWaits",
+           "waits_for_a_stage", "RERUN_HINT"]
 
 RERUN_HINT = "run the cell with --backend cpu (real run on the CPU) or on a GPU"
 
@@ -22,6 +23,17 @@ class SimulationError(RuntimeError):
 class SimulationUnsupported(SimulationError):
     """The cell does something a simulation cannot do (custom CUDA kernels, CUDA events
     and streams, reading a CUDA RNG, a device the rewriting missed)."""
+
+
+class StageWaits(SimulationUnsupported):
+    """A pipeline stage of the rank that ran needs the shapes of the tensors an earlier
+    stage sends it, and no rank of the job run so far has run that stage (memmagic.jobs
+    runs such a rank again once the others have)."""
+
+
+def waits_for_a_stage(error: BaseException | None) -> bool:
+    """Whether a run stopped at a pipeline stage that waits for an earlier stage."""
+    return isinstance(error, StageWaits)
 
 
 class AllocatorConfigError(SimulationError, ValueError):

@@ -100,14 +100,18 @@ def _fsdp_tracking() -> Iterator[None]:
 
 
 @contextmanager
-def rank_of(world_size: int, rank: int = 0) -> Iterator[None]:
+def rank_of(world_size: int, rank: int = 0,
+            mailbox: dict[tuple[int, int], bytes] | None = None) -> Iterator[None]:
     """While active, this process is ``rank`` of ``world_size`` ranks on a fake process group
     (collectives return at once with outputs of the right shape), as torchrun starts it
     (its environment; the job's own ``init_process_group`` accepted): a simulated cell's
     ``init_device_mesh``, ``parallelize_module`` (tensor parallel), ``fully_shard`` (FSDP2)
-    and DTensors run as on one GPU of the job, FSDP2's storage resizes counted. Raises
-    RuntimeError when a process group exists already."""
+    and DTensors run as on one GPU of the job, FSDP2's storage resizes counted; pipeline
+    stages exchange their metadata through ``mailbox`` (what the job's ranks run before this
+    one sent; see ``_torch_private.pipeline_mailbox``). Raises RuntimeError when a process
+    group exists already."""
     with dist_priv.fake_process_group(world_size, rank), _fsdp_tracking(), \
             _as_torchrun(world_size, rank), \
+            dist_priv.pipeline_mailbox({} if mailbox is None else mailbox), \
             dist_priv.dtensor_fake_args_on("cpu"):  # the simulation's CUDA fakes are CPU ones
         yield

@@ -29,6 +29,11 @@ from .values import holds_placeholder, marked, tensor_numpy, tensor_repr, tensor
 __all__ = ["DeviceRewriteMode"]
 
 
+def _is_meta(dev: object) -> bool:
+    return (dev == "meta" or isinstance(dev, torch.device) and dev.type == "meta"
+            or isinstance(dev, str) and dev.startswith("meta:"))
+
+
 def _int_device(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``t.to(0)`` / ``device=0``: an int is a CUDA index, which ``_parse_to`` would resolve
     through the (absent) accelerator: name the device instead."""
@@ -103,7 +108,7 @@ class DeviceRewriteMode(TorchFunctionMode):
                                          if k in ("dtype", "device")}
         if kwargs:
             dev = kwargs.get("device")
-            if dev is not None:
+            if dev is not None and not _is_meta(dev):  # the meta device holds no memory
                 cuda = is_cuda_device(dev)
                 if cuda is not None:
                     kwargs = dict(kwargs)

@@ -251,7 +251,10 @@ class SimTracker(StorageTracker):
     def live_device_bytes(self) -> int:
         return self.current["device"]
 
-    def _include_pending(self, t: torch.Tensor) -> str:
+    def _include_pending(self, t: torch.Tensor) -> str | None:
+        dev = _priv.fake_device(t)
+        if dev is not None and dev.type == "meta":
+            return None  # a meta tensor holds no memory (FSDP2's and torchtitan's model init)
         return self.s.pending
 
     def _round_pending(self, n: int) -> int:
