@@ -10,6 +10,7 @@ out of memory that rank runs again with the doctor, which ranks its fixes.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
@@ -17,14 +18,11 @@ from .core.interrupts import is_interrupt
 from .pipeline import CellRequest, CellResult, run_cell
 from .report import JobRanks, MemoryReport, RankRow
 
-__all__ = ["MAX_ALL_RANKS", "job_ranks", "parse_ranks", "run_job"]
+__all__ = ["MAX_ALL_RANKS", "gather_ranks", "job_ranks", "parse_ranks", "run_job",
+           "torchrun_rank"]
 
 # --ranks all runs the cell once per rank: up to this many
 MAX_ALL_RANKS = 64
-
-# how a rank ended, in the order that decides a job: ran, ran out of memory, failed
-_RAN, _OUT_OF_MEMORY, _FAILED = 0, 1, 2
-
 
 def job_ranks(world_size: int | None, rank: int | None, ranks: str | None) -> list[int] | None:
     """The ranks ``--rank`` / ``--ranks`` ask to run as, checked (None: one run, as rank
@@ -55,17 +53,6 @@ def parse_ranks(spec: str, world_size: int | None, rank: int | None = None) -> l
         raise ValueError(f"--ranks takes all or ranks of the job, 0 to {n - 1}, separated by "
                          f"commas (--ranks 0,{n - 1}), not {spec!r}")
     return ranks
-
-
-def _demand(report: MemoryReport) -> tuple[int, int]:
-    """How much a rank needs: one that failed first (the job fails with it), then one that
-    ran out of memory (the live bytes and the request that failed), then what it needs of
-    the card."""
-    if report.failed_request is not None:
-        return _OUT_OF_MEMORY, (report.live_at_failure or report.peak) + report.failed_request
-    if report.error is not None:
-        return _FAILED, report.card_need
-    return _RAN, report.card_need
 
 
 def run_job(request: CellRequest, ranks: list[int] | None = None, *,
@@ -101,11 +88,54 @@ def run_job(request: CellRequest, ranks: list[int] | None = None, *,
     for r in waiting:
         if on_rank is not None:
             on_rank(r, results[r].report)
-    worst = max(results, key=lambda r: _demand(results[r].report))
+    rows = tuple(RankRow.of(r, res.report) for r, res in results.items())
+    worst = max(rows, key=lambda row: row.demand).rank
     final = results[worst]
     if final.out_of_memory and request.rank_fixes:  # its fixes, ranked by the doctor
         final = run_cell(replace(request, namespace=start(), rank=worst))
-    job = JobRanks(request.world_size, tuple(RankRow.of(r, res.report)
-                                             for r, res in results.items()), worst)
-    final.report = replace(final.report, job=job)
+    final.report = replace(final.report, job=JobRanks(request.world_size, rows, worst))
     return final
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world size) of this process when torchrun started it, else None."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+# how long a rank waits for the others' rows before it shows its own report alone
+GATHER_TIMEOUT_S = 120
+
+
+def gather_ranks(report: MemoryReport, rank: int, world_size: int) -> MemoryReport:
+    """Rank 0's ``report`` with every rank's row of the real job this process is ``rank``
+    of (started by torchrun, each rank measuring its own run), gathered over the job's
+    process group: the script's own where it left it up, else a gloo group made from
+    torchrun's environment for this and ended after. Every rank calls it (a collective);
+    the other ranks' reports come back as they were. A gather that fails or times out
+    leaves a note instead."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=GATHER_TIMEOUT_S)
+    made = not dist.is_initialized()
+    rows: list | None = [None] * world_size if rank == 0 else None
+    try:
+        if made:
+            dist.init_process_group("gloo", timeout=timeout)
+        try:  # rows travel over gloo, whatever the script's backend (NCCL's need devices)
+            group = (None if dist.get_backend() == "gloo"
+                     else dist.new_group(backend="gloo", timeout=timeout))
+            dist.gather_object(RankRow.of(rank, report), rows, dst=0, group=group)
+        finally:
+            if made:
+                dist.destroy_process_group()
+    except Exception as exc:  # another rank died: its rows never come
+        return replace(report, notes=report.notes + (
+            f"the other ranks' figures could not be gathered ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}): this is rank {rank}'s alone",))
+    if rows is None:
+        return report
+    return replace(report, job=JobRanks(world_size, tuple(rows), rank))

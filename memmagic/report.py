@@ -143,11 +143,28 @@ class RankRow:
     failed_request: int | None = None
     live_at_failure: int | None = None
     error: str | None = None
+    # the most activations (tensors saved for backward) live at once in the run: a pipeline
+    # stage's micro-batches in flight; None where the run kept no trace
+    activations_held: int | None = None
+    need: int = 0  # what the rank needs of its card (MemoryReport.card_need)
 
     @classmethod
     def of(cls, rank: int, report: "MemoryReport") -> "RankRow":
+        held = (report.trace.most(Category.ACTIVATIONS.value)
+                if report.trace is not None else None)
         return cls(rank, report.peak, report.reserved_peak, report.fits, report.failed_request,
-                   report.live_at_failure, report.error)
+                   report.live_at_failure, report.error, held, report.card_need)
+
+    @property
+    def demand(self) -> tuple[int, int]:
+        """How much the rank asks of the job, in the order that decides it: one that failed
+        first (the job fails with it), then one that ran out of memory (the live bytes and
+        the request that failed), then what it needs of its card."""
+        if self.failed_request is not None:
+            return 1, (self.live_at_failure or self.peak) + self.failed_request
+        if self.error is not None:
+            return 2, self.need
+        return 0, self.need
 
     @property
     def line(self) -> str:
@@ -164,7 +181,8 @@ class RankRow:
 
     def to_dict(self) -> dict[str, Any]:
         return {"peak": self.peak, "reserved_peak": self.reserved_peak, "fits": self.fits,
-                "failed_request": self.failed_request, "error": self.error}
+                "failed_request": self.failed_request, "error": self.error,
+                "activations_held": self.activations_held}
 
 
 @dataclass(frozen=True)
@@ -174,15 +192,24 @@ class JobRanks:
 
     world_size: int
     rows: tuple[RankRow, ...]
-    deciding: int
+    shown: int  # the rank whose report this is
+
+    @property
+    def deciding(self) -> int:
+        """The rank that decides whether the job fits: one that failed, else one that ran
+        out of memory, else the one that needs the most of its card."""
+        return max(self.rows, key=lambda r: r.demand).rank
 
     @property
     def heading(self) -> str:
-        row = next(r for r in self.rows if r.rank == self.deciding)
-        why = "failed" if row.error is not None and row.failed_request is None else \
-            "needs the most"
-        return (f"ranks of the job of {self.world_size} GPUs, each run; this report is rank "
-                f"{self.deciding}'s, the rank that {why}:")
+        deciding = self.deciding
+        row = next(r for r in self.rows if r.rank == deciding)
+        why = "failed" if row.demand[0] == 2 else "needs the most"
+        if deciding == self.shown:
+            return (f"the {self.world_size} ranks of the job, each run; this report is rank "
+                    f"{deciding}'s, the rank that {why}:")
+        return (f"the {self.world_size} ranks of the job, each run; the rank that {why} is "
+                f"rank {deciding} (this report is rank {self.shown}'s):")
 
     def grouped(self) -> list[tuple[str, str]]:
         """(``rank 3`` or ``ranks 1-7``, line) for runs of consecutive ranks with one line."""
@@ -199,7 +226,7 @@ class JobRanks:
 
     def to_dict(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "deciding_rank": self.deciding,
-                "ranks": {str(r.rank): r.to_dict() for r in self.rows}}
+                "rank": self.shown, "ranks": {str(r.rank): r.to_dict() for r in self.rows}}
 
 
 @dataclass(frozen=True)

@@ -234,6 +234,11 @@ class Trace:
                 return dict(cats)
         raise IndexError(f"no event {event_index} in this trace ({len(self.events)} events)")
 
+    def most(self, category: str) -> int:
+        """The most device bytes of ``category`` live at once over the run (activations:
+        what a pipeline stage's micro-batches in flight hold)."""
+        return max(cats[category] for _, _, cats, _, _, _ in self._replay())
+
     def timeline(self, max_points: int = 2000) -> list[tuple[int, dict[str, int]]]:
         """(op index, device bytes per category) at the end of each op that allocated or
         freed on the device, preceded by the op's own high point where that is above both

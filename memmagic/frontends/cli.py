@@ -86,7 +86,7 @@ def run_script(args: argparse.Namespace) -> int:
     failed or ran out of memory, 130 when it was interrupted (Ctrl-C), 2 for bad input (one
     line on stderr, before the run) and for a script that did what the run cannot keep off
     the disk (refused before it changed anything)."""
-    from ..jobs import job_ranks, run_job
+    from ..jobs import gather_ranks, job_ranks, run_job, torchrun_rank
     from ..pipeline import CellRequest, RequestError
     from .scriptrun import ScriptRun, find_module, load_script
 
@@ -116,7 +116,22 @@ def run_script(args: argparse.Namespace) -> int:
                          on_rank=lambda rank, report: _told(args.world_size, rank, report))
     except RequestError as exc:
         return _fail(str(exc))
+    job = torchrun_rank()
+    if job is not None and args.world_size is None and result.report.backend != "sim":
+        result.report = gather_ranks(result.report, *job)  # each rank's real run
+        _per_rank_files(args, job[0])
     return _show(result, runner, args)
+
+
+def _per_rank_files(args: argparse.Namespace, rank: int) -> None:
+    """Under torchrun every rank writes its own files: rank 0 the paths given (its report
+    has the job's table), rank R ``name.rankR.suffix`` beside them."""
+    if rank == 0:
+        return
+    for name in ("json", "timeline", "snapshot"):
+        path = getattr(args, name)
+        if path is not None:
+            setattr(args, name, path.with_name(f"{path.stem}.rank{rank}{path.suffix}"))
 
 
 def _fresh(runner: Any) -> dict[str, Any]:

@@ -182,6 +182,96 @@ for name, r in [("1 GPU", mlp_1), ("TP over 4", mlp_tp), ("2-D: TP 2 x FSDP2 2",
 # adds rows for it beside FSDP2's.
 
 # %% [markdown]
+# ## Pipeline parallel: splitting the model by layers
+#
+# **Pipeline parallelism** (PP) gives each GPU a *stage*: a run of consecutive layers.
+# The batch is cut into micro-batches that flow stage to stage; a stage keeps each
+# micro-batch's activations from its forward until its backward. How many micro-batches
+# a stage holds at once (**in flight**) is the schedule's doing:
+#
+# - **GPipe** runs every forward, then every backward: each stage holds all `n`.
+# - **1F1B** starts the backward as soon as it can: stage `s` of `p` runs `p - s`
+#   forwards, then alternates, so it holds `min(n, p - s)`: the first stage the most.
+# - **Interleaved 1F1B** gives each GPU `v` smaller stages (GPU `r` holds stages `r`
+#   and `r + p`); its warm-up is `(v - 1) p + 2 (p - 1 - r)` forwards, then one more
+#   before the first backward, each holding a stage's smaller share.
+#
+# `%%gpumem --world-size 4 --ranks all` runs a cell as each of the 4 ranks, in stage
+# order, with `torch.distributed.pipelining`'s own stages and schedules on the fake
+# process group (each later stage gets the shapes the earlier ones send it). The report
+# is the rank that needs the most; `r.job.rows` has every rank, with the most
+# activations it held at once. Eight MLP blocks from above, 512 rows cut into 8
+# micro-batches:
+
+# %%
+import torch.distributed as dist
+from torch.distributed import pipelining as pp
+
+def pipeline_step(schedule, stages_per_gpu=1, n_microbatches=8):
+    """One training step of 8 MLP blocks over the job's GPUs: this rank's stages run
+    their part of ``schedule``."""
+    rank, gpus = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank)
+    n_stages = gpus * stages_per_gpu
+    stages = [pp.PipelineStage(nn.Sequential(*[MLP() for _ in range(8 // n_stages)]).to(device),
+                               rank + gpus * v, n_stages, device) for v in range(stages_per_gpu)]
+    step = schedule(stages if stages_per_gpu > 1 else stages[0], n_microbatches=n_microbatches,
+                    loss_fn=lambda out, y: (out - y).pow(2).mean())
+    x = torch.randn(512, 1024, device=device)
+    last = {"target": x, "losses": []} if rank == gpus - 1 else {}
+    step.step(x, **last) if rank == 0 else step.step(**last)
+
+# %%
+# %%gpumem --world-size 4 --ranks all -q -v pp_gpipe
+pipeline_step(pp.ScheduleGPipe)
+
+# %%
+# %%gpumem --world-size 4 --ranks all -q -v pp_1f1b
+pipeline_step(pp.Schedule1F1B)
+
+# %%
+# %%gpumem --world-size 4 --ranks all -q -v pp_interleaved
+pipeline_step(pp.ScheduleInterleaved1F1B, stages_per_gpu=2)
+
+# %% [markdown]
+# By hand, one micro-batch (64 rows) through one MLP block keeps its input (64 x 1024
+# floats, 0.25 MiB) and its ReLU output (64 x 4096, 1 MiB). Two details: the first
+# stage's input is the batch itself, cut into views, so all of it (2 MiB) is held from
+# the first micro-batch and no block input beyond it; the last stage's loss keeps
+# `out - y` (0.25 MiB) per micro-batch until its backward.
+
+# %%
+MiB = 2**20
+block, row_in, batch, loss = 1.25 * MiB, 0.25 * MiB, 2 * MiB, 0.25 * MiB
+
+def by_hand(in_flight, rank, blocks, losses):
+    held = in_flight * blocks * block
+    if rank == 0:   # the batch itself, not each micro-batch's input
+        held += batch - in_flight * row_in
+    if rank == 3:   # the loss of each micro-batch in flight on the last stage
+        held += losses * loss
+    return held
+
+n, p, v = 8, 4, 2
+print(f"{'rank':<6}{'GPipe':>18}{'1F1B':>18}{'interleaved':>18}   (measured / by hand, MiB)")
+for r in range(p):
+    gpipe = by_hand(n, r, 2, losses=n)
+    one_f = by_hand(min(n, p - r), r, 2, losses=1)
+    inter = by_hand((v - 1) * p + 2 * (p - 1 - r) + 1, r, 1, losses=1)
+    if r == 0:  # 7 of its 11 on stage 0 (input: the batch), 4 on stage 4 (inputs received)
+        inter = batch + 7 * (block - row_in) + 4 * block
+    measured = [job.job.rows[r].activations_held for job in (pp_gpipe, pp_1f1b, pp_interleaved)]
+    print(f"{r:<6}" + "".join(f"{format_bytes(m):>10} / {h / MiB:<5.2f}"
+                              for m, h in zip(measured, (gpipe, one_f, inter))))
+
+# %% [markdown]
+# GPipe holds every micro-batch on every stage. 1F1B holds 4, 3, 2 and 1 micro-batches
+# on stages 0 to 3: same bubble, much less memory, and the first stage is the one to
+# watch. Interleaved 1F1B halves each stage (one block) but keeps more micro-batches in
+# flight (11, 9, 7, 5): a smaller bubble for a little more memory than 1F1B. More
+# micro-batches shrink the bubble without changing 1F1B's memory.
+
+# %% [markdown]
 # ## What we measured
 
 # %%

@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from memmagic.frontends import cli
@@ -166,7 +167,7 @@ def test_every_rank_is_run_and_the_one_that_needs_the_most_decides(tmp_path, cap
     quarter = 16 * 2**20 * 4  # each rank's shard: 64 Mi floats over 4 ranks
     assert "    rank 0           peak 320.00 MiB, reserved 320.00 MiB: fits" in text
     assert "    ranks 1-3        peak 64.00 MiB, reserved 64.00 MiB: fits" in text
-    assert ("ranks of the job of 4 GPUs, each run; this report is rank 0's, the rank that "
+    assert ("the 4 ranks of the job, each run; this report is rank 0's, the rank that "
             "needs the most") in text
     data = json.loads(out.read_text())
     assert data["deciding_rank"] == 0 and data["after"] == quarter + 64 * 2**20 * 4
@@ -260,3 +261,59 @@ def test_the_magic_runs_a_cell_as_another_rank_and_as_every_rank(ip):
                         ("--world-size 4 --ranks 7", "--ranks takes all or ranks of the job")]:
         result = ip.run_cell(f"%%gpumem {line}\nx = 1\n")
         assert words in str(result.error_in_exec), (line, result.error_in_exec)
+
+
+# each rank of a real job keeps its own amount; the script may leave its group up or make none
+REAL_JOB = textwrap.dedent('''
+    import os
+    import torch
+    import torch.distributed as dist
+    rank = int(os.environ["RANK"])
+    if JOIN:
+        dist.init_process_group("gloo")  # left up: memmagic gathers over it
+    kept = torch.zeros((rank + 1) * 2**20)  # rank r keeps (r + 1) Mi floats
+''')
+
+
+def _torchrun(tmp_path, k: int, *argv: str):
+    import subprocess
+
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(k), "-m", "memmagic", "run", *argv],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("join", [True, False])
+def test_a_real_torchrun_job_gathers_every_ranks_figures_on_rank_zero(tmp_path, join):
+    """``torchrun --nproc-per-node K -m memmagic run --backend cpu|cuda script.py``: each rank
+    measures its own run for real, and rank 0's report heads with every rank's figures,
+    gathered over the job's own process group (or a gloo group made for it); each rank
+    writes its own JSON."""
+    script = tmp_path / "job.py"
+    script.write_text(f"JOIN = {join}\n" + REAL_JOB)
+    out = tmp_path / "out.json"
+    done = _torchrun(tmp_path, 2, "--backend", "cpu", "--json", str(out), str(script))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("the 2 ranks of the job, each run; the rank that needs the most is rank 1 (this "
+            "report is rank 0's):") in done.stdout
+    assert "    rank 1           peak 8.00 MiB" in done.stdout
+    zero = json.loads(out.read_text())
+    one = json.loads((tmp_path / "out.rank1.json").read_text())
+    assert zero["rank"] == 0 and zero["deciding_rank"] == 1
+    assert {r: v["peak"] for r, v in zero["ranks"].items()} == {"0": 4 * 2**20, "1": 8 * 2**20}
+    assert one["peak"] == 8 * 2**20 and "ranks" not in one
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_real_torchrun_job_on_one_gpu_gathers_over_nccl(tmp_path):
+    """The same on a GPU (K=1 is enough: the script's own NCCL group, rows over gloo)."""
+    script = tmp_path / "job.py"
+    script.write_text(REAL_JOB.replace("JOIN", "True").replace('"gloo"', '"nccl"').replace(
+        "torch.zeros((rank + 1) * 2**20)", "torch.zeros((rank + 1) * 2**20, device='cuda')"))
+    out = tmp_path / "out.json"
+    done = _torchrun(tmp_path, 1, "--backend", "cuda", "--json", str(out), str(script))
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["backend"] == "cuda" and data["ranks"]["0"]["peak"] == 4 * 2**20
