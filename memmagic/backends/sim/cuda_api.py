@@ -303,6 +303,15 @@ _CUDA_NAMES = (
 _STREAM_NAMES = ("Event", "Stream", "stream", "set_stream", "current_stream", "default_stream")
 _UNSUPPORTED_CLASSES = ("ExternalStream", "CUDAGraph", "graph", "MemPool")
 _UNSUPPORTED_FUNCTIONS = ("make_graphed_callables", "graph_pool_handle", "use_mem_pool")
+# torch.cuda.nvtx's markers (a CPU build raises "NVTX functions not installed"): they mark a
+# profiler's timeline and hold no memory; range_push/range_pop answer the nesting depth
+_NVTX_DEPTH = [0]
+_NVTX = {
+    "range_push": lambda msg: _NVTX_DEPTH.__setitem__(0, _NVTX_DEPTH[0] + 1) or _NVTX_DEPTH[0] - 1,
+    "range_pop": lambda: _NVTX_DEPTH.__setitem__(0, max(_NVTX_DEPTH[0] - 1, 0)) or _NVTX_DEPTH[0],
+    "range_start": lambda msg: 0, "range_end": lambda range_id: None,
+    "mark": lambda msg: None,
+}
 _ACCELERATOR_SAME = ("memory_allocated", "max_memory_allocated", "memory_reserved",
                      "max_memory_reserved", "memory_stats", "reset_peak_memory_stats",
                      "reset_accumulated_memory_stats", "empty_cache")
@@ -351,6 +360,10 @@ class SimulatedCuda:
             if hasattr(cmem, attr):
                 patches.set(cmem, attr, value)
         patches.set(torch.cuda.amp, "autocast", autocast["cuda_amp_autocast"])
+        import torch.cuda.nvtx as nvtx  # profiler ranges (DeepSpeed marks every step): no memory
+
+        for attr, value in _NVTX.items():
+            patches.set(nvtx, attr, value)
         patches.set(_READS, "note", self.streams.state.note_read)
         self.install_accelerator(patches)
         # the device-generic classes (torch.Stream(0), torch.Event()): the simulated GPU's

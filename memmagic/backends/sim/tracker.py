@@ -54,6 +54,9 @@ _LOCAL_SCALAR = _aten._local_scalar_dense.default
 # decomposed into _local_scalar_dense only below it): the same read
 _ITEM = _aten.item.default
 _PRIM_DEVICE = torch.ops.prim.device.default
+# tensor.record_stream(s) reached from C++ or a hook (DeepSpeed's ZeRO-3): the simulated GPU
+# runs one stream, so there is nothing to wait for (Python calls stop at the rewrite mode)
+_RECORD_STREAM = _aten.record_stream.default
 # kernels of quantized weights (a library's namespace, or aten's packed-weight ops) -> the
 # library named in the report's note: their outputs count at the sizes of their fake (meta)
 # kernels; buffers the CUDA kernels allocate inside themselves are not known
@@ -354,6 +357,8 @@ class SimTracker(StorageTracker):
             mode = getattr(t, "fake_mode", None)
             if mode is not None:
                 return META if mode.in_kernel_invocation else t.fake_device
+        if func is _RECORD_STREAM:
+            return None
         s = self.s
         s.in_dispatch += 1
         try:
