@@ -721,7 +721,7 @@ __all__ += ["sdp_priority_order"]
 # Tested in tests/core/test_torch_private_dist.py. Imports of torch.distributed are lazy.
 __all__ += ["fake_process_group", "device_mesh", "fsdp_device_handle_without_streams",
             "fsdp_storage_resize_hook", "is_wrapper_subclass", "wrapper_inner_tensors",
-            "FSDP_MODULES", "pipeline_mailbox", "StageNotRun"]
+            "FSDP_MODULES", "pipeline_mailbox", "StageNotRun", "clear_dtensor_sharding_caches"]
 import importlib  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 
@@ -762,6 +762,20 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
             dist.destroy_process_group()
     finally:
         sys.excepthook = hook
+        clear_dtensor_sharding_caches()
+
+
+def clear_dtensor_sharding_caches() -> None:
+    """Forget DTensor's cached sharding decisions (its Python and C++ fast-path caches,
+    ``torch.distributed.tensor.debug``'s clearing functions). They are keyed by a mesh's
+    shape and dimension names, not by its process groups: a decision cached while this
+    process was one rank hands the next rank's equal-looking mesh the first rank's groups
+    ("Could not resolve the process group registered under the name 3"). One process is one
+    rank on a GPU; a simulation that runs several in turn starts each with none cached."""
+    from torch.distributed.tensor import debug
+
+    debug._clear_python_sharding_prop_cache()
+    debug._clear_fast_path_sharding_prop_cache()
 
 
 @contextmanager

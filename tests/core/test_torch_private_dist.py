@@ -176,3 +176,22 @@ def test_a_stage_whose_sender_has_not_run_raises_stage_not_run():
             from torch.distributed.pipelining import ScheduleGPipe
 
             ScheduleGPipe(_stage(1, 3), n_microbatches=3).step()
+
+
+def test_dtensor_sharding_caches_are_cleared_when_a_fake_group_ends():
+    """torch's debug functions clear DTensor's sharding caches (the C++ fast path's counts
+    its hits and misses); a fake group's end calls them, so a rank run after another meets
+    none of its decisions (and none of its meshes' process groups)."""
+    from torch.distributed.tensor import Replicate, Shard, debug, distribute_tensor
+
+    def add_twice() -> tuple[int, int]:
+        with priv.fake_process_group(2):
+            mesh = priv.device_mesh("cpu", 2)
+            a = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+            b = distribute_tensor(torch.randn(4, 4), mesh, [Replicate()])
+            for _ in range(2):
+                (a + b).to_local()
+            return debug._get_fast_path_sharding_prop_cache_stats()
+
+    assert add_twice() == (1, 1)  # the second add was a hit
+    assert add_twice() == (1, 1)  # and the first of the next group a miss again

@@ -317,3 +317,72 @@ def test_a_real_torchrun_job_on_one_gpu_gathers_over_nccl(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["backend"] == "cuda" and data["ranks"]["0"]["peak"] == 4 * 2**20
+
+
+# a 2-D job as PyTorch's FSDP + TP examples write one: attention heads split by tensor
+# parallel on DTensors (q, k, v kept as DTensors into scaled_dot_product_attention), the
+# norms sequence parallel, FSDP2 across the pairs
+TWO_D_ATTENTION = textwrap.dedent('''
+import warnings
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+from torch.distributed.fsdp import fully_shard
+warnings.filterwarnings("ignore")
+D, H = 256, 4
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Linear(D, D, bias=False) for _ in range(3))
+        self.wo = nn.Linear(D, D, bias=False)
+
+    def forward(self, h):
+        b, t, _ = h.shape
+        q, k, v = (w(h).view(b, t, H, D // H).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, D))
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.attn = Attention()
+
+    def forward(self, x):
+        return x + self.attn(self.norm(x))
+
+mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
+model = nn.Sequential(Block(), Block()).cuda()
+for i, block in enumerate(model):
+    parallelize_module(block, mesh["tp"], {
+        "norm": SequenceParallel(),
+        "attn": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+        "attn.wq": ColwiseParallel(use_local_output=False),
+        "attn.wk": ColwiseParallel(use_local_output=False),
+        "attn.wv": ColwiseParallel(use_local_output=False),
+        "attn.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
+    fully_shard(block, mesh=mesh["dp"])
+parallelize_module(model, mesh["tp"], PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(1), use_local_output=False))
+fully_shard(model, mesh=mesh["dp"])
+x = torch.randn(4, 64, D, device="cuda")
+model(x).to_local().sum().backward()
+''')
+
+
+def test_a_2d_attention_job_runs_as_every_rank(tmp_path, capsys, clean_state):
+    """SDPA on DTensors runs CUDA's own attention op (the one DTensor has sharding rules
+    for; the CPU composite's has none), and each rank's run starts with no sharding decision
+    cached by the rank before (DTensor's caches compare meshes by shape and names: the next
+    rank got the first rank's process groups, "Could not resolve the process group")."""
+    script = tmp_path / "two_d.py"
+    script.write_text(TWO_D_ATTENTION)
+    assert cli.main(["run", "--gpu", "H100", "--world-size", "4", "--ranks", "all",
+                     str(script)]) == 0
+    out = capsys.readouterr().out
+    assert "    ranks 0-3        peak " in out
+    assert "scaled_dot_product_attention ran as CUDA would pick it: efficient 2x" in out

@@ -281,11 +281,19 @@ class _SDPAKernel:
 
     def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
                  scale=None, enable_gqa=False):
-        if not _priv.is_fake(query):
+        sharded = _priv.is_wrapper_subclass(query)  # DTensors (tensor parallel attention)
+        if not (_priv.is_fake(query) or sharded and all(
+                _priv.is_fake(t) for t in _priv.wrapper_inner_tensors(query))):
             return _priv.call_composite(_SDPA, query, key, value, attn_mask, dropout_p, is_causal,
                                    scale=scale, enable_gqa=enable_gqa)
         backend = choose_sdpa_backend(query, key, value, attn_mask, dropout_p, self.capability,
                                       is_causal=is_causal)
+        if sharded and not enable_gqa:
+            # DTensor shards the CUDA kernels' own ops (their sharding rules), which run on
+            # the local fake shards from their meta kernels; the CPU composite's op has none
+            self.counts[backend] = self.counts.get(backend, 0) + 1
+            return _sharded_attention(backend, query, key, value, attn_mask, dropout_p,
+                                      is_causal, scale)
         if (enable_gqa and key.shape[-3] != query.shape[-3] and backend == "efficient"
                 and torch.backends.cuda.math_sdp_enabled()):
             backend = "math"
@@ -299,6 +307,22 @@ class _SDPAKernel:
             key = key.repeat_interleave(rep, -3)
             value = value.repeat_interleave(rep, -3)
         return _FusedAttention.apply(query, key, value, attn_mask, backend)
+
+
+def _sharded_attention(backend: str, q, k, v, mask, dropout_p: float, is_causal: bool, scale):
+    """SDPA on DTensors as CUDA runs it: the flash or memory-efficient kernel's aten op
+    (what DTensor has sharding rules for), or the math path."""
+    if backend == "flash":  # (the flash kernel takes no mask: choose_sdpa_backend knows)
+        return _aten._scaled_dot_product_flash_attention.default(
+            q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+    if backend == "cudnn":
+        return _aten._scaled_dot_product_cudnn_attention.default(
+            q, k, v, mask, True, dropout_p, is_causal, False, scale=scale)[0]
+    if backend == "efficient":
+        return _aten._scaled_dot_product_efficient_attention.default(
+            q, k, v, mask, True, dropout_p, is_causal, scale=scale)[0]
+    return _aten._scaled_dot_product_attention_math.default(
+        q, k, v, mask, dropout_p, is_causal, None, scale=scale)[0]
 
 
 # -- optimizers -----------------------------------------------------------------------------
