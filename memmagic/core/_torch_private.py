@@ -949,3 +949,34 @@ def wrapper_inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
         if isinstance(inner, torch.Tensor):
             out.extend(wrapper_inner_tensors(inner))
     return out
+
+
+# --- higher-order operators (flex_attention) ---
+# Tested in tests/core/test_torch_private_sim.py.
+__all__ += ["attention_hops", "hops_through_mode"]
+
+
+def attention_hops() -> tuple[Any, ...]:
+    """torch's flex_attention operator and its backward (``torch._higher_order_ops``)."""
+    from torch._higher_order_ops.flex_attention import flex_attention, flex_attention_backward
+
+    return flex_attention, flex_attention_backward
+
+
+@contextmanager
+def hops_through_mode(mode_cls: type, hops: tuple[Any, ...]) -> Iterator[None]:
+    """While active, each higher-order operator of ``hops`` called under a dispatch mode of
+    ``mode_cls`` goes through that mode's ``__torch_dispatch__`` as an op does (torch's own
+    ``redirect_to_mode``, which its caching modes use); without it torch raises "There was
+    no rule registered for HigherOrderOperator". The entries come out on exit."""
+    added = [hop for hop in hops if mode_cls not in hop.python_key_table]
+    try:
+        for hop in added:
+            @hop.py_impl(mode_cls)
+            def _through(mode, *args, _hop=hop, **kwargs):
+                return mode.__torch_dispatch__(_hop, [], args, kwargs)
+        yield
+    finally:
+        for hop in added:
+            hop.python_key_table.pop(mode_cls, None)
+            hop._dispatch_cache.clear()

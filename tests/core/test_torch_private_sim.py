@@ -709,3 +709,29 @@ def test_accelerator_slot_is_what_torchs_own_code_asks():
     from torch.distributed.fsdp._fully_shard import _fsdp_init
 
     assert "_get_accelerator()" in inspect.getsource(_fsdp_init._init_default_mesh)
+
+
+def test_hops_go_through_a_mode_while_installed_and_the_rule_comes_out():
+    """torch raises "no rule registered for HigherOrderOperator" for a HOP under a mode
+    that registered none; hops_through_mode registers one per HOP and removes it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Seeing(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    hops = priv.attention_hops()
+    assert all(Seeing not in hop.python_key_table for hop in hops)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q = torch.randn(1, 2, 128, 16)
+    # eager, as a simulation runs compiled code (flex_attention compiles its own wrapper)
+    with priv.hops_through_mode(Seeing, hops), torch.compiler.set_stance("force_eager"):
+        assert all(Seeing in hop.python_key_table for hop in hops)
+        with Seeing():
+            flex_attention(q, q, q)
+    assert "flex_attention" in seen
+    assert all(Seeing not in hop.python_key_table for hop in hops)

@@ -59,6 +59,10 @@ _CUDA_NOTE = ("CUDA behaviour modeled: 512-byte rounding, flash/memory-efficient
 _LIBRARY_NOTE = ("{lib} kernels ran ({ops}): their outputs count at the sizes of their fake "
                  "(meta) kernels; buffers the CUDA kernels allocate inside themselves are not "
                  "known and not counted")
+_FLEX_NOTE = ("flex_attention ran as its fused kernel, as torch.compile(flex_attention) runs it "
+              "on a GPU ({n} calls, backward included): the output and the log-sum-exp are "
+              "saved, no score matrix is made; called without torch.compile (torch warns) it "
+              "computes the whole batch x heads x queries x keys scores, which this leaves out")
 _RNN_NOTE = ("LSTMs keep cuDNN's training reserve (gates and cell state of every step); "
              "cuDNN's transient RNN workspace is not simulated (115 MiB for a 512-wide LSTM "
              "over 128 x 64 steps on an H100, fp32): the peak can be that much higher; GRU "
@@ -370,6 +374,8 @@ class SimBackend(Backend):
         all_notes.append(_CUDA_NOTE if state.cuda else _CPU_NOTE)
         if state.cuda and state.rnn_ran:
             all_notes.append(_RNN_NOTE)
+        if state.flex_attention_calls:
+            all_notes.append(_FLEX_NOTE.format(n=state.flex_attention_calls))
         for lib, ops in sorted(state.library_kernels.items()):
             all_notes.append(_LIBRARY_NOTE.format(lib=lib, ops=", ".join(sorted(ops))))
         if sdpa is not None and sdpa.counts:
@@ -431,6 +437,9 @@ def _install(patches: Patches, state: SimState, tracker: SimTracker, target: Car
     install_compat(patches, notes, target)
     keep_overwritten_files(patches, notes)
     _install_torch_adjustments(patches, notes)
+    # flex_attention reaches the tracker as an op: its outputs are the fused kernel's, as
+    # FakeTensorMode makes them (see _FLEX_NOTE)
+    patches.enter(_priv.hops_through_mode(SimTracker, _priv.attention_hops()))
 
 
 def _install_autocast(patches: Patches, autocast: dict[str, Any]) -> None:

@@ -119,6 +119,7 @@ class SimState:
         self.rnn_ran = False              # an RNN layer ran in this cell
         # quantized-weight kernels that ran on the device: library -> op names
         self.library_kernels: dict[str, set[str]] = {}
+        self.flex_attention_calls = 0     # flex_attention (and its backward) calls
 
     def begin_run(self) -> None:
         """Per-cell counters back to zero (the state of a persistent simulated GPU lasts
@@ -131,6 +132,7 @@ class SimState:
         self.in_dispatch = 0
         self.rnn_ran = False
         self.library_kernels = {}
+        self.flex_attention_calls = 0
 
     def fake_device(self, t: torch.Tensor, real: torch.device) -> torch.device:
         """``FakeTensor.device`` during a run: the simulated GPU (cuda:0, or a job's rank's

@@ -67,6 +67,8 @@ _QUANTIZED_KERNELS: dict[object, str] = {
         _aten._weight_int4pack_mm_with_scales_and_zeros)},
 }
 _FOUND_INF_OPS = {_aten._amp_foreach_non_finite_check_and_unscale_.default}
+# flex_attention and its backward: higher-order operators that reach the tracker as ops
+_FUSED_ATTENTION = frozenset(_priv.attention_hops())
 _PHASE_WORDS = {"forward": " during forward", "backward": " during backward (loss.backward())",
                 "recompute": " while backward recomputed a checkpointed forward",
                 "optimizer": " during optimizer.step()"}
@@ -390,6 +392,8 @@ class SimTracker(StorageTracker):
                     lib = _QUANTIZED_KERNELS.get(func.namespace) or _QUANTIZED_KERNELS.get(func)
                     if lib is not None:
                         s.library_kernels.setdefault(lib, set()).add(func.__name__.partition(".")[0])
+                    elif func in _FUSED_ATTENTION:
+                        s.flex_attention_calls += 1
             s.pending = pool
             fast = self.fast
             out = func(*args, **kwargs) if fast is None else fast(func, args, kwargs)
