@@ -193,7 +193,10 @@ def test_every_rank_is_run_and_the_one_that_needs_the_most_decides(tmp_path, cap
         captured.out
 
 
-TRAINER_FSDP = textwrap.dedent('''
+# a transformers Trainer's data and model, small (the trainers below add their arguments)
+LLAMA = dict(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=4)
+TRAINER_MODEL = textwrap.dedent(f'''
     import torch
     from torch.utils.data import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
@@ -204,10 +207,11 @@ TRAINER_FSDP = textwrap.dedent('''
 
         def __getitem__(self, i):
             ids = torch.randint(0, 1000, (64,))
-            return {"input_ids": ids, "labels": ids.clone()}
+            return {{"input_ids": ids, "labels": ids.clone()}}
 
-    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+    config = LlamaConfig(**{LLAMA!r})
+''')
+TRAINER_FSDP = TRAINER_MODEL + textwrap.dedent('''
     args = TrainingArguments(output_dir="out", per_device_train_batch_size=4, max_steps=2,
                              report_to=[], save_strategy="no", fsdp="full_shard",
                              fsdp_config={"fsdp_version": 2,

@@ -16,6 +16,8 @@ import textwrap
 
 import pytest
 
+from test_cli_jobs import LLAMA, TRAINER_MODEL
+
 pytest.importorskip("deepspeed")
 
 MiB = 2**20
@@ -105,21 +107,7 @@ def test_the_simulated_peak_shows_what_deepspeeds_estimate_leaves_out(zero):
         assert report["breakdown"]["other"] >= 0.9 * bucket, stage
 
 
-TRAINER = textwrap.dedent('''
-    import torch
-    from torch.utils.data import Dataset
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
-
-    class Tokens(Dataset):
-        def __len__(self):
-            return 32
-
-        def __getitem__(self, i):
-            ids = torch.randint(0, 1000, (64,))
-            return {"input_ids": ids, "labels": ids.clone()}
-
-    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+TRAINER = TRAINER_MODEL + textwrap.dedent('''
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}}
     args = TrainingArguments(output_dir="out", per_device_train_batch_size=4, max_steps=2,
@@ -135,9 +123,7 @@ def test_a_transformers_trainer_with_deepspeed_zero2_runs_unchanged_on_two_ranks
     from transformers import LlamaConfig, LlamaForCausalLM
 
     with torch.device("meta"):
-        n = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(
-            vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=4)).parameters())
+        n = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**LLAMA)).parameters())
     script = tmp_path / "train.py"
     script.write_text(TRAINER)
     out = tmp_path / "trainer.json"
