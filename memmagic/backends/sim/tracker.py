@@ -389,11 +389,7 @@ class SimTracker(StorageTracker):
                 if func in BLAS_OPS and self.workspaces is not None:
                     self._take_workspaces(func, args, kwargs)
                 else:
-                    lib = _QUANTIZED_KERNELS.get(func.namespace) or _QUANTIZED_KERNELS.get(func)
-                    if lib is not None:
-                        s.library_kernels.setdefault(lib, set()).add(func.__name__.partition(".")[0])
-                    elif func in _FUSED_ATTENTION:
-                        s.flex_attention_calls += 1
+                    self._note_kernel(func)
             s.pending = pool
             fast = self.fast
             out = func(*args, **kwargs) if fast is None else fast(func, args, kwargs)
@@ -412,6 +408,16 @@ class SimTracker(StorageTracker):
             return out
         finally:
             s.in_dispatch -= 1
+
+    def _note_kernel(self, func) -> None:
+        """Remember the library kernels (quantized weights) and flex_attention calls that
+        ran on the device, for the report's notes."""
+        s = self.s
+        lib = _QUANTIZED_KERNELS.get(func.namespace) or _QUANTIZED_KERNELS.get(func)
+        if lib is not None:
+            s.library_kernels.setdefault(lib, set()).add(func.__name__.partition(".")[0])
+        elif func in _FUSED_ATTENTION:
+            s.flex_attention_calls += 1
 
     def _over_budget(self, n: int) -> SimulationBudgetExceeded:
         if n > self.max_ops:
