@@ -57,18 +57,26 @@ def parse_ranks(spec: str, world_size: int | None, rank: int | None = None) -> l
 
 def run_job(request: CellRequest, ranks: list[int] | None = None, *,
             fresh: Callable[[], Mapping[str, Any]] | None = None,
-            on_rank: Callable[[int, MemoryReport], None] | None = None) -> CellResult:
+            on_rank: Callable[[RankRow, MemoryReport], None] | None = None) -> CellResult:
     """Run ``request`` as each of ``ranks`` of its ``world_size`` (None: once, as it is)
     and return the deciding rank's result, its report carrying every rank's figures.
     ``fresh`` gives the namespace each run starts from (a script's; the notebook's cell runs
     in its own namespace, whose names a rank's run leaves as they were); ``on_rank`` is told
-    of each rank as it ends. A Ctrl-C stops the job at the rank it interrupted."""
+    of each rank as it ends (its row and its report). A Ctrl-C stops the job at the rank it
+    interrupted."""
     from .backends.sim import waits_for_a_stage
 
     start = fresh or (lambda: request.namespace)
     if ranks is None:
         return run_cell(replace(request, namespace=start()))
     results: dict[int, CellResult] = {}
+    rows: dict[int, RankRow] = {}
+
+    def ended(r: int) -> None:
+        rows[r] = RankRow.of(r, results[r].report)  # (replays the run's trace: once)
+        if on_rank is not None:
+            on_rank(rows[r], results[r].report)
+
     # pipeline stages: each rank hands the later stages the shapes of what it sends them
     mailbox: dict = {}
     request = replace(request, mailbox=mailbox)
@@ -82,18 +90,17 @@ def run_job(request: CellRequest, ranks: list[int] | None = None, *,
                 return result
             if waits_for_a_stage(result.error):
                 waiting.append(r)
-            elif on_rank is not None:
-                on_rank(r, result.report)
+            else:
+                ended(r)
         pending = waiting if len(mailbox) > sent else []
     for r in waiting:
-        if on_rank is not None:
-            on_rank(r, results[r].report)
-    rows = tuple(RankRow.of(r, res.report) for r, res in results.items())
-    worst = max(rows, key=lambda row: row.demand).rank
+        ended(r)
+    job_rows = tuple(rows[r] for r in results)  # in the order the ranks first ran
+    worst = max(job_rows, key=lambda row: row.demand).rank
     final = results[worst]
     if final.out_of_memory and request.rank_fixes:  # its fixes, ranked by the doctor
         final = run_cell(replace(request, namespace=start(), rank=worst))
-    final.report = replace(final.report, job=JobRanks(request.world_size, rows, worst))
+    final.report = replace(final.report, job=JobRanks(request.world_size, job_rows, worst))
     return final
 
 

@@ -132,6 +132,10 @@ def _frozen_breakdown(values: Mapping[str, int] | None) -> Mapping[str, int]:
     return MappingProxyType(out)
 
 
+# how a rank ended, in the order that decides a job: ran, ran out of memory, failed
+_RAN, _OUT_OF_MEMORY, _FAILED = 0, 1, 2
+
+
 @dataclass(frozen=True)
 class RankRow:
     """One rank of a job run rank by rank: how it ended and what it needed. Bytes."""
@@ -161,10 +165,10 @@ class RankRow:
         first (the job fails with it), then one that ran out of memory (the live bytes and
         the request that failed), then what it needs of its card."""
         if self.failed_request is not None:
-            return 1, (self.live_at_failure or self.peak) + self.failed_request
+            return _OUT_OF_MEMORY, (self.live_at_failure or self.peak) + self.failed_request
         if self.error is not None:
-            return 2, self.need
-        return 0, self.need
+            return _FAILED, self.need
+        return _RAN, self.need
 
     @property
     def line(self) -> str:
@@ -204,7 +208,7 @@ class JobRanks:
     def heading(self) -> str:
         deciding = self.deciding
         row = next(r for r in self.rows if r.rank == deciding)
-        why = "failed" if row.demand[0] == 2 else "needs the most"
+        why = "failed" if row.demand[0] == _FAILED else "needs the most"
         if deciding == self.shown:
             return (f"the {self.world_size} ranks of the job, each run; this report is rank "
                     f"{deciding}'s, the rank that {why}:")

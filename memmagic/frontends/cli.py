@@ -113,7 +113,7 @@ def run_script(args: argparse.Namespace) -> int:
     try:
         result = run_job(request, job_ranks(args.world_size, args.rank, args.ranks),
                          fresh=lambda: _fresh(runner),
-                         on_rank=lambda rank, report: _told(args.world_size, rank, report))
+                         on_rank=lambda row, report: _told(args.world_size, row))
     except RequestError as exc:
         return _fail(str(exc))
     job = torchrun_rank()
@@ -139,12 +139,9 @@ def _fresh(runner: Any) -> dict[str, Any]:
     return {**runner.base, **runner.initial_values()}
 
 
-def _told(world_size: int, rank: int, report: Any) -> None:
+def _told(world_size: int, row: Any) -> None:
     """A line on stderr as each rank of ``--ranks`` ends."""
-    from ..report import RankRow
-
-    print(f"memmagic: rank {rank} of {world_size}: {RankRow.of(rank, report).line}",
-          file=sys.stderr, flush=True)
+    print(f"memmagic: rank {row.rank} of {world_size}: {row.line}", file=sys.stderr, flush=True)
 
 
 def _knob_not_taken(knobs: dict[str, Any], flags: dict[str, str]) -> str | None:

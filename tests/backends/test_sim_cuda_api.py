@@ -319,3 +319,20 @@ def test_the_cuda_context_takes_room_the_allocator_cannot_reserve(monkeypatch):
     monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
     out, _ = run(f"import torch\nx = torch.empty({big - 64 * 2**20}, dtype=torch.uint8, device='cuda')", gpu="T4")
     assert out.report.failed_request is not None and out.report.context == 1_000_000_000
+
+
+def test_nvtx_ranges_are_markers_that_answer_their_depth():
+    """torch.cuda.nvtx (DeepSpeed marks every step with it) raises "NVTX functions not
+    installed" on a CPU build; on the simulated GPU its ranges hold no memory and answer the
+    zero-based depth, as CUDA's do, counted per run."""
+    for _ in range(2):  # a run starts at depth 0 whatever the one before left open
+        out, ns = run("""
+            import torch
+            depths = [torch.cuda.nvtx.range_push("a"), torch.cuda.nvtx.range_push("b"),
+                      torch.cuda.nvtx.range_pop()]
+            with torch.cuda.nvtx.range("step"):
+                torch.cuda.nvtx.mark("here")
+            x = torch.zeros(256, device="cuda")
+            assert depths == [0, 1, 1], depths
+        """, gpu="T4")
+        assert out.error is None, out.error

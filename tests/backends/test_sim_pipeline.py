@@ -52,7 +52,7 @@ def _ranks(schedule: str, microbatches: int, ranks=range(STAGES)) -> dict:
     source = f"SCHEDULE = {schedule!r}\nMICROBATCHES = {microbatches}\n" + PIPELINE
     reports = {}
     result = run_job(CellRequest(source, {}, backend="sim", gpu="H100", world_size=STAGES),
-                     list(ranks), on_rank=lambda r, report: reports.__setitem__(r, report))
+                     list(ranks), on_rank=lambda row, report: reports.__setitem__(row.rank, report))
     assert result.error is None, result.error
     assert result.report.job is not None and len(result.report.job.rows) == len(ranks)
     return reports

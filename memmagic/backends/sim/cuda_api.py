@@ -303,15 +303,6 @@ _CUDA_NAMES = (
 _STREAM_NAMES = ("Event", "Stream", "stream", "set_stream", "current_stream", "default_stream")
 _UNSUPPORTED_CLASSES = ("ExternalStream", "CUDAGraph", "graph", "MemPool")
 _UNSUPPORTED_FUNCTIONS = ("make_graphed_callables", "graph_pool_handle", "use_mem_pool")
-# torch.cuda.nvtx's markers (a CPU build raises "NVTX functions not installed"): they mark a
-# profiler's timeline and hold no memory; range_push/range_pop answer the nesting depth
-_NVTX_DEPTH = [0]
-_NVTX = {
-    "range_push": lambda msg: _NVTX_DEPTH.__setitem__(0, _NVTX_DEPTH[0] + 1) or _NVTX_DEPTH[0] - 1,
-    "range_pop": lambda: _NVTX_DEPTH.__setitem__(0, max(_NVTX_DEPTH[0] - 1, 0)) or _NVTX_DEPTH[0],
-    "range_start": lambda msg: 0, "range_end": lambda range_id: None,
-    "mark": lambda msg: None,
-}
 _ACCELERATOR_SAME = ("memory_allocated", "max_memory_allocated", "memory_reserved",
                      "max_memory_reserved", "memory_stats", "reset_peak_memory_stats",
                      "reset_accumulated_memory_stats", "empty_cache")
@@ -338,6 +329,7 @@ class SimulatedCuda:
             name=card.name, total_memory=card.total_memory, major=capability[0],
             minor=capability[1], multi_processor_count=card.multi_processor_count)
         self.streams = _SimStreamEvents(tracker.s, notes if notes is not None else [])
+        self._nvtx_depth = 0  # the run's open NVTX ranges
 
     # -- installing ------------------------------------------------------------------------
     def api(self) -> dict[str, Any]:
@@ -360,9 +352,13 @@ class SimulatedCuda:
             if hasattr(cmem, attr):
                 patches.set(cmem, attr, value)
         patches.set(torch.cuda.amp, "autocast", autocast["cuda_amp_autocast"])
-        import torch.cuda.nvtx as nvtx  # profiler ranges (DeepSpeed marks every step): no memory
+        import torch.cuda.nvtx as nvtx
 
-        for attr, value in _NVTX.items():
+        # NVTX's markers (DeepSpeed marks every step; a CPU build raises "NVTX functions not
+        # installed") mark a profiler's timeline and hold no memory
+        for attr, value in {"range_push": self.range_push, "range_pop": self.range_pop,
+                            "range_start": lambda msg: 0, "range_end": lambda range_id: None,
+                            "mark": lambda msg: None}.items():
             patches.set(nvtx, attr, value)
         patches.set(_READS, "note", self.streams.state.note_read)
         self.install_accelerator(patches)
@@ -399,6 +395,15 @@ class SimulatedCuda:
                     patches.set(mod, attr, value)
         owner, attr = _priv.accelerator_slot()  # what torch's own code asks (FSDP2's mesh)
         patches.set(owner, attr, lambda check=False: torch.device("cuda"))
+
+    # -- NVTX ranges: the depth of the range started or ended, from 0, as torch answers ----
+    def range_push(self, msg: str) -> int:
+        self._nvtx_depth += 1
+        return self._nvtx_depth - 1
+
+    def range_pop(self) -> int:
+        self._nvtx_depth = max(self._nvtx_depth - 1, 0)
+        return self._nvtx_depth
 
     # -- the device --------------------------------------------------------------------------
     def is_available(self) -> bool:

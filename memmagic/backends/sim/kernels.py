@@ -288,16 +288,15 @@ class _SDPAKernel:
                                    scale=scale, enable_gqa=enable_gqa)
         backend = choose_sdpa_backend(query, key, value, attn_mask, dropout_p, self.capability,
                                       is_causal=is_causal)
-        if sharded and not enable_gqa:
-            # DTensor shards the CUDA kernels' own ops (their sharding rules), which run on
-            # the local fake shards from their meta kernels; the CPU composite's op has none
-            self.counts[backend] = self.counts.get(backend, 0) + 1
-            return _sharded_attention(backend, query, key, value, attn_mask, dropout_p,
-                                      is_causal, scale)
         if (enable_gqa and key.shape[-3] != query.shape[-3] and backend == "efficient"
                 and torch.backends.cuda.math_sdp_enabled()):
             backend = "math"
         self.counts[backend] = self.counts.get(backend, 0) + 1
+        if sharded and not enable_gqa:
+            # DTensor shards the CUDA kernels' own ops (their sharding rules), which run on
+            # the local fake shards from their meta kernels; the CPU composite's op has none
+            return _sharded_attention(backend, query, key, value, attn_mask, dropout_p,
+                                      is_causal, scale)
         if backend == "math":
             return _aten._scaled_dot_product_attention_math.default(
                 query, key, value, attn_mask, dropout_p, is_causal, None,
