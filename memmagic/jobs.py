@@ -119,7 +119,7 @@ def gather_ranks(report: MemoryReport, rank: int, world_size: int) -> MemoryRepo
     """Rank 0's ``report`` with every rank's row of the real job this process is ``rank``
     of (started by torchrun, each rank measuring its own run), gathered over the job's
     process group: the script's own where it left it up, else a gloo group made from
-    torchrun's environment for this and ended after. Every rank calls it (a collective);
+    torchrun's environment for this; either ends after. Every rank calls it (a collective);
     the other ranks' reports come back as they were. A gather that fails or times out
     leaves a note instead."""
     from datetime import timedelta
@@ -127,18 +127,19 @@ def gather_ranks(report: MemoryReport, rank: int, world_size: int) -> MemoryRepo
     import torch.distributed as dist
 
     timeout = timedelta(seconds=GATHER_TIMEOUT_S)
-    made = not dist.is_initialized()
     rows: list | None = [None] * world_size if rank == 0 else None
     try:
-        if made:
+        if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=timeout)
         try:  # rows travel over gloo, whatever the script's backend (NCCL's need devices)
             group = (None if dist.get_backend() == "gloo"
                      else dist.new_group(backend="gloo", timeout=timeout))
             dist.gather_object(RankRow.of(rank, report), rows, dst=0, group=group)
         finally:
-            if made:
-                dist.destroy_process_group()
+            # the script has ended: a group it left up ends here too (a process that exits
+            # with a gloo group up after a collective can abort in gloo's threads:
+            # "terminate called without an active exception")
+            dist.destroy_process_group()
     except Exception as exc:  # another rank died: its rows never come
         return replace(report, notes=report.notes + (
             f"the other ranks' figures could not be gathered ({type(exc).__name__}: "
