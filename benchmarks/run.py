@@ -12,9 +12,10 @@ from typing import Callable
 from .common import RESULTS_DIR, Figure, code_version, machine_info, write_results
 
 __all__ = ["main", "RESULTS_DIR"]
-FIGURES = ("a", "b", "c", "d", "e", "f", "w", "s", "m")
-# the what-if panel, trace-cost, doctor-at-scale and fit-map figures: a full run or --only
-QUICK_SKIPS = {"w", "f", "s", "m"}
+FIGURES = ("a", "b", "c", "d", "e", "f", "w", "s", "m", "t")
+# the what-if panel, trace-cost, doctor-at-scale, fit-map and torchtitan figures: a full run
+# or --only
+QUICK_SKIPS = {"w", "f", "s", "m", "t"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -25,14 +26,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="the CUDA figures (skips cleanly without a usable GPU)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the JSON (default: results/)")
     p.add_argument("--only", default=None,
-                   help="comma-separated figures to run, from a,b,c,d,e,f,w,s,m (default: all; "
-                        "--quick leaves out w, f, s and m)")
+                   help="comma-separated figures to run, from a,b,c,d,e,f,w,s,m,t (default: "
+                        "all; --quick leaves out w, f, s, m and t)")
     p.add_argument("--reps", type=int, default=None, help="pairs per timing (default 3)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for the run (default 1; 0 keeps torch's default). "
                         "On a shared machine a second OpenMP thread stalls whenever another "
                         "process holds a core, which made paired timings differ by up to 50x")
     p.add_argument("--whatif-probe", default="sim-rerun", help="what the what-if figure times")
+    p.add_argument("--torchtitan", type=Path, default=None, metavar="DIR",
+                   help="figure t: a checkout of pytorch/torchtitan (v0.2.0) whose trainer runs "
+                        "on simulated H100s (without it the figure says so)")
     p.add_argument("--against", default=None, metavar="REV",
                    help="figures w and s: measure each case with commit REV's memmagic too, beside "
                         "this tree's (each in a fresh process, alternating)")
@@ -91,6 +95,10 @@ def _run_figures(only: set[str], args: argparse.Namespace, size: str, reps: int,
                 against.close()
     if "m" in only:
         show(F.fit_map_figure(args.threads))
+    if "t" in only:
+        from .torchtitan import torchtitan_figure
+
+        show(torchtitan_figure(args.torchtitan))
     if "s" in only:
         from .against import Against
 

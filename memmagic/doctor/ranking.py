@@ -3,6 +3,7 @@ rows), smallest peak first; the re-runs go through the engine the doctor is give
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -57,6 +58,12 @@ def _measure(cell: Any, label: str, knobs: Mapping[str, Any]) -> Strategy:
         r = cell.run(**knobs)
     except (KnobError, ValueError, TypeError) as exc:
         return Strategy(label, dict(knobs), None, reason=str(exc))
+    return _row(label, knobs, r)
+
+
+def _row(label: str, knobs: Mapping[str, Any], r: Any) -> Strategy:
+    """The row of a run ``r`` (a what-if result or a report: its peak, reserved peak,
+    verdict, error and, after an out of memory, what was live and the failed request)."""
     if r.error and r.failed_request is None:
         return Strategy(label, dict(knobs), None, reason=f"the cell failed: {r.error}")
     if r.failed_request is not None:  # ran out of memory: it needs more than what was live
@@ -117,7 +124,7 @@ def rank(engine: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = 
             options = c.backend_options
             rows += _shard_rows(source, c.namespace, world_sizes, options.get("gpu", gpu),
                                 options.get("gpu_memory", gpu_memory))
-            notes.append(_NCCL_NOTE)
+            notes += _SHARD_NOTES
     rows.sort(key=_order)
     return baseline, tuple(rows), notes
 
@@ -206,7 +213,7 @@ def ranking_rows(engine: Callable[[], Any] | None, namespace: Mapping[str, Any] 
                     unit=unit)
     rows = _shard_rows(c, namespace, world_sizes, gpu, gpu_memory)
     rows.sort(key=_order)
-    return None, tuple(rows), [_NCCL_NOTE] if rows else []
+    return None, tuple(rows), list(_SHARD_NOTES) if rows else []
 
 
 # What the FSDP2 rows leave out: the simulation runs them on a fake process group (no NCCL)
@@ -217,22 +224,41 @@ _NCCL_NOTE = ("FSDP2 and tensor-parallel rows leave out NCCL's own buffers on ea
               "an all-reduce, NVIDIA/nccl#864): leave that room beside the rows' figures")
 
 
+# What the rows of a job over several GPUs are, and what they leave out
+_SHARD_NOTES = (
+    _NCCL_NOTE,
+    "the FSDP2 rows are ZeRO-3 (parameters, gradients and optimizer state sharded); the "
+    "ZeRO-1 and ZeRO-2 rows are simulated at the most GPUs tried only (fewer GPUs hold more). "
+    "The ZeRO-1 row leaves out DDP's gradient buckets (a second copy of the gradients, none "
+    "with DistributedDataParallel(gradient_as_bucket_view=True)); DeepSpeed's own ZeRO "
+    "adds its buckets (reduce_bucket_size): run the DeepSpeed script with --world-size N "
+    "for those",
+    "pipeline stages: not re-run by the doctor, since a pipeline replaces the cell's forward "
+    "and backward by a schedule's step(); write the step with "
+    "torch.distributed.pipelining and run it with --world-size N --ranks all (each stage's "
+    "peak, its micro-batches in flight counted)")
+
+
 def _shard_rows(cell: Any, namespace: Mapping[str, Any] | None, world_sizes: Sequence[int],
                 gpu: Any, gpu_memory: Any) -> list[Strategy]:
-    """FSDP2 rows for each of ``world_sizes``, and tensor-parallel rows where the notebook's
-    model carries its own TP plan (a transformers model's ``tp_plan``)."""
+    """FSDP2 (ZeRO-3) rows for each of ``world_sizes``, tensor-parallel rows where the
+    notebook's model carries its own TP plan (a transformers model's ``tp_plan``), and
+    ZeRO-2 and ZeRO-1 rows at the most GPUs of ``world_sizes``."""
     from ..whatif import sharding
 
     source = getattr(cell, "source", cell)
-    runs = [sharding.simulate_fsdp]
+    runs = [(sharding.simulate_fsdp, world_sizes)]
     if _has_tp_plan(namespace):
-        runs.append(sharding.simulate_tp)
+        runs.append((sharding.simulate_tp, world_sizes))
+    most = (max(world_sizes),) if world_sizes else ()
+    runs += [(functools.partial(sharding.simulate_zero, stage=stage), most) for stage in (2, 1)]
     out = []
-    for simulate in runs:
-        for n in world_sizes:
+    for simulate, sizes in runs:
+        for n in sizes:
             r = simulate(source, namespace, world_size=n, gpu=gpu, gpu_memory=gpu_memory)
-            out.append(Strategy(r.label(), {f"{r.style}_world_size": n}, r.peak,
-                                r.reserved_peak, r.fits, r.reason))
+            knobs = {f"{r.style}_world_size": n}
+            out.append(Strategy(r.label(), knobs, None, reason=r.reason) if r.report is None
+                       else _row(r.label(), knobs, r.report))
     return out
 
 

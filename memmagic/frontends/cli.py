@@ -62,10 +62,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _write(report: Any, args: argparse.Namespace) -> list[str]:
+def _write(report: Any, args: argparse.Namespace, run_notes: Sequence[str] = ()) -> list[str]:
+    """Write the files asked for (the JSON's notes end with the run's: what cut it, what
+    the script wrote); the lines that say where."""
     lines = []
     if args.json is not None:
-        args.json.write_text(json.dumps(report.to_dict(), indent=1, default=str))
+        data = report.to_dict()
+        data["notes"] = [*data.get("notes", ()), *run_notes]
+        args.json.write_text(json.dumps(data, indent=1, default=str))
         lines.append(f"report written to {args.json}")
     if args.timeline is not None:
         from ..charts.plots import figure_png, timeline_figure
@@ -92,17 +96,17 @@ def run_script(args: argparse.Namespace) -> int:
 
     problem = _bad_input(args)
     spec = None
+    script_args = args.args[1:] if args.args[:1] == ["--"] else list(args.args)
     if problem is None:
         try:
             knobs = _whatif_knobs(args.whatif or ())
             if args.module is not None:
-                args.script, spec = find_module(args.module)
+                args.script, spec = find_module(args.module, script_args)
             source, code = load_script(args.script)
         except ValueError as exc:
             problem = str(exc)
     if problem is not None:
         return _fail(problem)
-    script_args = args.args[1:] if args.args[:1] == ["--"] else list(args.args)
     runner = ScriptRun(code, args.script, script_args, args.steps, args.time_limit, module=spec)
     problem = _knob_not_taken(knobs, runner.flags)
     if problem is not None:
@@ -213,10 +217,11 @@ def _show(result: Any, runner: Any, args: argparse.Namespace) -> int:
     if isinstance(error, RefusedCall):
         return _fail(f"{_script_line(error, args.script)}{error}")
     print(report.summary())
-    for line in _run_notes(runner, args, error):
+    run_notes = _run_notes(runner, args, error)
+    for line in run_notes:
         print(f"  note: {line}")
     try:
-        for line in _write(report, args):
+        for line in _write(report, args, run_notes):
             print(line)
     except OSError as exc:
         return _fail(f"could not write {exc.filename or 'the output'}: {exc.strerror or exc}")

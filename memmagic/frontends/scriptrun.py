@@ -63,20 +63,25 @@ def load_script(path: Path) -> tuple[str, types.CodeType]:
         raise ScriptError(f"{path}: {exc}: is it a Python script?") from None
 
 
-def find_module(name: str) -> tuple[Path, Any]:
+def find_module(name: str, argv: Sequence[str] = ()) -> tuple[Path, Any]:
     """The file ``python -m name`` runs (a package's ``__main__``) and its module spec;
     ScriptError says what is wrong. Its parent packages are imported, as ``python -m``
-    imports them, with the current folder first on ``sys.path``."""
+    imports them: with the current folder first on ``sys.path`` and ``sys.argv`` ``["-m",
+    *argv]`` (a package that reads its arguments on import, as a default value, sees the
+    module's, not memmagic's)."""
     import importlib.util
 
+    patches = Patches()
     sys.path.insert(0, os.getcwd())
     try:
+        patches.set(sys, "argv", ["-m", *argv])
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.submodule_search_locations is not None:
             spec = importlib.util.find_spec(f"{name}.__main__")  # a package: its __main__
     except (ImportError, ValueError) as exc:
         raise ScriptError(f"-m {name}: {type(exc).__name__}: {exc}") from None
     finally:
+        patches.restore()
         sys.path.remove(os.getcwd())
     if spec is None or not spec.origin or not spec.has_location or not spec.origin.endswith(".py"):
         raise ScriptError(f"-m {name}: no Python module of that name here (python -m {name} "
@@ -135,7 +140,8 @@ class _ScriptModule(types.ModuleType):
 
 
 class _Watch:
-    """Counts one run's optimizer steps and forward passes (outermost calls of a module
+    """Counts one run's optimizer steps (outermost: an optimizer stepping others makes one)
+    and forward passes (outermost calls of a module
     with parameters: a model's, not its layers' nor a loss module's), and cuts the run: at
     ``steps`` optimizer steps; when the script made no optimizer (an evaluation loop),
     after ``steps`` forward passes, at the next one (a training script that evaluates
@@ -150,6 +156,7 @@ class _Watch:
         self.progress = RunProgress()
         self.started = time.monotonic()
         self.depth = 0  # module calls under way
+        self.stepping = 0  # optimizer steps under way (one inside another)
         self.counted = False  # whether the outermost one is a forward pass
         self.no_grad = False  # whether it runs with gradients off
         self._grad_enabled: Callable[[], bool] = lambda: True  # torch's, while watching
@@ -166,7 +173,15 @@ class _Watch:
             self.expired = time.monotonic() - self.started >= self.limit_s
         return self.expired
 
+    def before_step(self, *_: Any) -> None:
+        self.stepping += 1
+
     def on_step(self, *_: Any) -> None:
+        # an optimizer that steps others (torchtitan's OptimizersContainer, ZeRO's local
+        # optimizer) makes one step: the outermost counts, and a cut waits for it
+        self.stepping = max(0, self.stepping - 1)
+        if self.stepping:
+            return
         self.progress.steps += 1
         if self.steps is not None and self.progress.steps >= self.steps:
             self._cut("steps")
@@ -211,12 +226,14 @@ class _Watch:
         import torch
         from torch.nn.modules.module import (register_module_forward_hook,
                                              register_module_forward_pre_hook)
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                           register_optimizer_step_pre_hook)
 
         patches = Patches()
         self._grad_enabled = torch.is_grad_enabled
         try:
-            for handle in (register_optimizer_step_post_hook(self.on_step),
+            for handle in (register_optimizer_step_pre_hook(self.before_step),
+                           register_optimizer_step_post_hook(self.on_step),
                            register_module_forward_pre_hook(self.before_forward),
                            register_module_forward_hook(self.after_forward, always_call=True)):
                 patches.call_on_restore(handle.remove)

@@ -18,6 +18,8 @@ from __future__ import annotations
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
+import types
+import warnings
 import weakref
 
 from ..core.failures import is_out_of_memory
@@ -25,7 +27,7 @@ from ..report import MemoryReport, format_bytes
 from ..core import _torch_private as _priv
 from ..backends.sim import rank_of
 
-__all__ = ["ShardResult", "simulate_fsdp", "simulate_tp", "shard_memory", "ShardingUnsupported",
+__all__ = ["ShardResult", "simulate_fsdp", "simulate_tp", "simulate_zero", "shard_memory", "ShardingUnsupported",
            "WORLD_SIZES", "rank_of", "tp_plan", "parallelize"]
 
 WORLD_SIZES = (2, 4, 8)
@@ -46,7 +48,7 @@ class ShardResult:
     report: MemoryReport | None
     sharded: tuple[str, ...] = ()
     reason: str | None = None
-    style: str = "fsdp"  # or "tp": tensor parallel by the model's own plan
+    style: str = "fsdp"  # "tp": tensor parallel by the model's own plan; "zero1", "zero2"
 
     @property
     def peak(self) -> int | None:
@@ -63,9 +65,7 @@ class ShardResult:
         return None if self.report is None else self.report.fits
 
     def label(self) -> str:
-        if self.style == "tp":
-            return f"tensor parallel over {self.world_size} GPUs (the model's TP plan)"
-        return f"shard over {self.world_size} GPUs (FSDP2)"
+        return STYLES[self.style].format(n=self.world_size)
 
     def __str__(self) -> str:
         if self.report is None:
@@ -73,12 +73,24 @@ class ShardResult:
         return f"{self.label()}: {format_bytes(self.peak)} per GPU"
 
 
+# The ways a model is split over GPUs, and their rows' labels. ZeRO-3 is FSDP2's default
+# ("fsdp"); ZeRO-2 is FSDP2 keeping the gathered parameters from forward to backward (FSDP1's
+# SHARD_GRAD_OP), ZeRO-1 torch's ZeroRedundancyOptimizer (optimizer state only).
+STYLES = {"fsdp": "shard over {n} GPUs (FSDP2)",
+          "tp": "tensor parallel over {n} GPUs (the model's TP plan)",
+          "zero2": "ZeRO-2 over {n} GPUs (grads, optimizer state)",
+          "zero1": "ZeRO-1 over {n} GPUs (optimizer state)"}
+_WHAT = {"fsdp": "FSDP2", "tp": "tensor parallelism", "zero2": "ZeRO-2", "zero1": "ZeRO-1"}
+
+
 # -- sharding the cell's model when it makes its optimizer -----------------------------------
 class _AutoShard:
-    """Applies ``fully_shard`` (``style`` "fsdp": each ModuleList block, then the root) or
-    the model's own tensor-parallel plan ("tp": :func:`parallelize`) to the modules owning
-    an optimizer's parameters when the optimizer is made (``Optimizer.__init__``), and
-    hands it the sharded parameters."""
+    """Applies ``fully_shard`` (``style`` "fsdp": each ModuleList block, then the root;
+    "zero2": the same, the gathered parameters kept from forward to backward) or the
+    model's own tensor-parallel plan ("tp": :func:`parallelize`) to the modules owning an
+    optimizer's parameters when the optimizer is made (``Optimizer.__init__``), and hands it
+    the sharded parameters. "zero1" leaves the model whole and makes the optimizer step
+    through torch's ZeroRedundancyOptimizer (:meth:`shard_state`)."""
 
     def __init__(self, mesh: Any, namespace: Mapping[str, Any], style: str = "fsdp") -> None:
         self.mesh = mesh
@@ -89,6 +101,7 @@ class _AutoShard:
         self.sharded: list[str] = []
         self.done: set[int] = set()
         self.errors: list[BaseException] = []
+        self.making_own = False  # the optimizers ZeroRedundancyOptimizer makes are its own
 
     @contextmanager
     def installed(self) -> Iterator["_AutoShard"]:
@@ -116,7 +129,12 @@ class _AutoShard:
         auto = self
 
         def __init__(opt, params, defaults):
-            return original_init(opt, auto.shard_for(params), defaults)
+            if auto.making_own:
+                return original_init(opt, params, defaults)
+            if auto.style != "zero1":
+                return original_init(opt, auto.shard_for(params), defaults)
+            original_init(opt, params, defaults)
+            auto.shard_state(opt)
 
         handles = []
         try:
@@ -178,6 +196,31 @@ class _AutoShard:
             return [{**g, "params": swap(list(g["params"]))} for g in items]
         return swap(items)
 
+    def shard_state(self, opt: Any) -> None:
+        """ZeRO-1 for ``opt``: torch's ZeroRedundancyOptimizer over its parameter groups
+        makes the optimizer of this rank's partition, and ``opt`` steps through it. ``opt``
+        keeps every parameter (``zero_grad``, a GradScaler's unscaling and LR schedulers see
+        them all); its state is the partition's."""
+        with warnings.catch_warnings():  # importing it scripts torch's functional optimizers
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        groups = [{k: v for k, v in g.items()} for g in opt.param_groups]
+        self.making_own = True
+        try:
+            zero = ZeroRedundancyOptimizer(groups, optimizer_class=type(opt),
+                                           **_taken(type(opt), opt.defaults))
+        finally:
+            self.making_own = False
+        zero.param_groups = opt.param_groups  # a scheduler's learning rates reach the step
+
+        def step(self, *args, **kwargs):  # a method of ``opt``: LR schedulers re-bind it
+            return zero.step(*args, **kwargs)
+
+        opt.step = types.MethodType(step, opt)
+        opt.state = zero.optim.state
+        self.sharded.append(type(opt).__name__)
+
     def _shard(self, name: str, root: Any) -> None:
         import torch
         from torch.distributed.fsdp import fully_shard
@@ -198,11 +241,23 @@ class _AutoShard:
                         continue
                     blocks.append((f"{name}.{path}.{i}" if path else f"{name}.{i}", child))
                     taken.add(id(child))
+        keep = self.style == "zero2"  # gathered from forward to backward
         for label, block in blocks:
-            fully_shard(block, mesh=self.mesh)
+            fully_shard(block, mesh=self.mesh, reshard_after_forward=not keep)
             self.sharded.append(label)
-        fully_shard(root, mesh=self.mesh)
+        fully_shard(root, mesh=self.mesh, reshard_after_forward=not keep)
         self.sharded.append(name)
+
+
+def _taken(cls: type, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of an optimizer's ``defaults`` its class's constructor takes (AdamW's
+    defaults name ``decoupled_weight_decay``, which it sets itself)."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in params}
 
 
 def _tp_styles() -> dict[str, Callable[[], Any]]:
@@ -317,6 +372,10 @@ def _shard_existing(auto: _AutoShard, ns: dict) -> None:
         params = [p for g in value.param_groups for p in g["params"]]
         for p in params:  # gradients of the whole parameters (a step of an earlier cell)
             p.grad = None
+        if auto.style == "zero1":  # the model stays whole; the state is this rank's part
+            value.state.clear()
+            auto.shard_state(value)
+            continue
         swap = {id(p): q for p, q in zip(params, auto.shard_for(params)) if q is not p}
         if not swap:
             continue
@@ -383,7 +442,7 @@ def _simulate(cell: str | RunFn, namespace: Mapping[str, Any] | None, world_size
     world_size = int(world_size)
     if world_size < 2:
         raise ValueError(f"world_size must be 2 or more (1 GPU is the plain run), not {world_size}")
-    what = "FSDP2" if style == "fsdp" else "tensor parallelism"
+    what = _WHAT[style]
     run = _as_run(cell)
     ns = dict(namespace or {})
     if session is None:
@@ -418,6 +477,21 @@ def _simulate(cell: str | RunFn, namespace: Mapping[str, Any] | None, world_size
                            reason=f"{what} could not run this model in the simulation: {report.error}",
                            style=style)
     return ShardResult(world_size, report, tuple(auto.sharded), style=style)
+
+
+def simulate_zero(cell: str | RunFn, namespace: Mapping[str, Any] | None = None, *,
+                  world_size: int, stage: int, gpu: Any = None,
+                  gpu_memory: int | str | None = None, session: Any = None) -> ShardResult:
+    """:func:`simulate_fsdp` as ZeRO ``stage`` 1, 2 or 3 does it, with torch's machinery:
+    stage 1 shards the optimizer state (the cell's optimizer steps through torch's
+    ``ZeroRedundancyOptimizer``; every rank keeps the whole model and its gradients), stage
+    2 the gradients too (FSDP2 with ``reshard_after_forward=False``: the parameters gathered
+    for a block's forward stay until its backward, as FSDP1's SHARD_GRAD_OP), stage 3 the
+    parameters too (FSDP2 as it comes: :func:`simulate_fsdp`)."""
+    styles = {1: "zero1", 2: "zero2", 3: "fsdp"}
+    if stage not in styles:
+        raise ValueError(f"ZeRO has stages 1, 2 and 3, not {stage!r}")
+    return _simulate(cell, namespace, world_size, styles[stage], gpu, gpu_memory, session)
 
 
 def shard_memory(cell: str | RunFn, namespace: Mapping[str, Any] | None = None, *,

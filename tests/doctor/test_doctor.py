@@ -242,10 +242,35 @@ def test_fsdp_rows_join_the_ranking_with_the_sharding_numbers():
     base, rows, notes = doctor.rank(ranking_engine(STEP), knobs=(), world_sizes=(2, 4))
     assert any(n.startswith("FSDP2 and tensor-parallel rows leave out NCCL's own buffers") and "NVIDIA/nccl#1685" in n
                for n in notes)
-    labels = [s.label for s in rows]
-    assert labels == ["shard over 4 GPUs (FSDP2)", "shard over 2 GPUs (FSDP2)"]
-    assert [s.knobs for s in rows] == [{"fsdp_world_size": 4}, {"fsdp_world_size": 2}]
-    assert rows[0].peak < rows[1].peak < base.peak
+    assert any(n.startswith("the FSDP2 rows are ZeRO-3") for n in notes)
+    assert any(n.startswith("pipeline stages: not re-run by the doctor") for n in notes)
+    by = {next(iter(s.knobs.items())): s for s in rows}
+    # FSDP2 (ZeRO-3) at every size; ZeRO-2 and ZeRO-1 at the most GPUs tried
+    assert set(by) == {("fsdp_world_size", 4), ("fsdp_world_size", 2),
+                       ("zero2_world_size", 4), ("zero1_world_size", 4)}
+    assert by["fsdp_world_size", 4].label == "shard over 4 GPUs (FSDP2)"
+    assert by["zero1_world_size", 4].label.startswith("ZeRO-1 over 4 GPUs")
+    assert [s.peak for s in rows] == sorted(s.peak for s in rows)  # ranked
+    assert by["fsdp_world_size", 4].peak < by["fsdp_world_size", 2].peak < base.peak
+    # less sharded, more memory: ZeRO-3 < ZeRO-2 < ZeRO-1 < one GPU
+    assert (by["fsdp_world_size", 4].peak < by["zero2_world_size", 4].peak
+            < by["zero1_world_size", 4].peak < base.peak)
+
+
+def test_sharded_rows_that_run_out_of_memory_read_as_lower_bounds():
+    """A sharded run that runs out says what it needs at least (live + the request), as
+    the knob rows do, not the peak it reached before failing."""
+    from memmagic.doctor.ranking import _shard_rows
+    from tests.whatif.test_sharding import STEP
+
+    big = STEP.replace("512, 512", "1536, 1536").replace("8, 512", "8, 1536")  # 36 MiB
+    rows = _shard_rows(big, None, (2,), None, "64MiB")
+    assert [next(iter(s.knobs)) for s in rows] == ["fsdp_world_size", "zero2_world_size",
+                                                   "zero1_world_size"]
+    for s in rows:
+        assert s.out_of_memory and s.fits is False and s.reserved_peak is None, s
+        assert s.reason.startswith("out of memory asking for")
+    assert "> " in doctor.Advice(strategies=tuple(rows)).strategy_rows()[0][1]
 
 
 def test_the_namespace_view_of_a_simulated_gpu_shows_its_objects():

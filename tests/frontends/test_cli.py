@@ -58,6 +58,7 @@ def test_a_script_runs_on_the_simulated_gpu_cut_after_its_steps(script, tmp_path
     assert "target GPU       T4 14.74 GiB: fits" in text and "peak reached     during loss.backward()" in text
     report = json.loads(out.read_text())
     assert report["backend"] == "sim" and report["gpu_name"] == "T4"
+    assert "stopped after 2 optimizer step(s) (--steps 2)" in report["notes"]  # the run's too
     assert report["breakdown"]["optimizer_state"] > 0  # AdamW's state: a step ran
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     assert "segments" in pickle.loads((tmp_path / "s.pickle").read_bytes())
@@ -241,6 +242,38 @@ def test_steps_count_optimizer_steps_when_the_script_evaluates_first(tmp_path, c
     assert rc == 0, text
     assert "note: stopped after 2 optimizer step(s) (--steps 2)" in text
     assert "forward passes with gradients off" not in text  # 5: no note
+
+
+def test_an_optimizer_that_steps_others_makes_one_step(tmp_path, capsys, clean_state):
+    """A container of optimizers that is an optimizer itself (torchtitan's
+    OptimizersContainer: one per model part) steps each inside its own step: one training
+    step, not three, and the cut waits for the outer step to end."""
+    (tmp_path / "t.py").write_text(textwrap.dedent('''
+        import torch
+        parts = [torch.nn.Linear(64, 64).cuda() for _ in range(2)]
+
+        class Container(torch.optim.Optimizer):
+            def __init__(self, parts):
+                self.inner = [torch.optim.AdamW(p.parameters()) for p in parts]
+                super().__init__([q for p in parts for q in p.parameters()], {})
+            def step(self, closure=None):
+                for o in self.inner:
+                    o.step()
+
+        opt = Container(parts)
+        done = 0
+        for _ in range(10):
+            sum(p(torch.randn(8, 64, device="cuda")).sum() for p in parts).backward()
+            opt.step()
+            done += 1
+            print("done", done, "steps; both parts stepped:",
+                  all(len(o.state) == 2 for o in opt.inner))
+    '''))
+    rc = cli.main(["run", "--gpu", "T4", "--steps", "2", str(tmp_path / "t.py")])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "done 1 steps; both parts stepped: True" in text and "done 2" not in text
+    assert "note: stopped after 2 optimizer step(s) (--steps 2)" in text
 
 
 def test_a_long_evaluation_gets_a_note_on_what_it_costs(tmp_path, capsys, clean_state):

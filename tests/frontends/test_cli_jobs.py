@@ -77,13 +77,16 @@ def test_without_world_size_the_same_script_stops_as_on_one_gpu(tmp_path, capsys
 def test_a_module_runs_as_python_dash_m_runs_it(tmp_path, capsys, clean_state, monkeypatch):
     pkg = tmp_path / "trainer"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
+    # the package reads its arguments when imported, as a default value (torchtitan 0.2's
+    # ConfigManager.parse_args(args=sys.argv[1:])): python -m imports it with the module's
+    (pkg / "__init__.py").write_text("import sys\nARGV_AT_IMPORT = sys.argv[1:]\n")
     (pkg / "config.py").write_text("WIDTH = 256\n")
     (pkg / "train.py").write_text(textwrap.dedent('''
         import sys
         import torch
         from .config import WIDTH   # a relative import: the module runs in its package
-        print("argv", sys.argv[1:], "main", __name__, __spec__.name)
+        from trainer import ARGV_AT_IMPORT
+        print("argv", sys.argv[1:], "main", __name__, __spec__.name, "on import", ARGV_AT_IMPORT)
         x = torch.zeros(int(sys.argv[2]), WIDTH, device="cuda")
     '''))
     (pkg / "__main__.py").write_text("import torch\nprint('package main')\n"
@@ -94,7 +97,7 @@ def test_a_module_runs_as_python_dash_m_runs_it(tmp_path, capsys, clean_state, m
     rc = cli.main(["run", "--gpu", "T4", "--json", str(out), "-m", "trainer.train", "--rows", "64"])
     text = capsys.readouterr().out
     assert rc == 0, text
-    assert "argv ['--rows', '64'] main __main__ trainer.train" in text
+    assert "argv ['--rows', '64'] main __main__ trainer.train on import ['--rows', '64']" in text
     assert json.loads(out.read_text())["after"] == 64 * 256 * 4
     assert cli.main(["run", "--gpu", "T4", "-m", "trainer"]) == 0
     assert "package main" in capsys.readouterr().out

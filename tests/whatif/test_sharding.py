@@ -50,6 +50,63 @@ def test_rank_memory_is_the_arithmetic_of_sharded_parameters_gradients_and_adam_
         assert end["optimizer_state"] == 2 * P // n  # exp_avg, exp_avg_sq (steps on the host)
 
 
+def test_zero_stages_shard_what_each_stage_shards_by_torchs_own_machinery():
+    """ZeRO-1 (torch's ZeroRedundancyOptimizer): the whole model and its gradients on every
+    rank, Adam's two moments of rank 0's partition only (two of the four 1 MiB weights over
+    2 ranks, one over 4). ZeRO-2 (FSDP2, reshard_after_forward=False) ends a step as ZeRO-3
+    does, shards of everything, but keeps every gathered weight from forward to backward."""
+    for n in (2, 4):
+        r1 = sharding.simulate_zero(STEP, world_size=n, stage=1)
+        assert r1.report is not None, r1.reason
+        assert r1.sharded == ("Adam",) and r1.label().startswith(f"ZeRO-1 over {n} GPUs")
+        end = _at_end(r1.report)
+        assert (end["parameters"], end["gradients"], end["optimizer_state"]) == (P, P, 2 * P // n)
+        r2 = sharding.simulate_zero(STEP, world_size=n, stage=2)
+        end = _at_end(r2.report)
+        assert (end["parameters"], end["gradients"], end["optimizer_state"]) == (P // n, P // n,
+                                                                                2 * P // n)
+    # after a forward only: ZeRO-2 holds every gathered weight, ZeRO-3 none
+    forward = STEP.replace("model(x).sum().backward()\nopt.step()", "y = model(x).sum()")
+    held = {stage: _at_end(sharding.simulate_zero(forward, world_size=4, stage=stage).report)
+            for stage in (2, 3)}
+    assert held[2]["parameters"] == P // 4 + P
+    assert held[3]["parameters"] == P // 4
+
+
+def test_zero_one_steps_through_a_scheduler_and_a_cell_made_optimizer_stays_usable():
+    """The cell's optimizer object stays the cell's (its param_groups all the parameters,
+    an LR scheduler's rate reaching the partition's step); stage 4 is refused."""
+    import pytest
+
+    cell = STEP.replace("opt.step()", """
+sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+opt.step(); sched.step()
+opt.zero_grad(set_to_none=True)
+model(x).sum().backward(); opt.step()
+groups = len(opt.param_groups[0]["params"]), opt.param_groups[0]["lr"]
+""")
+    r = sharding.simulate_zero(cell, world_size=2, stage=1)
+    assert r.report is not None, r.reason
+    assert _at_end(r.report)["optimizer_state"] == P
+    with pytest.raises(ValueError, match="stages 1, 2 and 3"):
+        sharding.simulate_zero(STEP, world_size=2, stage=4)
+    assert not dist.is_initialized()
+
+
+def test_torch_distributed_optim_imports_in_a_simulated_cell():
+    """torch.distributed.optim scripts functional optimizers when imported: TorchScript
+    compiles them against the simulator's foreach default, which says its types as torch's."""
+    import subprocess
+    import sys
+
+    code = ("from memmagic.backends.sim import SimBackend\n"
+            "out = SimBackend(gpu='T4').execute(lambda ns: exec("
+            "'from torch.distributed.optim import ZeroRedundancyOptimizer', ns), {})\n"
+            "print(out.report.error)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "None", done.stdout + done.stderr
+
+
 def test_the_peak_counts_the_all_gathered_block_not_the_whole_model():
     r2 = sharding.simulate_fsdp(STEP, world_size=2)
     r4 = sharding.simulate_fsdp(STEP, world_size=4)
@@ -295,15 +352,17 @@ def test_the_doctor_adds_tensor_parallel_rows_for_a_model_with_a_plan(ip):
     ip.run_line_magic("gpusim", "on --gpu T4")
     ip.run_cell(LLAMA)
     rows = _shard_rows(LLAMA_STEP, ip.user_ns, (4,), None, None)
-    assert [s.label for s in rows] == ["shard over 4 GPUs (FSDP2)",
-                                      "tensor parallel over 4 GPUs (the model's TP plan)"]
-    assert [s.knobs for s in rows] == [{"fsdp_world_size": 4}, {"tp_world_size": 4}]
+    assert [s.label for s in rows][:2] == ["shard over 4 GPUs (FSDP2)",
+                                          "tensor parallel over 4 GPUs (the model's TP plan)"]
+    assert [s.knobs for s in rows] == [{"fsdp_world_size": 4}, {"tp_world_size": 4},
+                                       {"zero2_world_size": 4}, {"zero1_world_size": 4}]
     assert all(s.peak is not None for s in rows), [s.reason for s in rows]
-    # a plain model (no plan): FSDP2 rows only
+    # a plain model (no plan): no tensor-parallel row
     ip.run_cell("model = torch.nn.Linear(64, 64).cuda()")
     rows = _shard_rows("opt = torch.optim.SGD(model.parameters())\nmodel(torch.randn(2, 64, device='cuda')).sum().backward()",
                        ip.user_ns, (2,), None, None)
-    assert [s.label for s in rows] == ["shard over 2 GPUs (FSDP2)"]
+    assert [next(iter(s.knobs)) for s in rows] == ["fsdp_world_size", "zero2_world_size",
+                                                   "zero1_world_size"]
 
 
 def test_2d_on_a_transformers_model_tp_by_its_plan_and_fsdp2_by_layer():

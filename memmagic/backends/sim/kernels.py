@@ -325,7 +325,10 @@ def _sharded_attention(backend: str, q, k, v, mask, dropout_p: float, is_causal:
 
 
 # -- optimizers -----------------------------------------------------------------------------
-def _cuda_default_to_fused_or_foreach(params, differentiable, use_fused=False):
+def _cuda_default_to_fused_or_foreach(params: list[torch.Tensor], differentiable: bool,
+                                      use_fused: bool = False) -> tuple[bool, bool]:
+    # annotated as torch's own: TorchScript compiles callers (torch.distributed.optim's
+    # functional optimizers, scripted when that package is imported) against this signature
     if torch.jit.is_scripting() or differentiable:
         return False, False
     return False, True
