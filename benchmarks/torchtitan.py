@@ -105,6 +105,7 @@ def torchtitan_figure(repo: Path | None) -> Figure:
          ("sim_reserved_gib", "simulated reserved GiB", "text"), ("error", "error", "pct"),
          ("sim_peak_gib", "simulated allocated GiB", "text"), ("steps", "steps run", "text"),
          ("wall_s", "wall", "s"), ("status", "target", "text")],
+        metric=("error", "pct"),
         notes=["Both sides are PyTorch's allocator (max reserved): NCCL's own buffers are "
                "outside it on a GPU too. The published runs used December 2024's torch and "
                "torchtitan, these torch 2.13 and the checkout named below: the error is the "
