@@ -70,6 +70,7 @@ class CellRequest:
     run: Callable[[dict], Any] | None = field(default=None, repr=False)
     world_size: int | None = None
     rank: int | None = None
+    gpus_per_node: int | None = None
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     simulate: str = "--backend sim"
     unit: str = "cell"
@@ -154,6 +155,9 @@ def backend_spec(request: CellRequest, *, persistent: bool = True) -> tuple[str,
             options["gpu"] = resolve_target(request.gpu, request.gpu_memory, spell=option_spelling)
         except (ValueError, TypeError) as exc:
             raise RequestError(str(exc)) from None
+    if request.gpus_per_node is not None and request.world_size is None:
+        raise RequestError("--gpus-per-node K is the size of a job's nodes: give --world-size N "
+                           "too")
     if request.world_size is not None:
         if name != "sim":
             raise RequestError("--world-size makes the simulated GPU one rank of a job: "
@@ -167,6 +171,14 @@ def backend_spec(request: CellRequest, *, persistent: bool = True) -> tuple[str,
                 raise RequestError(f"--rank is one of the job's ranks, 0 to "
                                    f"{request.world_size - 1}, not {request.rank}")
             options["rank"] = request.rank
+        if request.gpus_per_node is not None:
+            from .backends.sim import check_gpus_per_node
+
+            try:
+                options["gpus_per_node"] = check_gpus_per_node(request.world_size,
+                                                               request.gpus_per_node)
+            except ValueError as exc:
+                raise RequestError(f"--gpus-per-node {request.gpus_per_node}: {exc}") from None
         if request.mailbox is not None:
             options["mailbox"] = request.mailbox
         persistent = False  # its process group ends with the run: on a copy of the card

@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="with --world-size: run as rank R instead of 0 (RANK, LOCAL_RANK, "
                           "GROUP_RANK as torchrun sets them, the process group's rank): ranks "
                           "differ where a script makes them (rank 0 logs and saves)")
+    run.add_argument("--gpus-per-node", type=int, default=None, metavar="K",
+                     help="with --world-size: nodes of K GPUs each (torchrun's "
+                          "--nproc-per-node; default: the job's GPUs, up to 8): what "
+                          "torch.cuda.device_count(), LOCAL_RANK and LOCAL_WORLD_SIZE say")
     run.add_argument("--ranks", default=None, metavar="all|R,R,...",
                      help="with --world-size: run the script as each of these ranks (all: "
                           "every rank), print each rank's peak and show the report of the rank "
@@ -113,7 +117,8 @@ def run_script(args: argparse.Namespace) -> int:
         return _fail(problem)
     request = CellRequest(source, {}, backend=args.backend, gpu=args.gpu,
                           gpu_memory=args.gpu_memory, run=runner, knobs=knobs,
-                          world_size=args.world_size, rank=args.rank, unit="script")
+                          world_size=args.world_size, rank=args.rank,
+                          gpus_per_node=args.gpus_per_node, unit="script")
     try:
         result = run_job(request, job_ranks(args.world_size, args.rank, args.ranks),
                          fresh=lambda: _fresh(runner),

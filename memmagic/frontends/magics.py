@@ -154,7 +154,7 @@ class MemMagics(Magics):
                            breakdown=not args.no_breakdown, session=session,
                            knobs={k: v for k, v in knobs.items() if v is not None},
                            advise=args.advise, run=run, world_size=args.world_size,
-                           rank=args.rank)
+                           rank=args.rank, gpus_per_node=args.gpus_per_node)
 
     def _compile(self, source: str):
         """The cell as a function of the namespace, with IPython's transforms; a syntax

@@ -41,6 +41,11 @@ OPTIONS = [
         help="With --world-size: the simulated GPU is rank R of the job instead of rank 0 "
              "(torch.distributed.get_rank(), RANK and LOCAL_RANK say R; its device is "
              "cuda:LOCAL_RANK).")),
+    (("--gpus-per-node",), dict(
+        type=int, default=None, metavar="K",
+        help="With --world-size: the job's nodes have K GPUs each (torchrun's "
+             "--nproc-per-node): torch.cuda.device_count(), LOCAL_RANK and LOCAL_WORLD_SIZE "
+             "follow it (default: the job's GPUs, up to 8).")),
     (("--ranks",), dict(
         default=None, metavar="all|R,R",
         help="With --world-size: run the cell as each of these ranks (all: every rank, up to "

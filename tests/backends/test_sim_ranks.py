@@ -200,3 +200,23 @@ def test_another_rank_of_the_job_sees_its_own_environment_and_group():
         memmagic.measure(lambda: None, backend="sim", world_size=4, rank=4)
     with pytest.raises(ValueError, match="rank takes one of the job's ranks"):
         memmagic.measure(lambda: None, backend="sim", rank=1)
+
+
+def test_nodes_of_another_size_as_torchruns_nproc_per_node_gives_them():
+    """16 GPUs on nodes of 4: rank 6 is the second node's third GPU; the node answers 4
+    GPUs. A size that does not split the job is refused in one line that says what to give."""
+    def seen():
+        return ({k: os.environ[k] for k in ("LOCAL_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE")},
+                torch.cuda.device_count(), torch.cuda.current_device())
+
+    box = {}
+    r = memmagic.measure(lambda: box.setdefault("v", seen()), backend="sim", gpu="H100",
+                         world_size=16, rank=6, gpus_per_node=4)
+    env, count, device = box["v"]
+    assert env == {"LOCAL_RANK": "2", "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    assert (count, device) == (4, 2) and r.device.startswith("simulated cuda:2 ")
+    assert "LOCAL_WORLD_SIZE" not in os.environ
+    with pytest.raises(ValueError, match="16 GPUs do not split into nodes of 3: give a GPUs per node that divides"):
+        memmagic.measure(lambda: None, backend="sim", world_size=16, gpus_per_node=3)
+    with pytest.raises(ValueError, match="give world_size too"):
+        memmagic.measure(lambda: None, backend="sim", gpus_per_node=4)

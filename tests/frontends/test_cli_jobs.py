@@ -105,6 +105,10 @@ def test_a_module_runs_as_python_dash_m_runs_it(tmp_path, capsys, clean_state, m
 
 
 @pytest.mark.parametrize("argv, words", [
+    (["run", "--world-size", "8", "--gpus-per-node", "3", "-m", "json.tool"],
+     "--gpus-per-node 3: 8 GPUs do not split into nodes of 3"),
+    (["run", "--gpus-per-node", "4", "-m", "json.tool"],
+     "--gpus-per-node K is the size of a job's nodes: give --world-size N too"),
     (["run", "-m", "no_such_module_here"], "-m no_such_module_here: no Python module of that name"),
     (["run"], "give the script to run"),
     (["run", "--backend", "cpu", "--world-size", "2", "-m", "json.tool"],

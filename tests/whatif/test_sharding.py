@@ -273,6 +273,12 @@ def test_world_size_needs_the_simulated_gpu_and_two_gpus_or_more(ip):
         ip.run_cell_magic("gpumem", "--backend cpu --world-size 4 -q", "x = 1")
     with pytest.raises(UsageError, match="2 or more"):
         ip.run_cell_magic("gpumem", "--world-size 1 -q", "x = 1")
+    with pytest.raises(UsageError, match="8 GPUs do not split into nodes of 3"):
+        ip.run_cell_magic("gpumem", "--world-size 8 --gpus-per-node 3 -q", "x = 1")
+    # nodes of 4: rank 5 is cuda:1 of the second node, which has 4 GPUs
+    r = ip.run_cell_magic("gpumem", "--world-size 8 --gpus-per-node 4 --rank 5 -o -q --no-chart",
+                          "import torch\nx = torch.ones(torch.cuda.device_count(), 1024, device='cuda')")
+    assert r.device.startswith("simulated cuda:1 ") and r.peak == 4 * 1024 * 4
     assert not dist.is_initialized()
 
 

@@ -36,7 +36,7 @@ from .errors import (
 )
 from .allocator import round_request
 from .gpus import GPUS, CardSpec, cuda_context, option_spelling, resolve_target
-from .ranks import rank_of
+from .ranks import check_gpus_per_node, rank_of
 from .session import SimSession, session_of, shell_session
 from .values import SimulatedValue
 from .workspaces import reduction_scratch
@@ -45,7 +45,7 @@ from .workspaces import reduction_scratch
 # (tests/test_architecture.py checks it)
 __all__ = [
     "SimBackend", "KERNELS", "SIM_NOTES", "clear_op_cache", "GPUS", "CardSpec", "resolve_target",
-    "option_spelling", "round_request", "rank_of", "SimSession", "session_of",
+    "option_spelling", "round_request", "rank_of", "check_gpus_per_node", "SimSession", "session_of",
     "shell_session", "cuda_context", "reduction_scratch",
     "SimulationError", "SimulationUnsupported", "SimulationBudgetExceeded",
     "SimulatedOutOfMemoryError", "SimulatedValueError", "SimulatedDeviceMismatchError",

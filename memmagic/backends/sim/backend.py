@@ -26,7 +26,7 @@ from .compat import install_compat
 from .cuda_api import SimulatedCuda
 from .constants import INDEX_NUMEL, numel_bound
 from .files import keep_overwritten_files
-from .ranks import local_rank, node_gpus, rank_of
+from .ranks import check_gpus_per_node, local_rank, node_gpus, rank_of
 from .rewrite import DeviceRewriteMode
 from .state import CPU, SimState, gpu_device, is_cuda_device
 from .tracker import SimTracker
@@ -153,11 +153,12 @@ class SimBackend(Backend):
                  op_cache: bool = True, session: SimSession | None = None,
                  start_from: SimSession | None = None, leave_out: Iterable[str] = (),
                  world_size: int | None = None, rank: int | None = None,
-                 mailbox: dict | None = None, **options: Any) -> None:
+                 mailbox: dict | None = None, gpus_per_node: int | None = None,
+                 **options: Any) -> None:
         if options:
             raise TypeError(f"the sim backend takes gpu=, gpu_memory=, kernels=, max_ops=, "
                             f"max_seconds=, op_cache=, session=, start_from=, leave_out=, "
-                            f"world_size=, rank=, mailbox=; got {sorted(options)}")
+                            f"world_size=, rank=, mailbox=, gpus_per_node=; got {sorted(options)}")
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, not {kernels!r}")
         if int(max_ops) <= 0 or float(max_seconds) <= 0:
@@ -184,8 +185,13 @@ class SimBackend(Backend):
                                  or not isinstance(rank, int) or not 0 <= rank < world_size):
             raise ValueError(f"rank takes one of the job's ranks, 0 to world_size - 1 (a "
                              f"world_size is needed), not {rank!r}")
+        if gpus_per_node is not None:
+            if world_size is None:
+                raise ValueError("gpus_per_node is the nodes' size of a job: give world_size too")
+            check_gpus_per_node(world_size, gpus_per_node)
         self.world_size = world_size
         self.rank = rank or 0
+        self.gpus_per_node = gpus_per_node
         # what the job's earlier ranks sent this one (pipeline stages' metadata): shared by
         # the runs of one job's ranks (memmagic.jobs), else the run's own
         self.mailbox = mailbox
@@ -198,7 +204,7 @@ class SimBackend(Backend):
     @property
     def device_name(self) -> str:
         rank = f", rank {self.rank} of {self.world_size} GPUs" if self.world_size else ""
-        index = local_rank(self.world_size, self.rank) if self.world_size else 0
+        index = local_rank(self.world_size, self.rank, self.gpus_per_node) if self.world_size else 0
         return f"simulated cuda:{index} ({self.target.name if self.target else 'no target'}{rank})"
 
     def measure(self, fn: Callable[[], Any]) -> Outcome:
@@ -245,10 +251,12 @@ class SimBackend(Backend):
         if self.world_size is None:
             return self._execute_on(box, run, namespace, notes, copied)
         notes.append(_RANKS_NOTE.format(r=self.rank, n=self.world_size))
-        box[0].state.node_gpus = node_gpus(self.world_size)  # the job's card is a copy
+        # the job's card is a copy
+        box[0].state.node_gpus = node_gpus(self.world_size, self.gpus_per_node)
         with ExitStack() as stack:
             try:
-                stack.enter_context(rank_of(self.world_size, self.rank, self.mailbox))
+                stack.enter_context(rank_of(self.world_size, self.rank, self.mailbox,
+                                            self.gpus_per_node))
             except RuntimeError as exc:  # a process group exists already
                 box.clear()
                 raise SimulationUnsupported(f"world_size={self.world_size}: {exc}") from None
