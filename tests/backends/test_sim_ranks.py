@@ -220,3 +220,15 @@ def test_nodes_of_another_size_as_torchruns_nproc_per_node_gives_them():
         memmagic.measure(lambda: None, backend="sim", world_size=16, gpus_per_node=3)
     with pytest.raises(ValueError, match="give world_size too"):
         memmagic.measure(lambda: None, backend="sim", gpus_per_node=4)
+
+
+def test_a_mesh_larger_than_the_job_says_which_size_to_change():
+    def cell():
+        from torch.distributed.device_mesh import init_device_mesh
+        init_device_mesh("cuda", (3, 2), mesh_dim_names=("dp", "tp"))
+
+    with pytest.raises(RuntimeError) as info:
+        memmagic.measure(cell, backend="sim", world_size=4)
+    text = str(info.value)
+    assert "run it with --world-size 6, or give init_device_mesh sizes that multiply to 4" in text
+    assert len(text.splitlines()) == 1 and not dist.is_initialized()

@@ -692,6 +692,9 @@ def _restore_globals(saved: dict[str, Any]) -> None:
 # torch's error when a library's Parameter subclass wraps a simulated (fake) tensor
 _SUBCLASS = re.compile(r"Creating a new Tensor subclass (\w+) but the raw Tensor object is "
                        r"already associated to a python object of type FakeTensor")
+# torch's error when a device mesh asks for more GPUs than the job (--world-size) has
+_MESH_TOO_BIG = re.compile(r"Mesh should not be bigger than default world size (\d+), but found "
+                           r"(\d+) ranks")
 _SMELLS = ("not compiled with CUDA", "NVIDIA driver", "CUDA driver", "Cannot access data pointer",
            "FakeTensor", "fake tensor", "data-dependent", "data dependent", "Cannot access storage",
            "accelerator", "CUDA", "cuda")
@@ -724,6 +727,12 @@ def _explain(exc: BaseException, world_size: int | None = None) -> BaseException
         new._located = True  # type: ignore[attr-defined]
         return new
     msg = str(exc)
+    mesh = _MESH_TOO_BIG.search(msg) if world_size is not None else None
+    if mesh is not None:  # the job's size is memmagic's option: say which to change
+        exc.args = (f"{msg.rstrip('!. ')}: the mesh's sizes multiply to {mesh.group(2)} GPUs; "
+                    f"run it with --world-size {mesh.group(2)}, or give init_device_mesh "
+                    f"sizes that multiply to {world_size}",)
+        return exc
     fake_error = isinstance(exc, (_priv.UnsupportedOperatorException, _priv.DataDependentOutputException,
                                   _priv.DynamicOutputShapeException))
     if not fake_error and not any(s in msg for s in _SMELLS):
