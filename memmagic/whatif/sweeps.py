@@ -524,6 +524,7 @@ class BatchSearch:
     report: MemoryReport | None = field(default=None, repr=False)
     knob: str = _BATCH
     card: bool = False  # budget is the card's size: the CUDA context counts in each run
+    guessed: int | None = None  # the size the line through two runs named (then run)
 
     @property
     def value(self) -> int | None:
@@ -553,7 +554,17 @@ class BatchSearch:
         return (f"{verdict} whose {'reserved ' if self.method == 'simulation' else ''}peak{context} stays "
                 f"under {format_bytes(self.limit)} ({1 - self.margin:.0%} of "
                 f"{format_bytes(self.budget)}); {len(self.trials)} runs {where} "
-                f"({self.device}), doubling then bisecting: " + ", ".join(ups))
+                f"({self.device}), {self._search}: " + ", ".join(ups))
+
+    @property
+    def _search(self) -> str:
+        if self.guessed is None:
+            return "doubling then bisecting"
+        named = (f"doubling until two runs made the same allocations, whose sizes on a line "
+                 f"through theirs named {self.guessed}")
+        if self.guessed == self.value:
+            return f"{named}, then running it and the size after it"
+        return f"{named}, which the runs did not bear out, then searching on from them"
 
     def __str__(self) -> str:
         return self.how
@@ -620,11 +631,22 @@ def _find_largest(cell: "Cell", knob: str, budget: int | str | None, margin: flo
             _clean_cuda()
         return ok
 
-    lo_ok = _largest(trial, low, high, step)
+    guessed: list[int] = []
+
+    def guess(a: int, c: int) -> int | None:  # the boundary the line through two runs gives
+        if method != "simulation":
+            return None
+        lines = _Lines(a, reports[a], c, reports[c])
+        g = _line_boundary(lines, reports[a], int(budget * (1 - margin)), card, c, high, step)
+        guessed[:] = [] if g is None or g <= c else [g]
+        return g
+
+    lo_ok = _largest(trial, low, high, step, guess)
     assert budget is not None
     device = next(iter(reports.values())).device if reports else ""
     return BatchSearch(lo_ok, int(budget), margin, tuple(trials), method, device,
-                       reports.get(lo_ok) if lo_ok is not None else None, knob, card)
+                       reports.get(lo_ok) if lo_ok is not None else None, knob, card,
+                       guessed[0] if guessed else None)
 
 
 def check_search(cell: "Cell", method: str, margin: float) -> None:
@@ -642,19 +664,59 @@ def check_search(cell: "Cell", method: str, margin: float) -> None:
                          "backend='cuda'")
 
 
-def _largest(fits: Callable[[int], bool], low: int, high: int, step: int) -> int | None:
+def _line_boundary(lines: "_Lines", base: MemoryReport, limit: int, card: bool, start: int,
+                   high: int, step: int) -> int | None:
+    """The largest multiple of ``step`` in [start, high] that fits ``limit`` by the line
+    (each allocation's size on its line, the allocator replayed: :meth:`_Lines.at`); None
+    where the line cannot say (the runs did different things, or a size is off the line)."""
+    context = (base.context or 0) if card else 0
+
+    def fits(v: int) -> bool | None:
+        if lines.sizes_at(v) is None:  # a size off the line's whole bytes: it cannot say
+            return None
+        at = lines.at(v)  # None: a request failed on the card
+        return at is not None and needed(*at) + context <= limit
+
+    if not lines.ok or not fits(start):
+        return None
+    lo, hi = start, high // step * step + step  # lo fits by the line; hi is past the range
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        if mid <= lo:
+            break
+        ok = fits(mid)
+        if ok is None:
+            return None
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return min(lo, high)
+
+
+def _largest(fits: Callable[[int], bool], low: int, high: int, step: int,
+             guess: Callable[[int, int], int | None] | None = None) -> int | None:
     """The largest multiple of ``step`` in [low, high] for which ``fits`` holds, doubling
-    from ``low`` until it does not, then bisecting (None: not even the first fits)."""
+    from ``low`` until it does not, then bisecting (None: not even the first fits).
+    ``guess(a, c)``, after each two sizes that fit, may name the largest that fits (what
+    the simulated runs at ``a`` and ``c`` say by a line): the first it names and the size
+    after it are run; where they bear it out the search ends there, else they bound it."""
     lo_ok: int | None = None
     b = max(step, (low + step - 1) // step * step)
     hi_bad: int | None = None
     while b <= high:
-        if fits(b):
-            lo_ok = b
-            b *= 2
-        else:
+        if not fits(b):
             hi_bad = b
             break
+        prev, lo_ok = lo_ok, b
+        g = guess(prev, b) if guess is not None and prev is not None else None
+        if g is not None and g > b:
+            guess = None  # one guess: where it misses, the runs it took bound the rest
+            if not fits(g):
+                hi_bad = g
+                break
+            lo_ok = g
+            if g + step > high or not fits(g + step):
+                return g
+            lo_ok = b = g + step
+        b *= 2
     if lo_ok is not None and hi_bad is not None:
         lo, hi = lo_ok, hi_bad
         while hi - lo > step:

@@ -70,7 +70,10 @@ result.chart()
 # The CUDA context (a published figure of about 400 MB, named in the report's notes)
 # is already counted: each run must fit beside it. Other processes and fragmentation
 # that grows over a long run take their share too, so `find_batch_size` keeps a margin
-# (10% by default) and says how it searched.
+# (10% by default) and says how it searched. On the simulated GPU it needs few runs: once
+# two batches made the same allocations, each allocation's size lies on a line through
+# theirs, and replaying the allocator at the sizes the line gives names the largest batch
+# that fits. That batch and the one after it are then run: the answer is theirs.
 
 # %%
 found = find_batch_size(cell, margin=0.10)
@@ -133,8 +136,8 @@ for b, s, ok in fm.checks:
 # ## Fact-check: "just double the batch until it crashes"
 #
 # Doubling finds a power of two; the largest batch that fits lies between the last
-# success and the first failure, and bisection finds it in a few more runs. On a
-# real GPU each failed trial leaves cached blocks behind, so a finder must empty
+# success and the first failure, and bisection finds it in a few more runs (by real
+# trials there is no line to read: each size is a run). On a real GPU each failed trial leaves cached blocks behind, so a finder must empty
 # the cache after every trial (memmagic's `method="trials"` does), or later trials
 # fail for the wrong reason.
 

@@ -75,6 +75,46 @@ def test_find_batch_size_keeps_the_margin_and_says_how(cell):
     assert [t[0] for t in found.trials][:3] == [1, 2, 4]  # doubling first
 
 
+def test_the_line_through_two_runs_guesses_the_largest_batch_and_two_runs_bear_it_out(
+        cell, monkeypatch):
+    """After two batches that fit and made the same allocations, the line through them
+    (each allocation's size, the allocator replayed) names the boundary; it and the batch
+    after it are run. The answer is the doubling-and-bisecting search's, in fewer runs."""
+    from memmagic.whatif import sweeps
+
+    found = find_batch_size(cell, budget="256MiB", margin=0.2)
+    b = found.batch_size
+    runs = [t[0] for t in found.trials]
+    assert runs[-2:] == [b, b + 1] and found.trials[-2][2] and not found.trials[-1][2]
+    assert found.guessed == b and f"through theirs named {b}, then running it" in found.how
+    # without the line (the runs look different to it): the same answer, more runs
+    original = sweeps._Lines.__init__
+
+    def blind(self, *args):
+        original(self, *args)
+        self.ok = False
+    monkeypatch.setattr(sweeps._Lines, "__init__", blind)
+    plain = find_batch_size(cell, budget="256MiB", margin=0.2)
+    assert plain.batch_size == b and len(plain.trials) > len(found.trials)
+
+
+def test_a_guess_the_runs_do_not_bear_out_bounds_the_search():
+    """A line that names too large a size (its run does not fit) or too small a one (the
+    size after it fits too): the search goes on from what those runs showed."""
+    from memmagic.whatif.sweeps import _largest
+
+    for truth, g in ((37, 50), (37, 20), (37, 37), (37, 36)):
+        ran: list[int] = []
+
+        def fits(v):
+            ran.append(v)
+            return v <= truth
+        assert _largest(fits, 1, 1 << 16, 1, lambda a, c: g) == truth, (truth, g, ran)
+        if g == truth:
+            assert ran == [1, 2, 37, 38]
+        assert len(ran) == len(set(ran))  # no size run twice
+
+
 def test_find_batch_size_respects_accumulation():
     src = MLP.replace("batch_size", "micro_batch_size").replace(
         "model.loss(x, y).backward()", "for _ in range(accum_steps):\n    model.loss(x, y).backward()")
