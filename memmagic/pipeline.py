@@ -260,7 +260,7 @@ def _run_cell(request: CellRequest) -> CellResult:
     isolated = request.world_size is not None
     try:
         if values or cell_options:
-            outcome = make_cell(request, isolated=isolated).execute()
+            outcome = make_cell(request, isolated=isolated).execute(quiet=False)  # the user's
         else:
             ns = dict(request.namespace) if isolated else request.namespace
             outcome = backend.execute(_runner(request), ns)

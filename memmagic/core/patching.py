@@ -5,9 +5,12 @@ the what-if knobs' hooks) goes through one of these."""
 
 from __future__ import annotations
 
-from typing import Any
+import io
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator
 
-__all__ = ["Patches"]
+__all__ = ["Patches", "output_captured"]
 
 _MISSING = object()
 
@@ -69,3 +72,19 @@ class Patches:
 
     def __len__(self) -> int:
         return len(self._undo)
+
+
+@contextmanager
+def output_captured() -> Iterator[io.StringIO]:
+    """While active, what code prints to ``sys.stdout`` and ``sys.stderr`` (``print``,
+    warnings) goes to the buffer yielded, not to the user: the output of a re-run that
+    answers a what-if or the doctor, which the user did not run. (A logging handler made
+    earlier keeps the stream it was given.)"""
+    buffer = io.StringIO()
+    patches = Patches()
+    try:
+        patches.set(sys, "stdout", buffer)
+        patches.set(sys, "stderr", buffer)
+        yield buffer
+    finally:
+        patches.restore()

@@ -27,12 +27,14 @@ import inspect
 import re
 import traceback
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from ..backends import Outcome, get_backend
 from ..core.failures import release_own_frames, strip_own_frames
 from ..core.interrupts import guarded, is_interrupt
+from ..core.patching import output_captured
 from .apply import Applier
 from .knobs import (BATCH_DIM, KNOBS, SEQ_DIM, Knob, KnobError, Setting, accumulating,
                     knob_value, resizing, setting_of)
@@ -273,6 +275,7 @@ class Cell:
                     base = base.replace(**{knob.name: size})
         self.baseline: Setting = self._option_settings(self._own_settings(base))
         self.last_info: RunInfo | None = None
+        self.last_output = ""  # what the last run printed (a re-run's output is kept here)
         self.fallback_note: Note | None = None
 
     def _own_settings(self, base: Setting) -> Setting:
@@ -358,9 +361,12 @@ class Cell:
             raise KnobError(cannot)
         return report
 
-    def execute(self, setting: Setting | Mapping[str, Any] | None = None, **knobs: Any) -> Outcome:
+    def execute(self, setting: Setting | Mapping[str, Any] | None = None, *, quiet: bool = True,
+                **knobs: Any) -> Outcome:
         """Run once: the backend's :class:`~memmagic.backends.Outcome` (report, the cell's
-        value, its exception, for the caller to re-raise)."""
+        value, its exception, for the caller to re-raise). ``quiet``: what the run prints
+        is kept in :attr:`last_output`, not shown (a re-run for a what-if, a sweep or the
+        doctor, which the user did not run); False for the user's own run."""
         full = self.setting(setting, **knobs)
         full.check_batch()
         if full.micro_steps > 1 and full.effective_batch is None:
@@ -377,8 +383,10 @@ class Cell:
         saved = dict(ns) if self.isolated else None
         run = self._runner(full, info, "cpu" if backend.name == "cpu" else "cuda")
         try:
-            with guarded(strict=backend.name == "sim"):
+            with guarded(strict=backend.name == "sim"), ExitStack() as stack:
+                printed = stack.enter_context(output_captured()) if quiet else None
                 outcome = backend.execute(run, ns)
+            self.last_output = printed.getvalue() if printed is not None else ""
         finally:
             if saved is not None:
                 _restore_names(ns, saved)

@@ -23,6 +23,7 @@ import warnings
 import weakref
 
 from ..core.failures import is_out_of_memory
+from ..core.patching import output_captured
 from ..report import MemoryReport, format_bytes
 from ..core import _torch_private as _priv
 from ..backends.sim import rank_of
@@ -180,7 +181,13 @@ class _AutoShard:
                      if p is not None]
             if not any(id(p) in wanted for _, _, p in owned):
                 continue
-            self._shard(name, root)
+            try:
+                self._shard(name, root)
+            except Exception as exc:  # noqa: BLE001 - the row says why, in one line
+                if is_out_of_memory(exc) or isinstance(exc, ShardingUnsupported):
+                    raise
+                raise ShardingUnsupported(f"{_WHAT[self.style]} could not split {name}: "
+                                          f"{type(exc).__name__}: {exc}") from exc
             self.done.add(id(root))
             for m, n, p in owned:
                 new = _priv.own_parameters(m).get(n)
@@ -296,8 +303,18 @@ def parallelize(model: Any, mesh: Any) -> Any:
     them all. Returns ``model``."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(model, mesh, tp_plan(model))
+    parallelize_module(_plan_owner(model), mesh, tp_plan(model))
     _replicate_the_rest(model, mesh)
+    return model
+
+
+def _plan_owner(model: Any) -> Any:
+    """The module whose paths the model's TP plan names: the model itself, or the model a
+    wrapper forwards ``tp_plan`` to (peft's PeftModel: its base model's plan, with the base
+    model's paths)."""
+    for m in model.modules():
+        if any("tp_plan" in vars(c) for c in type(m).__mro__):
+            return m
     return model
 
 
@@ -451,6 +468,7 @@ def _simulate(cell: str | RunFn, namespace: Mapping[str, Any] | None, world_size
         session = None
     try:
         with ExitStack() as stack:
+            stack.enter_context(output_captured())  # the re-run's prints are not the user's
             stack.enter_context(rank_of(world_size))
             auto = _AutoShard(dist_priv.device_mesh("cuda", world_size), ns, style)
             stack.enter_context(auto.installed())

@@ -170,3 +170,20 @@ def test_timeline_is_one_point_per_op_whatever_the_order_of_its_frees():
     assert a == b == [(0, 0), (1, 150), (2, 160), (3, 10)]
     # an op that allocates and frees keeps its high-water mark before its end value
     assert timeline([(1, 100, 1), (1, -100, 1)]) == [(0, 0), (1, 100), (1, 0)]
+
+
+def test_output_captured_keeps_what_is_printed_and_puts_the_streams_back_after_an_error():
+    import sys
+
+    import pytest
+
+    from memmagic.core.patching import output_captured
+
+    out, err = sys.stdout, sys.stderr
+    with pytest.raises(KeyError):
+        with output_captured() as printed:
+            print("said in a re-run")
+            print("warned", file=sys.stderr)
+            raise KeyError("x")
+    assert sys.stdout is out and sys.stderr is err
+    assert printed.getvalue() == "said in a re-run\nwarned\n"

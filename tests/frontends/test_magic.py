@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import weakref
 
 import pytest
@@ -266,3 +267,21 @@ def test_tracebacks_show_the_users_code_not_memmagic(ip, opts, cell):
     files = _visible_frames(res.error_in_exec.__traceback__)
     assert not any(f.startswith(own) for f in files), files
     assert sum(f.startswith("<ipython-input") for f in files) >= 2, files  # the cell's own lines
+
+
+def test_the_doctors_re_runs_print_nothing_and_the_users_own_run_does(ip, clean_state, capsys):
+    """After an out of memory the doctor re-runs the cell with each fix (and sharded over
+    GPUs with --advise): what those runs print is not the user's output. The user's own
+    run prints as always, also with a knob set (--batch-size goes through the what-if
+    engine)."""
+    ip.run_cell("batch_size = 1 << 16")
+    cell = ("print('hello from the cell', batch_size)\n"
+            "w = torch.nn.Linear(1024, 1024).cuda()\n"
+            "w(torch.randn(batch_size, 1024, device='cuda')).sum().backward()\n")
+    ip.run_cell("%%gpumem --backend sim --gpu-memory 256MiB --no-chart --advise\n" + cell)
+    out = "".join(capsys.readouterr())
+    printed = re.findall(r"hello from the cell (\d+)", out)  # the traceback shows the line too
+    assert printed == ["65536"], out
+    assert "strategies, by peak" in out and "batch " in out  # the re-runs ran
+    ip.run_cell("%%gpumem --backend sim --no-chart -q --batch-size 4\n" + cell)
+    assert "hello from the cell 4" in capsys.readouterr().out

@@ -363,6 +363,14 @@ def test_the_doctor_adds_tensor_parallel_rows_for_a_model_with_a_plan(ip):
     assert [s.knobs for s in rows] == [{"fsdp_world_size": 4}, {"tp_world_size": 4},
                                        {"zero2_world_size": 4}, {"zero1_world_size": 4}]
     assert all(s.peak is not None for s in rows), [s.reason for s in rows]
+    # a peft model forwards the plan of its base model, whose paths it names: the plan
+    # resolves there; LoRA's wrapped projections are no nn.Linear for torch's styles
+    ip.run_cell("from peft import LoraConfig, get_peft_model\n"
+                "model = get_peft_model(model, LoraConfig(r=4, target_modules=['q_proj']))")
+    r = sharding.simulate_tp("opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])",
+                             ip.user_ns, world_size=2)
+    assert r.report is None and r.reason.startswith(
+        "tensor parallelism could not split model: NotImplementedError: ColwiseParallel"), r.reason
     # a plain model (no plan): no tensor-parallel row
     ip.run_cell("model = torch.nn.Linear(64, 64).cuda()")
     rows = _shard_rows("opt = torch.optim.SGD(model.parameters())\nmodel(torch.randn(2, 64, device='cuda')).sum().backward()",
