@@ -103,6 +103,28 @@ def _live_holders(namespace: Mapping[str, Any], live: int, unit: str = "cell"
     return holders
 
 
+def failure_site(report: MemoryReport, error: BaseException | None = None
+                 ) -> tuple[str | None, str | None, str | None]:
+    """(op, phase, module) where ``report``'s run ran out of memory: its last op (or what
+    the error names)."""
+    op = phase = module = None
+    trace = report.trace
+    if trace is not None and trace.ops:
+        name, module, phase, _label = trace.ops[-1]
+        op = name.split(".", 1)[0]
+    op = (getattr(error, "op", None) or op or "").split(".", 1)[0] or None
+    module = getattr(error, "module", None) or module
+    return op, phase, module
+
+
+def failure_words(report: MemoryReport) -> str:
+    """Where a run ran out of memory, in a few words ("at mm, during forward, in
+    `model.layers.4.mlp`"); '' where unknown."""
+    op, phase, module = failure_site(report)
+    return ", ".join(x for x in (f"at {op}" if op else None, f"during {phase}" if phase else None,
+                                 f"in `{module}`" if module else None) if x)
+
+
 def describe_oom(report: MemoryReport, error: BaseException | None = None,
                  namespace: Mapping[str, Any] | None = None, bound: Iterable[str] = (),
                  on_device: Callable[[Any], bool] | None = None, *, unit: str = "cell"
@@ -122,12 +144,7 @@ def describe_oom(report: MemoryReport, error: BaseException | None = None,
         by_category = dict(report.breakdown)
     holders = _live_holders(namespace, live or 0, unit) if namespace is not None else []
     by_module = tuple((r.module, r.activations) for r in report.modules_at(None) if r.activations)
-    op = phase = module = None
-    if trace is not None and trace.ops:
-        name, module, phase, _label = trace.ops[-1]
-        op = name.split(".", 1)[0]
-    op = (getattr(error, "op", None) or op or "").split(".", 1)[0] or None
-    module = getattr(error, "module", None) or module
+    op, phase, module = failure_site(report, error)
     line = None
     if error is not None:
         uf = _user_frame(error.__traceback__)

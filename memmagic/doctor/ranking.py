@@ -7,7 +7,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from ..report import format_bytes, needed
+from ..report import MemoryReport, format_bytes, needed
+from .oom import failure_words
 from ..whatif.knobs import BATCH_HINT, KNOBS, SEQ_DIM, Fixes, KnobError, Setting, resizing
 
 # BATCH_HINT: the batch size knob's note when it does not apply (``Doctor.untried``)
@@ -26,6 +27,7 @@ class Strategy:
     fits: bool | None = None
     reason: str | None = None  # why it could not be measured, or where it ran out
     out_of_memory: bool = False  # the re-run ran out of memory on the target card
+    progress: int | None = None  # out of memory: the ops it ran first (how far it got)
 
     @property
     def need(self) -> int | None:
@@ -69,9 +71,14 @@ def _row(label: str, knobs: Mapping[str, Any], r: Any) -> Strategy:
     if r.failed_request is not None:  # ran out of memory: it needs more than what was live
         # and the request the card could not give (its peak so far says less)
         least = (r.live_at_failure if r.live_at_failure is not None else r.peak) + r.failed_request
+        where = failure_words(r) if isinstance(r, MemoryReport) else ""
+        # where it ran out says how far it got: lower bounds of runs that stopped at
+        # different places do not compare
+        trace = getattr(r, "trace", None)
         return Strategy(label, dict(knobs), least, None, False,
-                        reason=f"out of memory asking for {format_bytes(r.failed_request)}",
-                        out_of_memory=True)
+                        reason=f"out of memory asking for {format_bytes(r.failed_request)}"
+                               + (f" {where}" if where else ""),
+                        out_of_memory=True, progress=len(trace.ops) if trace is not None else None)
     return Strategy(label, dict(knobs), r.peak, r.reserved_peak, r.fits)
 
 
@@ -172,20 +179,22 @@ def _as_run(asked: Setting) -> str:
 
 
 def _combine(cell: Any, baseline: Strategy, rows: Sequence[Strategy]) -> Strategy | None:
-    """The smallest combination of fixes (one value per knob) that fits, found greedily."""
+    """The smallest combination of fixes (one value per knob) that fits, found greedily:
+    the fixes that helped most first (those that ran, by what they need; then those that
+    ran out of memory, by how far they got: their lower bounds do not compare)."""
     if baseline.need is None:
         return None
     best_per_family: dict[str, Strategy] = {}
     for s in rows:
-        if s.need is None or s.need >= baseline.need or len(s.knobs) != 1:
+        if s.need is None or len(s.knobs) != 1 or not _helped(s, baseline):
             continue
         knob = KNOBS[next(iter(s.knobs))]
         if any(other in best_per_family for other in knob.doctor.excluded_by):
             continue
         cur = best_per_family.get(knob.family)
-        if cur is None or s.need < cur.need:
+        if cur is None or _promise(s) < _promise(cur):
             best_per_family[knob.family] = s
-    ordered = sorted(best_per_family.values(), key=lambda s: s.need)
+    ordered = sorted(best_per_family.values(), key=_promise)
     knobs: dict[str, Any] = {}
     labels: list[str] = []
     last = None
@@ -198,6 +207,26 @@ def _combine(cell: Any, baseline: Strategy, rows: Sequence[Strategy]) -> Strateg
         if last.fits:
             return last
     return last
+
+
+def _helped(s: Strategy, baseline: Strategy) -> bool:
+    """Whether fix ``s`` did better than the run as written: it needs less, or it ran
+    out of memory later (or not at all) where that run ran out."""
+    if not s.out_of_memory:
+        return baseline.out_of_memory or s.need < baseline.need  # type: ignore[operator]
+    if not baseline.out_of_memory:
+        return False
+    if s.progress is None or baseline.progress is None:
+        return s.need < baseline.need  # type: ignore[operator]
+    return s.progress > baseline.progress
+
+
+def _promise(s: Strategy) -> tuple:
+    """The order fixes join a combination: those that ran, by what they need; then those
+    that ran out of memory, furthest first."""
+    if not s.out_of_memory:
+        return (0, s.need)
+    return (1, -(s.progress or 0), s.need)
 
 
 def ranking_rows(engine: Callable[[], Any] | None, namespace: Mapping[str, Any] | None, *,

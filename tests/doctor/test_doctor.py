@@ -341,3 +341,49 @@ def test_model_outputs_kept_in_a_list_add_up_on_the_simulated_gpu(ip):
     # real 8-byte CPU scalars the graphs save, in graph_bytes but not on the GPU (down)
     assert h.total + r.workspaces - 4096 <= rep.retained <= h.total + r.workspaces + 512 * 2000
     assert "held by no name" not in str(r)
+
+
+def test_a_fix_that_ran_out_later_joins_the_combination_first():
+    """Rows that ran out of memory have lower bounds that do not compare: checkpointing
+    that reached the loss before running out (a higher bound) helped more than bf16
+    weights that ran out in the third layer. The combination search takes the fixes by
+    how far they got, and leaves out one that ran out sooner than the run as written."""
+    from types import SimpleNamespace
+
+    from memmagic.doctor.ranking import Strategy, _combine
+
+    tried = []
+
+    class Engine:
+        def run(self, **knobs):
+            tried.append(dict(knobs))
+            fits = knobs == {"checkpointing": True, "seq_len": 2048}
+            return SimpleNamespace(error=None, failed_request=None, peak=10, reserved_peak=12,
+                                   fits=fits)
+
+    base = Strategy("as written", {}, 100, None, False, "oom", True, progress=40)
+    rows = [Strategy("activation checkpointing", {"checkpointing": True}, 130, None, False,
+                     "oom", True, progress=900),
+            Strategy("context 2048", {"seq_len": 2048}, 98, None, False, "oom", True, progress=300),
+            Strategy("bf16 weights", {"weights_dtype": "bf16"}, 95, None, False, "oom", True,
+                     progress=60),
+            Strategy("AMP bf16", {"amp": "bf16"}, 90, None, False, "oom", True, progress=30)]
+    best = _combine(Engine(), base, rows)
+    assert best.label == "activation checkpointing + context 2048" and best.fits
+    assert tried == [{"checkpointing": True, "seq_len": 2048}]
+    # AMP ran out sooner than the cell as written: never combined
+    _combine(Engine(), base, rows[2:])
+    assert {"amp": "bf16"} not in tried and not any("amp" in t for t in tried)
+
+
+def test_a_row_that_ran_out_says_where(ip):
+    """Where each re-run ran out of memory shows how far it got."""
+    from memmagic.doctor.ranking import _row
+    from memmagic.backends.sim import SimBackend
+
+    out = SimBackend(gpu_memory="64MiB").execute(lambda ns: exec(
+        "import torch\nw = torch.nn.Linear(4096, 4096).cuda()\n"
+        "y = w(torch.randn(4096, 4096, device='cuda'))\n", ns), {})
+    row = _row("as written", {}, out.report)
+    assert row.out_of_memory and row.progress and row.progress > 0
+    assert row.reason.startswith("out of memory asking for ") and "during " in row.reason, row.reason
