@@ -27,7 +27,10 @@ class Strategy:
     fits: bool | None = None
     reason: str | None = None  # why it could not be measured, or where it ran out
     out_of_memory: bool = False  # the re-run ran out of memory on the target card
-    progress: int | None = None  # out of memory: the ops it ran first (how far it got)
+    # out of memory: how far it got (whether it reached the optimizer, the backward, the
+    # modules it had entered, then the ops it ran: runs with other knobs run other ops, the
+    # same modules)
+    progress: tuple[int, int, int, int] | None = None
 
     @property
     def need(self) -> int | None:
@@ -74,11 +77,10 @@ def _row(label: str, knobs: Mapping[str, Any], r: Any) -> Strategy:
         where = failure_words(r) if isinstance(r, MemoryReport) else ""
         # where it ran out says how far it got: lower bounds of runs that stopped at
         # different places do not compare
-        trace = getattr(r, "trace", None)
         return Strategy(label, dict(knobs), least, None, False,
                         reason=f"out of memory asking for {format_bytes(r.failed_request)}"
                                + (f" {where}" if where else ""),
-                        out_of_memory=True, progress=len(trace.ops) if trace is not None else None)
+                        out_of_memory=True, progress=_progress(r))
     return Strategy(label, dict(knobs), r.peak, r.reserved_peak, r.fits)
 
 
@@ -209,6 +211,18 @@ def _combine(cell: Any, baseline: Strategy, rows: Sequence[Strategy]) -> Strateg
     return last
 
 
+def _progress(r: Any) -> tuple[int, int, int, int] | None:
+    """How far a run got before it ran out of memory: (reached the optimizer, reached the
+    backward, modules entered, ops run)."""
+    trace = getattr(r, "trace", None)
+    if trace is None or not trace.ops:
+        return None
+    phases = {phase for _, _, phase, _ in trace.ops}
+    modules = {module for _, module, _, _ in trace.ops if module}
+    return (int("optimizer" in phases), int(bool(phases & {"backward", "recompute"})),
+            len(modules), len(trace.ops))
+
+
 def _helped(s: Strategy, baseline: Strategy) -> bool:
     """Whether fix ``s`` did better than the run as written: it needs less, or it ran
     out of memory later (or not at all) where that run ran out."""
@@ -226,7 +240,7 @@ def _promise(s: Strategy) -> tuple:
     that ran out of memory, furthest first."""
     if not s.out_of_memory:
         return (0, s.need)
-    return (1, -(s.progress or 0), s.need)
+    return (1, tuple(-x for x in s.progress or ()), s.need)
 
 
 def ranking_rows(engine: Callable[[], Any] | None, namespace: Mapping[str, Any] | None, *,

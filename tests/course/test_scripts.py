@@ -522,9 +522,37 @@ def test_qlora_trainer_script_as_a_gpumem_cell(ip, clean_state, tiny_llama, tmp_
     assert nxt.breakdown_before["gradients"] == 0  # Trainer zeroes them after each step
 
 
+# ==============================================================================================
+# 6. A LoRA loop on a Llama built from its config in bf16: out of memory, the doctor's ranking
+# ==============================================================================================
+LORA = "lora_llama_8b.py"
+# a small Llama of the same shape: 4 layers of width 512, GQA 8/4 heads, vocab 32000
+LORA_SMALL = ("--layers", "4", "--hidden", "512", "--ffn", "1376", "--heads", "8",
+              "--kv_heads", "4", "--vocab", "32000")
+
+
+def test_lora_loop_out_of_memory_gets_a_combination_that_fits(tmp_path):
+    """Batch 4 x 2048 on 768 MiB runs out of memory in the forward. Each fix alone runs
+    out too, at different places (each row says where); the combination search takes them
+    by how far they got and finds one that fits."""
+    run = run_cli(tmp_path, ["--gpu-memory", "768MiB", "--steps", "2"], LORA,
+                  "--batch_size", "4", "--seq_len", "2048", *LORA_SMALL)
+    assert run.rc == 1 and "memmagic: out of memory on simulated cuda:0" in run.err, run.text
+    table = run.out.split("strategies, by peak (re-run with each):\n", 1)[1]
+    rows = [ln for ln in table.splitlines() if ln.startswith("  ")]
+    assert rows[0].startswith("  as written ") and "during forward, in `model." in rows[0]
+    out_of_memory = [ln for ln in rows if "does not fit (out of memory asking for" in ln]
+    assert len(out_of_memory) >= 5 and all(" during " in ln for ln in out_of_memory)
+    fitting = [ln for ln in rows if ln.rstrip().endswith(" fits")]
+    assert fitting and " + " in fitting[0], rows  # a combination
+    # its trainable parameters: LoRA r=16 on q k v o of 4 layers, fp32 A and B
+    lora = 4 * 16 * ((512 + 512) + (512 + 256) + (512 + 256) + (512 + 512))
+    assert f"trainable params: {lora:,}" in run.out
+
+
 def test_the_scripts_say_what_they_imitate_and_how_to_run_them():
     scripts = sorted(SCRIPTS.glob("*.py"))
-    assert {NANOGPT, BUILD, WORD_LM, FSDP, QLORA} <= {p.name for p in scripts}
+    assert {NANOGPT, BUILD, WORD_LM, FSDP, QLORA, LORA} <= {p.name for p in scripts}
     for path in scripts:  # the public style it imitates, what it exercises, its command line
         doc = path.read_text().split('"""')[1]
         assert "style of" in doc and "Run:" in doc, path.name

@@ -361,13 +361,15 @@ def test_a_fix_that_ran_out_later_joins_the_combination_first():
             return SimpleNamespace(error=None, failed_request=None, peak=10, reserved_peak=12,
                                    fits=fits)
 
-    base = Strategy("as written", {}, 100, None, False, "oom", True, progress=40)
+    base = Strategy("as written", {}, 100, None, False, "oom", True, progress=(0, 0, 40, 400))
     rows = [Strategy("activation checkpointing", {"checkpointing": True}, 130, None, False,
-                     "oom", True, progress=900),
-            Strategy("context 2048", {"seq_len": 2048}, 98, None, False, "oom", True, progress=300),
+                     "oom", True, progress=(0, 1, 90, 500)),
+            Strategy("context 2048", {"seq_len": 2048}, 98, None, False, "oom", True,
+                     progress=(0, 0, 90, 900)),
             Strategy("bf16 weights", {"weights_dtype": "bf16"}, 95, None, False, "oom", True,
-                     progress=60),
-            Strategy("AMP bf16", {"amp": "bf16"}, 90, None, False, "oom", True, progress=30)]
+                     progress=(0, 0, 60, 700)),
+            Strategy("AMP bf16", {"amp": "bf16"}, 90, None, False, "oom", True,
+                     progress=(0, 0, 30, 300))]
     best = _combine(Engine(), base, rows)
     assert best.label == "activation checkpointing + context 2048" and best.fits
     assert tried == [{"checkpointing": True, "seq_len": 2048}]
@@ -385,5 +387,5 @@ def test_a_row_that_ran_out_says_where(ip):
         "import torch\nw = torch.nn.Linear(4096, 4096).cuda()\n"
         "y = w(torch.randn(4096, 4096, device='cuda'))\n", ns), {})
     row = _row("as written", {}, out.report)
-    assert row.out_of_memory and row.progress and row.progress > 0
+    assert row.out_of_memory and row.progress[:3] == (0, 0, 0)  # before any module
     assert row.reason.startswith("out of memory asking for ") and "during " in row.reason, row.reason
