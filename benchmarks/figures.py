@@ -871,7 +871,8 @@ def doctor_scale(against: Any = None, threads: int = 1) -> Figure:
         [("case", "case", "text")]
         + ([("prev_wall_s", f"wall ({against.label})", "s"),
             ("prev_rss_mib", f"peak RSS MiB ({against.label})", "text"),
-            ("prev_rows", f"rows ({against.label})", "text")] if against else [])
+            ("prev_rows", f"rows ({against.label})", "text"),
+            ("prev_fits", f"rows that fit ({against.label})", "text")] if against else [])
         + [("wall_s", "wall", "s"), ("rss_mib", "peak RSS MiB", "text"),
            ("rows", "rows", "text"), ("fits", "rows that fit", "text"),
            ("status", "target", "text")],
@@ -882,7 +883,8 @@ def doctor_scale(against: Any = None, threads: int = 1) -> Figure:
     for row, prev in _beside(against, "doctor_scale_row", jobs, threads=threads):
         if prev is not None:
             row.update(prev_wall_s=prev.get("wall_s", prev.get("median_s")),
-                       prev_rss_mib=prev.get("rss_mib"), prev_rows=prev.get("rows"))
+                       prev_rss_mib=prev.get("rss_mib"), prev_rows=prev.get("rows"),
+                       prev_fits=prev.get("fits"))
         wall = row.setdefault("wall_s", row.get("median_s"))  # a failed child says why there
         row["status"] = ("n/a" if not isinstance(wall, float)
                          else "pass" if wall <= DOCTOR_TARGETS_S[row["case"]] else "miss")
