@@ -28,8 +28,8 @@ from ..report import MemoryReport, format_bytes
 from ..core import _torch_private as _priv
 from ..backends.sim import rank_of
 
-__all__ = ["ShardResult", "simulate_fsdp", "simulate_tp", "simulate_zero", "shard_memory", "ShardingUnsupported",
-           "WORLD_SIZES", "rank_of", "tp_plan", "parallelize"]
+__all__ = ["ShardResult", "simulate_fsdp", "simulate_tp", "simulate_zero", "shard_memory",
+           "ShardingUnsupported", "WORLD_SIZES", "STYLES", "rank_of", "tp_plan", "parallelize"]
 
 WORLD_SIZES = (2, 4, 8)
 

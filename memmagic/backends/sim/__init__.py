@@ -45,7 +45,8 @@ from .workspaces import reduction_scratch
 # (tests/test_architecture.py checks it)
 __all__ = [
     "SimBackend", "KERNELS", "SIM_NOTES", "clear_op_cache", "GPUS", "CardSpec", "resolve_target",
-    "option_spelling", "round_request", "rank_of", "check_gpus_per_node", "SimSession", "session_of",
+    "option_spelling", "round_request", "rank_of", "check_gpus_per_node", "SimSession",
+    "session_of",
     "shell_session", "cuda_context", "reduction_scratch",
     "SimulationError", "SimulationUnsupported", "SimulationBudgetExceeded",
     "SimulatedOutOfMemoryError", "SimulatedValueError", "SimulatedDeviceMismatchError",
