@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from ..report import MemoryReport, format_bytes, needed
+from ..trace import PHASES
 from .oom import failure_words
 from ..whatif.knobs import BATCH_HINT, KNOBS, SEQ_DIM, Fixes, KnobError, Setting, resizing
 
@@ -217,10 +218,11 @@ def _progress(r: Any) -> tuple[int, int, int, int] | None:
     trace = getattr(r, "trace", None)
     if trace is None or not trace.ops:
         return None
+    _forward, backward, recompute, step, _other = PHASES
     phases = {phase for _, _, phase, _ in trace.ops}
     modules = {module for _, module, _, _ in trace.ops if module}
-    return (int("optimizer" in phases), int(bool(phases & {"backward", "recompute"})),
-            len(modules), len(trace.ops))
+    return (int(step in phases), int(bool(phases & {backward, recompute})), len(modules),
+            len(trace.ops))
 
 
 def _helped(s: Strategy, baseline: Strategy) -> bool:
