@@ -59,10 +59,7 @@ class OOMDescription:
         head = f"out of memory: asked for {req} with {format_bytes(self.live)} live"
         if self.capacity:
             head += f" on a {format_bytes(self.capacity)} card"
-        where = [x for x in (f"at {self.op}" if self.op else None,
-                             f"during {self.phase}" if self.phase else None,
-                             f"in `{self.module}`" if self.module else None,
-                             self.line) if x]
+        where = _where(self.op, self.phase, self.module, self.line)
         lines = [head + (" (" + ", ".join(where) + ")" if where else "")]
         cats = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.by_category.items() if v)
         if cats:
@@ -120,9 +117,15 @@ def failure_site(report: MemoryReport, error: BaseException | None = None
 def failure_words(report: MemoryReport) -> str:
     """Where a run ran out of memory, in a few words ("at mm, during forward, in
     `model.layers.4.mlp`"); '' where unknown."""
-    op, phase, module = failure_site(report)
-    return ", ".join(x for x in (f"at {op}" if op else None, f"during {phase}" if phase else None,
-                                 f"in `{module}`" if module else None) if x)
+    return ", ".join(_where(*failure_site(report)))
+
+
+def _where(op: str | None, phase: str | None, module: str | None,
+           line: str | None = None) -> list[str]:
+    """The words that say where an out of memory happened: its op, phase, module and line,
+    those known."""
+    return [x for x in (f"at {op}" if op else None, f"during {phase}" if phase else None,
+                        f"in `{module}`" if module else None, line) if x]
 
 
 def describe_oom(report: MemoryReport, error: BaseException | None = None,

@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from ..report import MemoryReport, format_bytes, needed
+from ..report import format_bytes, needed
 from ..trace import PHASES
 from .oom import failure_words
 from ..whatif.knobs import BATCH_HINT, KNOBS, SEQ_DIM, Fixes, KnobError, Setting, resizing
@@ -68,14 +68,15 @@ def _measure(cell: Any, label: str, knobs: Mapping[str, Any]) -> Strategy:
 
 
 def _row(label: str, knobs: Mapping[str, Any], r: Any) -> Strategy:
-    """The row of a run ``r`` (a what-if result or a report: its peak, reserved peak,
-    verdict, error and, after an out of memory, what was live and the failed request)."""
+    """The row of a run's report ``r`` (a re-run's, a sharded run's): its peak, reserved
+    peak, verdict, error and, after an out of memory, what was live, the failed request
+    and where it ran out."""
     if r.error and r.failed_request is None:
         return Strategy(label, dict(knobs), None, reason=f"the cell failed: {r.error}")
     if r.failed_request is not None:  # ran out of memory: it needs more than what was live
         # and the request the card could not give (its peak so far says less)
         least = (r.live_at_failure if r.live_at_failure is not None else r.peak) + r.failed_request
-        where = failure_words(r) if isinstance(r, MemoryReport) else ""
+        where = failure_words(r)
         # where it ran out says how far it got: lower bounds of runs that stopped at
         # different places do not compare
         return Strategy(label, dict(knobs), least, None, False,
@@ -215,7 +216,7 @@ def _combine(cell: Any, baseline: Strategy, rows: Sequence[Strategy]) -> Strateg
 def _progress(r: Any) -> tuple[int, int, int, int] | None:
     """How far a run got before it ran out of memory: (reached the optimizer, reached the
     backward, modules entered, ops run)."""
-    trace = getattr(r, "trace", None)
+    trace = r.trace
     if trace is None or not trace.ops:
         return None
     _forward, backward, recompute, step, _other = PHASES

@@ -249,11 +249,14 @@ class _Lines:
     def at(self, v: int) -> tuple[int, int] | None:
         """(peak, reserved peak) at ``v``: the tracker's live bytes at their highest and the
         allocator model's reserved peak, replaying the allocations at ``v``'s sizes."""
+        sizes = self.sizes_at(v) if self.ok else None
+        return None if sizes is None else self.replayed(sizes)
+
+    def replayed(self, sizes: list[int]) -> tuple[int, int] | None:
+        """(peak, reserved peak) of the allocations at ``sizes`` (:meth:`sizes_at`); None
+        where a request fails on the card."""
         from ..backends.sim import round_request
 
-        sizes = self.sizes_at(v) if self.ok else None
-        if sizes is None:
-            return None
         _allocs, _restart, n, events, live = self.shape
         replayed = self.log.replay(sizes[:n])
         if replayed is None:
@@ -269,8 +272,10 @@ class _Lines:
         """Whether the run at ``b`` did exactly what the lines give at ``b``, with the same
         peak and reserved peak."""
         pb = allocation_shape(rb)
-        return (self.ok and pb is not None and pb[0] == self.shape
-                and pb[1] == self.sizes_at(b) and self.at(b) == (rb.peak, rb.reserved_peak))
+        if not (self.ok and pb is not None and pb[0] == self.shape):
+            return False
+        sizes = self.sizes_at(b)
+        return pb[1] == sizes and self.replayed(sizes) == (rb.peak, rb.reserved_peak)
 
 
 Point = Union[MemoryReport, Interpolated]
@@ -672,14 +677,22 @@ def _line_boundary(lines: "_Lines", base: MemoryReport, limit: int, card: bool, 
     context = (base.context or 0) if card else 0
 
     def fits(v: int) -> bool | None:
-        if lines.sizes_at(v) is None:  # a size off the line's whole bytes: it cannot say
+        sizes = lines.sizes_at(v)
+        if sizes is None:  # a size off the line's whole bytes: it cannot say
             return None
-        at = lines.at(v)  # None: a request failed on the card
+        at = lines.replayed(sizes)  # None: a request failed on the card
         return at is not None and needed(*at) + context <= limit
 
     if not lines.ok or not fits(start):
         return None
-    lo, hi = start, high // step * step + step  # lo fits by the line; hi is past the range
+    # start fits by the line; the size past the range stands for one that does not
+    lo = _bisect(fits, start, high // step * step + step, step)
+    return None if lo is None else min(lo, high)
+
+
+def _bisect(fits: Callable[[int], bool | None], lo: int, hi: int, step: int) -> int | None:
+    """The largest multiple of ``step`` between ``lo`` (which fits) and ``hi`` (which does
+    not) that fits, by bisection; None as soon as ``fits`` cannot say (None)."""
     while hi - lo > step:
         mid = (lo + hi) // 2 // step * step
         if mid <= lo:
@@ -688,7 +701,7 @@ def _line_boundary(lines: "_Lines", base: MemoryReport, limit: int, card: bool, 
         if ok is None:
             return None
         lo, hi = (mid, hi) if ok else (lo, mid)
-    return min(lo, high)
+    return lo
 
 
 def _largest(fits: Callable[[int], bool], low: int, high: int, step: int,
@@ -718,16 +731,7 @@ def _largest(fits: Callable[[int], bool], low: int, high: int, step: int,
             lo_ok = b = g + step
         b *= 2
     if lo_ok is not None and hi_bad is not None:
-        lo, hi = lo_ok, hi_bad
-        while hi - lo > step:
-            mid = (lo + hi) // 2 // step * step
-            if mid <= lo:
-                break
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        lo_ok = lo
+        lo_ok = _bisect(fits, lo_ok, hi_bad, step)
     return lo_ok
 
 
