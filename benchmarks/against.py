@@ -102,7 +102,13 @@ def _main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore", message="PyTorch was compiled without cuDNN")  # as run.py
     if job["threads"] > 0:
         torch.set_num_threads(job["threads"])
-    fn = getattr(figures, job["fn"], None) or globals()[job["fn"]]
+    if ":" in job["fn"]:  # "module:function", a module of this package
+        import importlib
+
+        mod, name = job["fn"].split(":")
+        fn = getattr(importlib.import_module(f"benchmarks.{mod}"), name)
+    else:
+        fn = getattr(figures, job["fn"], None) or globals()[job["fn"]]
     row = fn(**job["kwargs"])
     print(_MARK + json.dumps(row, default=str), flush=True)
     return 0

@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
+from ..whatif.evaluated import evaluate, remember
 from ..whatif.knobs import KNOBS, KnobError, Setting, panel_sweep
 from ..report import MemoryReport, format_bytes
 
@@ -83,18 +84,27 @@ class WhatIfPanel:
     Setting a control's ``value`` re-runs the cell (after ``debounce_s`` when an event
     loop runs, as in a kernel; at once otherwise) and updates the panel in place.
     ``panel.setting``, ``panel.report`` and ``panel.baseline_report`` hold what is
-    shown; ``panel.error`` the last re-run's error (None when it ran)."""
+    shown; ``panel.error`` the last re-run's error (None when it ran).
+
+    With ``evaluate`` (and ``cache``), a batch size or context length that earlier runs
+    of this panel answer is read off them instead of run
+    (:func:`memmagic.whatif.evaluated.evaluate`: runs differing only in that size, on one
+    line or parabola, checked by one they were not drawn through): the panel says so, and
+    ``panel.evaluated`` counts them."""
 
     def __init__(self, cell: "Cell", *, ranges: Mapping[str, tuple[int, int]] | None = None,
-                 debounce_s: float = 0.15, cache: bool = True) -> None:
+                 debounce_s: float = 0.15, cache: bool = True, evaluate: bool = True) -> None:
         w = _ipywidgets()
         self.cell = cell
         self.debounce_s = float(debounce_s)
         self.cache_enabled = bool(cache)
+        self.evaluate = bool(evaluate)
+        self._planes: dict = {}  # the lines evaluate() found among the cached runs
         self._cache: OrderedDict[Setting, MemoryReport] = OrderedDict()
         self._pending = None
         self.ranges = dict(ranges or {})
         self.baseline: Setting = cell.setting()
+        self.runs, self.evaluated = 0, 0  # the panel's runs of the cell, and answers read off them
         self.baseline_report = self._report(self.baseline)
         self._fall_back()
         cell = self.cell
@@ -102,7 +112,6 @@ class WhatIfPanel:
         self.setting: Setting = self.baseline
         self.report: MemoryReport = self.baseline_report
         self.error: str | None = self.baseline_report.error
-        self.runs = 1
         self.last_update_s: float | None = None
         self.sweep_result: "Sweep | None" = None
         self.fit_map_result: "FitMap | None" = None
@@ -263,7 +272,6 @@ class WhatIfPanel:
         except Exception as exc:  # noqa: BLE001 - a re-run's error shows in the panel
             self._refused(setting, f"{type(exc).__name__}: {exc}")
         else:
-            self.runs += 1
             if report.error is not None and report.failed_request is None:
                 self._refused(setting, report.error)
             else:  # it ran, or ran out of memory: either is the answer
@@ -301,11 +309,19 @@ class WhatIfPanel:
         if self.cache_enabled and setting in self._cache:
             self._cache.move_to_end(setting)
             return self._cache[setting]
-        report = self.cell.run(setting)
+        report = (evaluate(self._cache, setting, self._planes)
+                  if self.evaluate and self.cache_enabled else None)
+        if report is None:
+            report = self.cell.run(setting)
+            self.runs += 1
+        else:
+            self.evaluated += 1
         if self.cache_enabled:
             self._cache[setting] = report
             while len(self._cache) > _CACHE:
                 self._cache.popitem(last=False)
+            if self.evaluate and not report.interpolated:
+                remember(self._cache, setting, self._planes)
         return report
 
     # -- drawing ---------------------------------------------------------------------------------
@@ -317,7 +333,8 @@ class WhatIfPanel:
         if self.setting != self.baseline:
             reports.append(self.report)
             ran_out = "\n(when it ran out)" if self.report.failed_request is not None else ""
-            labels.append(f"now\n{_wrap(self.setting.label())}{ran_out}")
+            how = "\n(evaluated, not run)" if self.report.interpolated else ""
+            labels.append(f"now\n{_wrap(self.setting.label())}{ran_out}{how}")
         self.chart.value = comparison_svg(reports, labels)
         self.text.value = self._html()
         self._draw_status()
@@ -365,6 +382,8 @@ class WhatIfPanel:
             rows.append(("card", f"{r.gpu_name} {format_bytes(r.gpu_memory)}: {verdict}"))
         if r.peak_words:
             rows.append(("peak reached", r.peak_words))
+        if r.interpolated:
+            rows.append(("source", r.source))
         body = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{html.escape(k)}</th>"
                        f"<td style='text-align:left'>{html.escape(v)}</td></tr>" for k, v in rows)
         return f"<table class='memmagic-whatif'>{body}</table>"

@@ -37,18 +37,25 @@ __all__ = ["FitMap", "SizePlane", "fit_map", "run_fitmap_option"]
 
 # the monomials b^i s^j of a size, in this order
 BASIS = ((0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2))
+# through runs that differ in one size: a line in the batch; a line or a parabola in the context
+BATCH_LINE = ((0, 0), (1, 0))
+CONTEXT_LINE = ((0, 0), (0, 1))
+CONTEXT_CURVE = ((0, 0), (0, 1), (0, 2))
+Basis = Sequence[tuple[int, int]]
 _INT64_SAFE = 1 << 62
 # contexts of a map whose pairs are run one by one (where the plane cannot be used)
 FALLBACK_CONTEXTS = 8
 
 
-def _weights(bs: Sequence[int], ss: Sequence[int]) -> tuple[list[list[int]], int]:
+def _weights(bs: Sequence[int], ss: Sequence[int], basis: Basis = BASIS
+             ) -> tuple[list[list[int]], int]:
     """(W, D): integer weights with ``D * c = W @ y``, where ``y`` are a size's values at the
     lattice points ``[(b, s) for b in bs for s in ss]`` and ``c`` its coefficients on
-    :data:`BASIS`. Exact: the inverse of the lattice's design matrix, in fractions."""
+    ``basis`` (as many monomials as points). Exact: the inverse of the lattice's design
+    matrix, in fractions."""
     pts = [(b, s) for b in bs for s in ss]
-    n = len(BASIS)
-    m = [[Fraction(b ** i * s ** j) for i, j in BASIS] + [Fraction(int(r == c)) for c in range(n)]
+    n = len(basis)
+    m = [[Fraction(b ** i * s ** j) for i, j in basis] + [Fraction(int(r == c)) for c in range(n)]
          for r, (b, s) in enumerate(pts)]
     for c in range(n):  # Gauss-Jordan
         p = next(r for r in range(c, n) if m[r][c] != 0)
@@ -84,8 +91,8 @@ def _fit(weights: list[list[int]], d: int, values: Sequence[Sequence[int]]) -> l
     return out
 
 
-def _monomials(b: int, s: int) -> list[int]:
-    return [b ** i * s ** j for i, j in BASIS]
+def _monomials(b: int, s: int, basis: Basis = BASIS) -> list[int]:
+    return [b ** i * s ** j for i, j in basis]
 
 
 class SizePlane:
@@ -99,15 +106,13 @@ class SizePlane:
     size is such a polynomial; ``reason`` says why not."""
 
     def __init__(self, runs: dict[tuple[int, int], "MemoryReport"], bs: Sequence[int],
-                 ss: Sequence[int]) -> None:
-        self.bs, self.ss = tuple(bs), tuple(ss)
+                 ss: Sequence[int], basis: Basis = BASIS) -> None:
+        self.bs, self.ss, self.basis = tuple(bs), tuple(ss), tuple(basis)
         self.ok, self.reason = False, ""
         pts = [(b, s) for b in self.bs for s in self.ss]
         shapes, plans = [], []
         for p in pts:
-            trace = runs[p].trace
-            sh = allocation_shape(runs[p], exclude=frozenset(getattr(trace, "scratch", ())))
-            plan = _plan(trace)
+            sh, plan = shape_of(runs[p]), _plan(runs[p].trace)
             if sh is None or plan is None:
                 self.reason = (f"the run at batch {p[0]}, context {p[1]} has no replayable "
                                "allocator log (it failed, or ran out of memory)")
@@ -124,8 +129,9 @@ class SizePlane:
                            "takes another path at some of them)")
             return
         self.shape, self.entries, self.restart = first, entries, restart
-        self.log = runs[pts[0]].trace.allocator_log
-        weights, d = _weights(self.bs, self.ss)
+        # the first run: the one whose log the sizes replay and whose trace they resize
+        self.point, self.run, self.log = pts[0], runs[pts[0]], runs[pts[0]].trace.allocator_log
+        weights, d = _weights(self.bs, self.ss, self.basis)
         coefs = _fit(weights, d, [sh[1] for sh in shapes])
         if any(c is None for c in coefs):
             self.reason = ("an allocation's size is not a polynomial in the batch and the "
@@ -146,7 +152,7 @@ class SizePlane:
         self._numpy = None
         # int64 arithmetic where no size up to 64 times the lattice's overflows it
         self._limits = (64 * max(self.bs), 64 * max(self.ss))
-        top = _monomials(*self._limits)
+        top = _monomials(*self._limits, self.basis)
         if all(sum(abs(c) * m for c, m in zip(co, top)) < _INT64_SAFE for co in coefs):
             self._numpy = np.array(coefs, dtype=np.int64)
         self.ok = True
@@ -154,7 +160,7 @@ class SizePlane:
     def sizes_at(self, b: int, s: int) -> list[int] | None:
         """The sizes of the allocations that are not staging buffers at batch ``b``, context
         ``s`` (None: one would be below one byte)."""
-        m = _monomials(b, s)
+        m = _monomials(b, s, self.basis)
         if self._numpy is not None and b <= self._limits[0] and s <= self._limits[1]:
             import numpy as np
 
@@ -171,7 +177,7 @@ class SizePlane:
         sizes = self.sizes_at(b, s)
         if sizes is None:
             return None
-        m = _monomials(b, s)
+        m = _monomials(b, s, self.basis)
         n_alloc = self.shape[2]
         alloc_sizes = iter(sizes[:n_alloc])
         entries: list[dict] = []
@@ -219,7 +225,7 @@ class SizePlane:
         if not self.ok:
             return False
         trace = run.trace
-        sh = allocation_shape(run, exclude=frozenset(getattr(trace, "scratch", ())))
+        sh = shape_of(run)
         sizes = self.sizes_at(b, s)
         if sh is None or sizes is None or sh[0] != self.shape or sh[1] != sizes:
             return False
@@ -230,6 +236,12 @@ class SizePlane:
         if [e["action"] for e in done] != [e["action"] for e in acts[0]] or asked != acts[2]:
             return False
         return self.replay(acts) == log.replay(asked)
+
+
+def shape_of(run: "MemoryReport") -> tuple[tuple, list[int]] | None:
+    """A run's allocation shape without its staging buffers (:func:`allocation_shape`), as
+    a plane compares and fits it (read once per run, then kept on its trace)."""
+    return allocation_shape(run, exclude=frozenset(getattr(run.trace, "scratch", ())))
 
 
 def _plan(trace: Any) -> tuple[list[dict], int, list[tuple[int, tuple]]] | None:

@@ -157,6 +157,14 @@ def allocation_shape(run: MemoryReport, exclude: frozenset = frozenset()
     log = getattr(trace, "allocator_log", None)
     if log is None or getattr(log, "start", None) is None:
         return None
+    known = trace.__dict__.setdefault("_shapes", {})  # a run's shape is read once per exclude
+    if exclude not in known:
+        known[exclude] = _shape(trace, log, exclude)
+    return known[exclude]
+
+
+def _shape(trace: Any, log: Any, exclude: frozenset) -> tuple[tuple, list[int]] | None:
+    """:func:`allocation_shape` of a run's trace and allocator log."""
     if any(e["action"] == "oom" for e in log.entries):
         return None
     ids: dict[Any, int] = {}
@@ -233,7 +241,7 @@ class _Lines:
         self.ok = pa is not None and pc is not None and pa[0] == pc[0]
         if self.ok:
             (self.shape, self.sa), self.sc = pa, pc[1]  # type: ignore[misc,index]
-            self.log = ra.trace.allocator_log
+            self.ra, self.log = ra, ra.trace.allocator_log
 
     def sizes_at(self, v: int) -> list[int] | None:
         """The sizes at ``v`` (None: one would not be a whole number of bytes)."""

@@ -77,6 +77,27 @@ panel.set(accum_steps=1, optimizer="sgd"); show("batch 16, plain SGD")
 panel
 
 # %% [markdown]
+# ## Sizes read off runs
+#
+# The panel keeps its runs. Once three of them differ only in the batch size, a new
+# batch size is read off them instead of run: each allocation's size lies on the
+# straight line through the runs (every run of the three must agree with it, to the
+# byte), and the simulated allocator replays the run at those sizes on the card. The
+# report says so in its source and in the chart ("evaluated, not run"). Below, the
+# first move is a run, the others are read off; the last line checks one against a run.
+
+# %%
+panel.set(optimizer=None)  # back to the cell's own AdamW, batch 16 (the baseline)
+for b in (8, 32, 48, 128):
+    panel.set(batch_size=b)
+    how = "read off runs" if panel.report.interpolated else "run"
+    show(f"batch {b} ({how})")
+print(panel.report.source)
+run = panel.cell.run(panel.setting)
+print("equal to a run:", (run.peak, run.reserved_peak, dict(run.breakdown)) ==
+      (panel.report.peak, panel.report.reserved_peak, dict(panel.report.breakdown)))
+
+# %% [markdown]
 # ## Try it
 #
 # Move the controls yourself. Before each move, guess: up or down, and by how much?

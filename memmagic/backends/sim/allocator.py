@@ -395,6 +395,14 @@ class AllocatorLog:
         that size: cached blocks are released before a request fails, as on a GPU).
         ``entries`` and ``restart``: other actions to replay from the same start (a run's
         at other sizes, with other transient buffers)."""
+        model = self.replayed(sizes, capacity, entries, restart)
+        return None if model is None else (model.allocated_peak, model.reserved_peak)
+
+    def replayed(self, sizes: Sequence[int], capacity: int | None = None,
+                 entries: Sequence[dict] | None = None, restart: int | None = None
+                 ) -> "CachingAllocatorModel | None":
+        """The copy of the model :meth:`replay` ends with (its peaks, what it holds at the
+        end), or None where it returns None."""
         if self.start is None:
             return None
         model = self.start.clone()
@@ -420,7 +428,7 @@ class AllocatorLog:
             return None
         if restart >= len(entries):
             model.restart_peaks()
-        return model.allocated_peak, model.reserved_peak
+        return model
 
 
 @dataclass(eq=False)

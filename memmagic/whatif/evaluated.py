@@ -1,0 +1,290 @@
+"""Whole reports read off runs instead of run: a size knob's value (the batch size, the
+context length) answered from simulated runs of the same cell at other values.
+
+Where three or more simulated runs of a cell differ only in one size knob, made the same
+allocations and frees in the same order, and each allocation's size lies on one straight
+line through them (:class:`~memmagic.whatif.sweeps._Lines`, checked byte for byte by every
+run beyond the two it is drawn through), a value of that knob is *evaluated*: each
+allocation's size is read off its line, the simulated allocator replays the run's log at
+those sizes on the card (peaks, reserved, whether a request fails), and the run's trace
+with those sizes gives the breakdown at the peak, where the peak is reached, the timeline
+and the per-module rows. The result is an :class:`EvaluatedReport`, a
+:class:`~memmagic.report.MemoryReport` marked ``interpolated`` whose source says which
+runs it was read off. What it cannot know it leaves out: host memory, the allocator's
+snapshot. Knows nothing of IPython or widgets.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+
+from .knobs import BATCH_DIM, SEQ_DIM, KnobError, Setting, resizing
+from ..report import MemoryReport, Note
+from ..trace import Trace
+
+if TYPE_CHECKING:
+    from .fitmap import SizePlane
+
+__all__ = ["EvaluatedReport", "evaluate", "evaluated_report", "remember"]
+
+# bytes a replay may reserve when it answers what a setting that does not fit needs
+_NO_LIMIT = 1 << 62
+# the lines a caller's ``planes`` keeps (each holds its runs)
+_PLANES = 8
+
+
+@dataclass(frozen=True)
+class EvaluatedReport(MemoryReport):
+    """A report read off runs at other values of one size knob (see the module docstring).
+    ``read_off``: the words saying which runs; ``ran_out``: a request failed when the
+    allocator replayed it on the card (the setting does not fit; ``peak`` and
+    ``reserved_peak`` are then what it needs, replayed without the card's limit)."""
+
+    interpolated: ClassVar[bool] = True
+    read_off: str = ""
+    ran_out: bool = False
+
+    @property
+    def fits(self) -> bool | None:
+        if self.gpu_memory is None:
+            return None
+        return False if self.ran_out else MemoryReport.fits.fget(self)  # type: ignore[attr-defined]
+
+    @property
+    def source(self) -> str:
+        return f"evaluated, not run: {self.read_off}"
+
+
+def _resized(run: MemoryReport, acts: tuple[list[dict], int, list[int]]) -> Trace | None:
+    """``run``'s trace with each device allocation of the bytes its allocator entry asks in
+    ``acts`` (:meth:`SizePlane.actions_at`, in the order of the run's own allocations; the
+    tracker holds them rounded up to 512) and each free of what its allocation held. The
+    run's staging buffers give way to the ones ``acts`` recomputes, put in at their sites
+    (allocated and freed within the reduction's op, as the tracker records them). None
+    where ``run`` made another number of allocations."""
+    from ..backends.sim import round_request
+
+    trace = run.trace
+    scratch = getattr(trace, "scratch", {})
+    plain, staged = _split(acts)
+    own = [e["key"] for e in trace.allocator_log.entries
+           if e["action"] == "alloc" and e["key"] not in scratch]
+    if len(own) != len(plain):
+        return None
+    asked: dict[Any, list[int]] = {}
+    for k, n in zip(own, plain):
+        asked.setdefault(k, []).append(n)
+    pool_of, roles = dict(trace.pool_of), dict(trace.roles)
+    held: dict[int, int] = {}
+    out: list[tuple[int, int, int]] = []
+    moved: list[int] = []  # each event's index in ``out``
+    done, op_now = 0, 0
+
+    def stage(upto: int) -> None:  # the staging buffers put in before kept entry ``upto``
+        for serial, delta in staged.get(upto, ()):
+            pool_of[serial], roles[serial] = "device", "workspaces"
+            out.append((serial, delta, op_now))
+
+    for serial, delta, op in trace.events:
+        device = delta and trace.pool_of.get(serial) == "device" and serial not in scratch
+        if device:
+            stage(done)  # within the op before: what autograd saved after it comes after them
+            done += 1
+        moved.append(len(out))
+        if serial in scratch:
+            continue
+        if device:
+            if delta > 0:
+                delta = held[serial] = round_request(asked[serial].pop(0))
+            else:
+                delta = -held.pop(serial, -delta)
+        out.append((serial, delta, op))
+        op_now = op
+    stage(done)
+    moved.append(len(out))
+    saved = [(moved[n], serial, d) for n, serial, d in trace.saved_events]
+    return Trace(ops=trace.ops, events=out, saved_events=saved, pool_of=pool_of, roles=roles,
+                 seed=trace.seed, saver=trace.saver, owner=trace.owner, frames=trace.frames,
+                 before=trace.before, frozen=trace.frozen)
+
+
+def _split(acts: tuple[list[dict], int, list[int]]
+           ) -> tuple[list[int], dict[int, list[tuple[int, int]]]]:
+    """The sizes of ``acts``' allocations that are not staging buffers, in order, and its
+    staging buffers' allocations and frees (serial of their own, signed bytes) by the
+    number of other allocator actions before them."""
+    entries, _restart, sizes = acts
+    sizes_it = iter(sizes)
+    plain: list[int] = []
+    staged: dict[int, list[tuple[int, int]]] = {}
+    serials: dict[Any, tuple[int, int]] = {}
+    kept = 0
+    for e in entries:
+        n = next(sizes_it) if e["action"] == "alloc" else 0
+        if not isinstance(e["key"], tuple):  # ("staging", site, buffer) otherwise
+            plain += [n] if e["action"] == "alloc" else []
+            kept += 1
+            continue
+        if e["action"] == "alloc":
+            serials[e["key"]] = (-1 - len(serials), n)
+        serial, size = serials[e["key"]]
+        staged.setdefault(kept, []).append((serial, size if e["action"] == "alloc" else -size))
+    return plain, staged
+
+
+def _peak(trace: Trace) -> tuple[int, int, int, int]:
+    """(before, peak, after, peak event) of the device bytes live over ``trace.events``
+    (the tracker's: the first event that reaches the highest; -1 when none passes the
+    start)."""
+    live = before = sum(n for s, n in trace.seed.items() if trace.pool_of.get(s) == "device")
+    peak, at = live, -1
+    for i, (serial, delta, _op) in enumerate(trace.events):
+        if trace.pool_of.get(serial) == "device":
+            live += delta
+            if live > peak:
+                peak, at = live, i
+    return before, peak, live, at
+
+
+def evaluated_report(plane: "SizePlane", b: int, s: int, read_off: str) -> EvaluatedReport | None:
+    """The report at (``b``, ``s``) read off ``plane``: its sizes there, the allocator
+    replayed on the card, its first run's trace at those sizes; None where the plane gives
+    no sizes there (run it)."""
+    t0 = time.perf_counter()
+    acts = plane.actions_at(b, s) if plane.ok else None
+    if acts is None:
+        return None
+    run = plane.run
+    resized = _resized(run, acts)
+    if resized is None:
+        return None
+    trace = run.trace
+    model = plane.log.replayed(acts[2], None, acts[0], acts[1])
+    ran_out = model is None
+    if ran_out:
+        model = plane.log.replayed(acts[2], _NO_LIMIT, acts[0], acts[1])
+        if model is None:
+            return None
+    before, peak, after, at = _peak(resized)
+    resized.peak_event = at
+    op = resized.op(resized.peak_op_index)
+    name, module, phase, label = op if op is not None else (None, None, None, None)
+    notes = tuple(run.notes) + (Note(
+        f"evaluated, not run: {read_off}; host memory and the allocator's snapshot come "
+        "from runs only", "evaluated"),)
+    return EvaluatedReport(
+        backend=run.backend, device=run.device, before=before, peak=peak, after=after,
+        wall_s=time.perf_counter() - t0, breakdown=resized.breakdown_at(at),
+        breakdown_before=run.breakdown_before,
+        reserved_peak=model.reserved_peak, reserved_after=model.reserved,
+        peak_op=name, peak_module=module, peak_phase=phase, peak_label=label,
+        gpu_name=run.gpu_name, gpu_memory=run.gpu_memory, context=run.context,
+        notes=notes, timeline=tuple((o, sum(c.values())) for o, c in resized.timeline()),
+        modules=tuple(resized.module_rows(peak)), trace=resized,
+        read_off=read_off, ran_out=ran_out)
+
+
+def evaluate(runs: Mapping[Setting, MemoryReport], setting: Setting,
+             planes: dict | None = None) -> EvaluatedReport | None:
+    """``setting`` read off ``runs`` (simulated runs keyed by their settings; reports
+    marked ``interpolated`` are not runs and are passed over): where runs that differ
+    from it only in the batch size lie on one line, or only in the context length on one
+    line or parabola, each checked byte for byte by at least one run it was not drawn
+    through. None where there are too few such runs or they do not agree (run it).
+    ``planes``: a dict the caller keeps between calls, where the lines found are kept
+    (a family of runs is then checked once)."""
+    for dim in (BATCH_DIM, SEQ_DIM):
+        knob = resizing(dim)
+        v = getattr(setting, knob.name)
+        found = None if v is None else _cached(planes, _family(runs, setting, knob.name, v), dim)
+        if found is None:
+            continue
+        plane, xs = found
+        where = ("between" if xs[0] < v < xs[-1] else "beyond")
+        report = evaluated_report(
+            plane, *_point(v, dim),
+            f"each allocation's size on the {'line' if len(plane.basis) == 2 else 'parabola'} "
+            f"through the simulated runs at {knob.sizes.noun} {', '.join(map(str, xs))} "
+            f"({where} them)")
+        if report is not None:
+            return report
+    return None
+
+
+def remember(runs: Mapping[Setting, MemoryReport], setting: Setting, planes: dict) -> None:
+    """After a run of ``setting`` (in ``runs``): read what it did, and find the lines its
+    families of runs make, now, while the caller waits for the run anyway, so that a
+    later :func:`evaluate` off them is quick (kept on its trace and in ``planes``)."""
+    from .fitmap import shape_of
+
+    shape_of(runs[setting])
+    for dim in (BATCH_DIM, SEQ_DIM):
+        name = resizing(dim).name
+        if getattr(setting, name) is not None:
+            _cached(planes, _family(runs, setting, name, None), dim)
+
+
+def _family(runs: Mapping[Setting, MemoryReport], setting: Setting, knob: str, v: int | None
+            ) -> dict[int, MemoryReport]:
+    """The runs among ``runs`` that are ``setting`` but for ``knob``, by its value (not
+    ``v``): whole answers only (no error, not out of memory, not evaluated)."""
+    return dict(sorted(
+        (getattr(s, knob), r) for s, r in runs.items()
+        if getattr(s, knob) not in (None, v) and not r.interpolated and r.error is None
+        and _same_but(s, setting, knob)))
+
+
+def _family_plane(family: Mapping[int, MemoryReport], dim: int
+                  ) -> tuple["SizePlane", list[int]] | None:
+    """The line (the batch; the context first) or parabola (the context) through runs of
+    ``family`` (value: report) and the values of the runs it holds for: drawn through
+    some, checked byte for byte by all the others. Tried on the most runs first, then the
+    largest sizes (a cell that takes another path at small sizes leaves those out); None
+    where none holds."""
+    from .fitmap import BATCH_LINE, CONTEXT_CURVE, CONTEXT_LINE, SizePlane
+
+    xs = sorted(family)
+    windows = sorted(((i, j) for i in range(len(xs)) for j in range(i + 1, len(xs) + 1)),
+                     key=lambda w: (w[0] - w[1], -w[0]))
+    for basis in ((BATCH_LINE,) if dim == BATCH_DIM else (CONTEXT_LINE, CONTEXT_CURVE)):
+        k = len(basis)
+        for i, j in windows:
+            ws = xs[i:j]
+            if len(ws) <= k:
+                continue
+            drawn = [ws[0], ws[len(ws) // 2], ws[-1]] if k == 3 else [ws[0], ws[-1]]
+            plane = SizePlane({_point(x, dim): family[x] for x in drawn},
+                              *((drawn, [1]) if dim == BATCH_DIM else ([1], drawn)), basis)
+            if plane.ok and all(plane.checked_by(*_point(x, dim), family[x])
+                                for x in ws if x not in drawn):
+                return plane, ws
+    return None
+
+
+def _cached(planes: dict | None, family: Mapping[int, MemoryReport], dim: int
+            ) -> tuple["SizePlane", list[int]] | None:
+    """:func:`_family_plane`, kept in ``planes`` by the family's runs (which the entry holds,
+    so that their ids stay theirs)."""
+    if planes is None:
+        return _family_plane(family, dim)
+    key = (dim, tuple((x, id(r)) for x, r in sorted(family.items())))
+    if key not in planes:
+        while len(planes) >= _PLANES:
+            planes.pop(next(iter(planes)))
+        planes[key] = (_family_plane(family, dim), list(family.values()))
+    return planes[key][0]
+
+
+def _point(x: int, dim: int) -> tuple[int, int]:
+    """(batch, context) of a family's value (the other is 1: its power is 0)."""
+    return (x, 1) if dim == BATCH_DIM else (1, x)
+
+
+def _same_but(s: Setting, setting: Setting, knob: str) -> bool:
+    """Whether ``s`` is ``setting`` but for ``knob`` (and a valid setting with its value)."""
+    try:
+        return s.replace(**{knob: getattr(setting, knob)}) == setting
+    except KnobError:
+        return False
