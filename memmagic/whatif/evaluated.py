@@ -2,14 +2,14 @@
 context length) answered from simulated runs of the same cell at other values.
 
 Where three or more simulated runs of a cell differ only in one size knob, made the same
-allocations and frees in the same order, and each allocation's size lies on one straight
-line through them (:class:`~memmagic.whatif.sweeps._Lines`, checked byte for byte by every
-run beyond the two it is drawn through), a value of that knob is *evaluated*: each
-allocation's size is read off its line, the simulated allocator replays the run's log at
-those sizes on the card (peaks, reserved, whether a request fails), and the run's trace
-with those sizes gives the breakdown at the peak, where the peak is reached, the timeline
-and the per-module rows. The result is an :class:`EvaluatedReport`, a
-:class:`~memmagic.report.MemoryReport` marked ``interpolated`` whose source says which
+allocations and frees in the same order, and each allocation's size lies on one line (the
+context: or one parabola) through some of them (a :class:`~memmagic.whatif.plane.SizePlane`,
+checked byte for byte by every run it was not drawn through), a value of that knob is
+*evaluated*: each allocation's size is read off its line, the simulated allocator replays
+the run's log at those sizes on the card (peaks, reserved, whether a request fails), and
+the run's trace with those sizes gives the breakdown at the peak, where the peak is
+reached, the timeline and the per-module rows. The result is an :class:`EvaluatedReport`,
+a :class:`~memmagic.report.MemoryReport` marked ``interpolated`` whose source says which
 runs it was read off. What it cannot know it leaves out: host memory, the allocator's
 snapshot. Knows nothing of IPython or widgets.
 """
@@ -25,9 +25,9 @@ from ..report import MemoryReport, Note
 from ..trace import Trace
 
 if TYPE_CHECKING:
-    from .fitmap import SizePlane
+    from .plane import SizePlane
 
-__all__ = ["EvaluatedReport", "evaluate", "evaluated_report", "remember"]
+__all__ = ["EvaluatedReport", "evaluate", "evaluated_report", "peaks_at", "remember"]
 
 # bytes a replay may reserve when it answers what a setting that does not fit needs
 _NO_LIMIT = 1 << 62
@@ -148,6 +148,17 @@ def _peak(trace: Trace) -> tuple[int, int, int, int]:
     return before, peak, live, at
 
 
+def peaks_at(plane: "SizePlane", b: int, s: int) -> tuple[int, int] | None:
+    """(peak, reserved peak) at (``b``, ``s``) read off ``plane``: the tracker's device
+    bytes at their highest over its first run's trace at those sizes, and the allocator's
+    reserved peak replaying them on the card; None where the plane gives no sizes there or
+    a request fails on the card."""
+    acts = plane.actions_at(b, s) if plane.ok else None
+    resized = None if acts is None else _resized(plane.run, acts)
+    replayed = None if resized is None else plane.replay(acts)
+    return None if replayed is None else (_peak(resized)[1], replayed[1])
+
+
 def evaluated_report(plane: "SizePlane", b: int, s: int, read_off: str) -> EvaluatedReport | None:
     """The report at (``b``, ``s``) read off ``plane``: its sizes there, the allocator
     replayed on the card, its first run's trace at those sizes; None where the plane gives
@@ -217,7 +228,7 @@ def remember(runs: Mapping[Setting, MemoryReport], setting: Setting, planes: dic
     """After a run of ``setting`` (in ``runs``): read what it did, and find the lines its
     families of runs make, now, while the caller waits for the run anyway, so that a
     later :func:`evaluate` off them is quick (kept on its trace and in ``planes``)."""
-    from .fitmap import shape_of
+    from .plane import shape_of
 
     shape_of(runs[setting])
     for dim in (BATCH_DIM, SEQ_DIM):
@@ -243,7 +254,7 @@ def _family_plane(family: Mapping[int, MemoryReport], dim: int
     some, checked byte for byte by all the others. Tried on the most runs first, then the
     largest sizes (a cell that takes another path at small sizes leaves those out); None
     where none holds."""
-    from .fitmap import BATCH_LINE, CONTEXT_CURVE, CONTEXT_LINE, SizePlane
+    from .plane import BATCH_LINE, CONTEXT_CURVE, CONTEXT_LINE, SizePlane
 
     xs = sorted(family)
     windows = sorted(((i, j) for i in range(len(xs)) for j in range(i + 1, len(xs) + 1)),

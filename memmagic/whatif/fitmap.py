@@ -1,33 +1,25 @@
 """The fit map: for a card, which (batch size, context length) pairs of a cell fit, read off
 a few simulated runs instead of one run per pair.
 
-A transformer step's allocations are polynomials in the batch ``b`` and the context ``s``:
-weights a constant, activations ``b*s*c``, attention scores ``b*s*s*c``, masks ``s*s*c``.
-:class:`SizePlane` takes six runs on a 2 x 3 lattice of (batch, context) that made the
-same allocations and frees in the same order (the simulated allocator's log and the
-tracker's events, as :class:`~memmagic.whatif.sweeps.Interpolated` reads them) and fits
-each allocation's size exactly (integer arithmetic) as ``sum c_ij b^i s^j`` for ``i <= 1``,
-``j <= 2``. A size that is no such polynomial (a kernel's rounding) makes the plane
-unusable, except a reduction's staging buffer, recomputed from its fitted recipe
-(:func:`memmagic.backends.sim.reduction_scratch`). At a new pair the sizes are
-evaluated and the allocator model replays the log on a card of the target's size: it
-fits when no request fails. :func:`fit_map` checks the plane against runs before it
-trusts it (the far corner, byte for byte; then the boundary it found: the largest batch
-that fits and the one above, at the first, middle and last contexts), and falls back to
-runs where a check fails. Knows nothing of IPython or widgets.
+Six runs on a 2 x 3 lattice of (batch, context), on a card of the target's kind that
+nothing outgrows, give a :class:`~memmagic.whatif.plane.SizePlane`: each allocation's
+size as a polynomial in the batch and the context (see :mod:`memmagic.whatif.plane`). At a
+pair the sizes are evaluated and the allocator model replays the log on a card of the
+target's size: it fits when no request fails. :func:`fit_map` checks the plane against
+runs before it trusts it (the far corner, byte for byte; then the boundary it found: the
+largest batch that fits and the one above, at the first, middle and last contexts), and
+falls back to runs where a check fails. Knows nothing of IPython or widgets.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..report import format_bytes
 from .knobs import BATCH_DIM, SEQ_DIM, resizing, targeting
-from .sweeps import allocation_shape
+from .plane import SizePlane
 
 if TYPE_CHECKING:
     from .engine import Cell
@@ -35,243 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FitMap", "SizePlane", "fit_map", "run_fitmap_option"]
 
-# the monomials b^i s^j of a size, in this order
-BASIS = ((0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2))
-# through runs that differ in one size: a line in the batch; a line or a parabola in the context
-BATCH_LINE = ((0, 0), (1, 0))
-CONTEXT_LINE = ((0, 0), (0, 1))
-CONTEXT_CURVE = ((0, 0), (0, 1), (0, 2))
-Basis = Sequence[tuple[int, int]]
-_INT64_SAFE = 1 << 62
 # contexts of a map whose pairs are run one by one (where the plane cannot be used)
 FALLBACK_CONTEXTS = 8
-
-
-def _weights(bs: Sequence[int], ss: Sequence[int], basis: Basis = BASIS
-             ) -> tuple[list[list[int]], int]:
-    """(W, D): integer weights with ``D * c = W @ y``, where ``y`` are a size's values at the
-    lattice points ``[(b, s) for b in bs for s in ss]`` and ``c`` its coefficients on
-    ``basis`` (as many monomials as points). Exact: the inverse of the lattice's design
-    matrix, in fractions."""
-    pts = [(b, s) for b in bs for s in ss]
-    n = len(basis)
-    m = [[Fraction(b ** i * s ** j) for i, j in basis] + [Fraction(int(r == c)) for c in range(n)]
-         for r, (b, s) in enumerate(pts)]
-    for c in range(n):  # Gauss-Jordan
-        p = next(r for r in range(c, n) if m[r][c] != 0)
-        m[c], m[p] = m[p], m[c]
-        pivot = m[c][c]
-        m[c] = [v / pivot for v in m[c]]
-        for r in range(n):
-            if r != c and m[r][c] != 0:
-                f = m[r][c]
-                m[r] = [a - f * b for a, b in zip(m[r], m[c])]
-    inv = [row[n:] for row in m]
-    d = 1
-    for row in inv:
-        for v in row:
-            d = math.lcm(d, v.denominator)
-    return [[int(v * d) for v in row] for row in inv], d
-
-
-def _fit(weights: list[list[int]], d: int, values: Sequence[Sequence[int]]) -> list[list[int] | None]:
-    """Per column of ``values`` (one row per lattice point), its integer coefficients on
-    :data:`BASIS`, or None where they are not whole numbers (no such polynomial)."""
-    out: list[list[int] | None] = []
-    for col in zip(*values):
-        coef = []
-        for row in weights:
-            num = sum(w * y for w, y in zip(row, col))
-            q, r = divmod(num, d)
-            if r:
-                coef = None
-                break
-            coef.append(q)
-        out.append(coef)
-    return out
-
-
-def _monomials(b: int, s: int, basis: Basis = BASIS) -> list[int]:
-    return [b ** i * s ** j for i, j in basis]
-
-
-class SizePlane:
-    """Six simulated runs of one cell on the lattice ``bs`` x ``ss`` (2 batch sizes x 3
-    context lengths), and each allocation's size as a polynomial through them.
-
-    A reduction's staging buffers are left out of the comparison: each reduction that may
-    stage one is a *site*, at the same place of every run, whose buffers (none, or a
-    staging buffer and its semaphores) are recomputed from its fitted recipe at each size.
-    ``ok`` says whether the runs did the same things in the same order and every other
-    size is such a polynomial; ``reason`` says why not."""
-
-    def __init__(self, runs: dict[tuple[int, int], "MemoryReport"], bs: Sequence[int],
-                 ss: Sequence[int], basis: Basis = BASIS) -> None:
-        self.bs, self.ss, self.basis = tuple(bs), tuple(ss), tuple(basis)
-        self.ok, self.reason = False, ""
-        pts = [(b, s) for b in self.bs for s in self.ss]
-        shapes, plans = [], []
-        for p in pts:
-            sh, plan = shape_of(runs[p]), _plan(runs[p].trace)
-            if sh is None or plan is None:
-                self.reason = (f"the run at batch {p[0]}, context {p[1]} has no replayable "
-                               "allocator log (it failed, or ran out of memory)")
-                return
-            shapes.append(sh)
-            plans.append(plan)
-        first = shapes[0][0]
-        entries, restart, sites = plans[0]
-        if any(sh[0] != first for sh in shapes) or any(
-                (len(e), r, [(pos, _form(rc)) for pos, rc in st])
-                != (len(entries), restart, [(pos, _form(rc)) for pos, rc in sites])
-                for e, r, st in plans):
-            self.reason = ("the runs at the lattice's sizes did different things (the cell "
-                           "takes another path at some of them)")
-            return
-        self.shape, self.entries, self.restart = first, entries, restart
-        # the first run: the one whose log the sizes replay and whose trace they resize
-        self.point, self.run, self.log = pts[0], runs[pts[0]], runs[pts[0]].trace.allocator_log
-        weights, d = _weights(self.bs, self.ss, self.basis)
-        coefs = _fit(weights, d, [sh[1] for sh in shapes])
-        if any(c is None for c in coefs):
-            self.reason = ("an allocation's size is not a polynomial in the batch and the "
-                           "context (a kernel that rounds its sizes)")
-            return
-        self.coefs = coefs
-        # each site: its place among the entries, its recipe's form, its whole numbers fitted
-        self.sites = []
-        for i, (pos, recipe) in enumerate(sites):
-            ints = [list(plan[2][i][1][0]) + list(plan[2][i][1][1]) for plan in plans]
-            fitted = _fit(weights, d, ints)
-            if any(c is None for c in fitted):
-                self.reason = "a reduction's sizes are not polynomials in the batch and the context"
-                return
-            self.sites.append((pos, _form(recipe), fitted))
-        import numpy as np
-
-        self._numpy = None
-        # int64 arithmetic where no size up to 64 times the lattice's overflows it
-        self._limits = (64 * max(self.bs), 64 * max(self.ss))
-        top = _monomials(*self._limits, self.basis)
-        if all(sum(abs(c) * m for c, m in zip(co, top)) < _INT64_SAFE for co in coefs):
-            self._numpy = np.array(coefs, dtype=np.int64)
-        self.ok = True
-
-    def sizes_at(self, b: int, s: int) -> list[int] | None:
-        """The sizes of the allocations that are not staging buffers at batch ``b``, context
-        ``s`` (None: one would be below one byte)."""
-        m = _monomials(b, s, self.basis)
-        if self._numpy is not None and b <= self._limits[0] and s <= self._limits[1]:
-            import numpy as np
-
-            sizes = (self._numpy @ np.array(m, dtype=np.int64)).tolist()
-        else:
-            sizes = [sum(c * x for c, x in zip(co, m)) for co in self.coefs]
-        return sizes if min(sizes, default=1) >= 1 else None
-
-    def actions_at(self, b: int, s: int) -> tuple[list[dict], int, list[int]] | None:
-        """What the allocator does at (b, s): its allocs and frees (with each site's
-        staging buffers put in), the entry from which peaks count, and the allocs' sizes."""
-        from ..backends.sim import reduction_scratch, round_request
-
-        sizes = self.sizes_at(b, s)
-        if sizes is None:
-            return None
-        m = _monomials(b, s, self.basis)
-        n_alloc = self.shape[2]
-        alloc_sizes = iter(sizes[:n_alloc])
-        entries: list[dict] = []
-        out_sizes: list[int] = []
-        restart = None
-        sites = iter(self.sites)
-        site = next(sites, None)
-        for i, e in enumerate(self.entries + [None]):
-            while site is not None and site[0] == i:
-                pos, (rank, dims, acc, sms, threads), fitted = site
-                ints = [sum(c * x for c, x in zip(co, m)) for co in fitted]
-                got = reduction_scratch(tuple(ints[:rank]), tuple(ints[rank:]), set(dims), acc,
-                                        sms, threads)
-                keys = [("staging", pos, j) for j in range(len(got))]
-                entries += [{"action": "alloc", "key": k} for k in keys]
-                out_sizes += [round_request(n) for n in got]  # as the tracker asks for them
-                entries += [{"action": "free_completed", "key": k} for k in keys]
-                site = next(sites, None)
-            if i == self.restart:
-                restart = len(entries)
-            if e is None:
-                break
-            entries.append(e)
-            if e["action"] == "alloc":
-                out_sizes.append(next(alloc_sizes))
-        return entries, len(entries) if restart is None else restart, out_sizes
-
-    def at(self, b: int, s: int, capacity: int | None = None) -> tuple[int, int] | None:
-        """(allocated peak, reserved peak) of the allocator model replaying the actions at
-        (b, s), on a card that lets it reserve ``capacity`` bytes (None: no limit; a
-        request that does not fit: None)."""
-        acts = self.actions_at(b, s) if self.ok else None
-        return None if acts is None else self.replay(acts, capacity)
-
-    def replay(self, acts: tuple[list[dict], int, list[int]], capacity: int | None = None
-               ) -> tuple[int, int] | None:
-        """:meth:`at` for actions :meth:`actions_at` gave."""
-        entries, restart, sizes = acts
-        return self.log.replay(sizes, capacity, entries, restart)
-
-    def checked_by(self, b: int, s: int, run: "MemoryReport") -> bool:
-        """Whether the run at (b, s) did exactly what the plane gives there: the same
-        allocs and frees in the same order, each of the same size (staging buffers too), and
-        the same allocated and reserved peaks."""
-        if not self.ok:
-            return False
-        trace = run.trace
-        sh = shape_of(run)
-        sizes = self.sizes_at(b, s)
-        if sh is None or sizes is None or sh[0] != self.shape or sh[1] != sizes:
-            return False
-        acts = self.actions_at(b, s)
-        log = trace.allocator_log
-        done = [e for e in log.entries if e["action"] in ("alloc", "free_completed")]
-        asked = [e["size"] for e in done if e["action"] == "alloc"]
-        if [e["action"] for e in done] != [e["action"] for e in acts[0]] or asked != acts[2]:
-            return False
-        return self.replay(acts) == log.replay(asked)
-
-
-def shape_of(run: "MemoryReport") -> tuple[tuple, list[int]] | None:
-    """A run's allocation shape without its staging buffers (:func:`allocation_shape`), as
-    a plane compares and fits it (read once per run, then kept on its trace)."""
-    return allocation_shape(run, exclude=frozenset(getattr(run.trace, "scratch", ())))
-
-
-def _plan(trace: Any) -> tuple[list[dict], int, list[tuple[int, tuple]]] | None:
-    """A run's allocs and frees without its staging buffers, the one from which peaks
-    count, and its sites as (their place among those, recipe)."""
-    log = getattr(trace, "allocator_log", None)
-    if log is None or getattr(log, "start", None) is None:
-        return None
-    staging = getattr(trace, "scratch", {})
-    kept: list[dict] = []
-    at: list[int] = []  # kept entries before each raw entry
-    restart = None
-    for n, e in enumerate(log.entries):
-        at.append(len(kept))
-        if n == log.restart:
-            restart = len(kept)
-        if e["action"] == "oom":
-            return None
-        if e["action"] in ("alloc", "free_completed") and e["key"] not in staging:
-            kept.append({"action": e["action"], "key": e["key"]})
-    at.append(len(kept))
-    sites = [(at[pos] if pos is not None and pos < len(at) else len(kept), recipe)
-             for pos, recipe in getattr(trace, "scratch_sites", ())]
-    return kept, len(kept) if restart is None else restart, sites
-
-
-def _form(recipe: tuple) -> tuple:
-    """What must agree between runs for a site's recipe to be fitted: all but its sizes."""
-    shape, strides, dims, acc, sms, threads = recipe
-    return len(shape), dims, acc, sms, threads
 
 
 @dataclass

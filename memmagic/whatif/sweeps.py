@@ -16,11 +16,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence, Union
 
+from .evaluated import peaks_at
 from .knobs import BATCH_DIM, KNOBS, SEQ_DIM, KnobError, Setting, resizing
 from ..report import MemoryReport, format_bytes, needed
 
 if TYPE_CHECKING:
     from .engine import Cell
+    from .plane import SizePlane
 
 __all__ = ["Sweep", "sweep", "Interpolated", "default_strategies", "parse_values",
            "BatchSearch", "find_batch_size", "find_seq_len", "run_sweep_option"]
@@ -103,11 +105,12 @@ class Interpolated:
     """A sweep's value that was not run. The simulated runs at ``lo`` and ``hi`` (value,
     report) made the same allocations and frees in the same order, and the run at
     ``check`` between them made exactly those, each of the size on the straight line
-    through its sizes at ``lo`` and ``hi``, with the peaks the replay below gives. The
-    peak and reserved peak are the simulated allocator's (and the tracker's) when it
-    replays those allocations at the lines' sizes for ``value``, from the state the runs
-    began in. It has no breakdown, timeline or notes: those come from a run
-    (``exact=True``)."""
+    through its sizes at ``lo`` and ``hi`` (a reduction's staging buffers: what their
+    recipes give), with the peaks the replay below gives (:func:`_line`). The peak and
+    reserved peak are the simulated allocator's when it replays those allocations at the
+    line's sizes for ``value``, from the state the runs began in, and the tracker's over
+    the run's trace at those sizes (:func:`memmagic.whatif.evaluated.peaks_at`). It has no
+    breakdown, timeline or notes: those come from a run (``exact=True``)."""
 
     value: int
     peak: int
@@ -144,146 +147,14 @@ class Interpolated:
         return f"~{format_bytes(self.peak)} peak at {self.value}, {self.source}"
 
 
-def allocation_shape(run: MemoryReport, exclude: frozenset = frozenset()
-                     ) -> tuple[tuple, list[int]] | None:
-    """What a simulated run did, as a shape and sizes: the allocator's allocs and frees (keys
-    numbered by first use) and where its peaks restart, then the tracker's device events
-    (storages numbered the same way) and the bytes live at the start; the sizes are the
-    allocs' then the events'. Frees in a row are taken in key order (autocast empties its
-    cache in the order of addresses: their order moves no peak). None without a
-    replayable allocator log. ``exclude``: storages left out (a reduction's staging
-    buffers, which :class:`memmagic.whatif.fitmap.SizePlane` recomputes)."""
-    trace = getattr(run, "trace", None)
-    log = getattr(trace, "allocator_log", None)
-    if log is None or getattr(log, "start", None) is None:
-        return None
-    known = trace.__dict__.setdefault("_shapes", {})  # a run's shape is read once per exclude
-    if exclude not in known:
-        known[exclude] = _shape(trace, log, exclude)
-    return known[exclude]
+def _line(a: int, ra: MemoryReport, c: int, rc: MemoryReport) -> "SizePlane":
+    """The line through the simulated runs at ``a`` and ``c`` of a whole-number knob (its
+    value stands for the batch of a :class:`~memmagic.whatif.plane.SizePlane`): each
+    allocation's size on it, a reduction's staging buffers from their recipes; ``ok``
+    False where the runs did different things."""
+    from .plane import BATCH_LINE, SizePlane
 
-
-def _shape(trace: Any, log: Any, exclude: frozenset) -> tuple[tuple, list[int]] | None:
-    """:func:`allocation_shape` of a run's trace and allocator log."""
-    if any(e["action"] == "oom" for e in log.entries):
-        return None
-    ids: dict[Any, int] = {}
-    steps = []  # (code, size): code 2 * id for an alloc, 2 * id + 1 for a free
-    restart = 0
-    for n, e in enumerate(log.entries):
-        restart = len(steps) if n == log.restart else restart
-        if e["action"] in ("alloc", "free_completed") and e["key"] not in exclude:
-            free = e["action"] != "alloc"
-            steps.append((2 * ids.setdefault(e["key"], len(ids)) + free, 0 if free else e["size"]))
-    restart = len(steps) if log.restart >= len(log.entries) else restart
-    allocs = _frees_sorted(steps)
-    events = _device_events(trace, log.entries, exclude)
-    if events is None:
-        return None
-    live = sum(n for s, n in trace.seed.items() if trace.pool_of.get(s) == "device")
-    sizes = [n for code, n in allocs if not code & 1]
-    shape = (tuple(c for c, _ in allocs), restart, len(sizes), tuple(c for c, _ in events), live)
-    return shape, sizes + [n for _, n in events]
-
-
-def _device_events(trace: Any, entries: list[dict], exclude: frozenset = frozenset()
-                   ) -> list[tuple[int, int]] | None:
-    """The tracker's device events as (code, bytes requested): the bytes its allocator
-    entry asked for (the tracker holds them rounded up to 512), or the event's own for a
-    storage from before the log; None where an event is not one allocator entry's
-    (``exclude``: storages left out)."""
-    from ..backends.sim import round_request
-
-    asked: dict[Any, list[int]] = {}
-    for e in entries:
-        if e["action"] == "alloc":
-            asked.setdefault(e["key"], []).append(e["size"])
-    held: dict[Any, int] = {}
-    ids: dict[Any, int] = {}
-    out = []
-    for serial, delta, _op in trace.events:
-        if trace.pool_of.get(serial) != "device" or not delta or serial in exclude:
-            continue
-        if delta > 0:
-            queue = asked.get(serial)
-            if not queue or round_request(queue[0]) != delta:
-                return None
-            held[serial] = n = queue.pop(0)
-        else:
-            n = held.pop(serial, -delta)
-            if round_request(n) != -delta:
-                return None
-        out.append((2 * ids.setdefault(serial, len(ids)) + (delta < 0), n))
-    return _frees_sorted(out)
-
-
-def _frees_sorted(steps: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``steps`` (code, size) with each run of frees (odd codes) in code order."""
-    out: list[tuple[int, int]] = []
-    frees: list[tuple[int, int]] = []
-    for step in steps:
-        if step[0] & 1:
-            frees.append(step)
-            continue
-        out += sorted(frees)
-        frees = []
-        out.append(step)
-    return out + sorted(frees)
-
-
-class _Lines:
-    """What two simulated runs (at ``a`` and ``c``) did, where both did the same in the same
-    order: each allocation's size as a straight line in the knob's value."""
-
-    def __init__(self, a: int, ra: MemoryReport, c: int, rc: MemoryReport) -> None:
-        self.a, self.c = a, c
-        pa, pc = allocation_shape(ra), allocation_shape(rc)
-        self.ok = pa is not None and pc is not None and pa[0] == pc[0]
-        if self.ok:
-            (self.shape, self.sa), self.sc = pa, pc[1]  # type: ignore[misc,index]
-            self.ra, self.log = ra, ra.trace.allocator_log
-
-    def sizes_at(self, v: int) -> list[int] | None:
-        """The sizes at ``v`` (None: one would not be a whole number of bytes)."""
-        span, dv = self.c - self.a, v - self.a
-        out = []
-        for x, y in zip(self.sa, self.sc):
-            q, r = divmod((y - x) * dv, span)
-            if r:
-                return None
-            out.append(x + q)
-        return out
-
-    def at(self, v: int) -> tuple[int, int] | None:
-        """(peak, reserved peak) at ``v``: the tracker's live bytes at their highest and the
-        allocator model's reserved peak, replaying the allocations at ``v``'s sizes."""
-        sizes = self.sizes_at(v) if self.ok else None
-        return None if sizes is None else self.replayed(sizes)
-
-    def replayed(self, sizes: list[int]) -> tuple[int, int] | None:
-        """(peak, reserved peak) of the allocations at ``sizes`` (:meth:`sizes_at`); None
-        where a request fails on the card."""
-        from ..backends.sim import round_request
-
-        _allocs, _restart, n, events, live = self.shape
-        replayed = self.log.replay(sizes[:n])
-        if replayed is None:
-            return None
-        peak = live
-        for code, size in zip(events, sizes[n:]):
-            size = round_request(size)
-            live += -size if code & 1 else size
-            peak = max(peak, live)
-        return peak, replayed[1]
-
-    def checked_by(self, b: int, rb: MemoryReport) -> bool:
-        """Whether the run at ``b`` did exactly what the lines give at ``b``, with the same
-        peak and reserved peak."""
-        pb = allocation_shape(rb)
-        if not (self.ok and pb is not None and pb[0] == self.shape):
-            return False
-        sizes = self.sizes_at(b)
-        return pb[1] == sizes and self.replayed(sizes) == (rb.peak, rb.reserved_peak)
+    return SizePlane({(a, 1): ra, (c, 1): rc}, (a, c), (1,), BATCH_LINE)
 
 
 Point = Union[MemoryReport, Interpolated]
@@ -472,15 +343,15 @@ class _Curve:
         run at ``m`` checks the way (None: it does not, or a value cannot be replayed)."""
         (a, b, c), (ra, rb, rc) = ((self.values[k] for k in (i, m, j)),
                                    (self.get(k) for k in (i, m, j)))
-        lines = _Lines(a, ra, c, rc)
-        if not lines.checked_by(b, rb):
+        line = _line(a, ra, c, rc)
+        if not (line.ok and line.checked_by(b, 1, rb)):
             return None
         out: dict[int, Interpolated] = {}
         for k in range(i + 1, j):
             if k == m:
                 continue
             v = self.values[k]
-            peaks = lines.at(v)
+            peaks = peaks_at(line, v, 1)
             if peaks is None:
                 return None
             out[v] = Interpolated(v, *peaks, (a, ra), (c, rc), b)
@@ -649,8 +520,8 @@ def _find_largest(cell: "Cell", knob: str, budget: int | str | None, margin: flo
     def guess(a: int, c: int) -> int | None:  # the boundary the line through two runs gives
         if method != "simulation":
             return None
-        lines = _Lines(a, reports[a], c, reports[c])
-        g = _line_boundary(lines, reports[a], int(budget * (1 - margin)), card, c, high, step)
+        line = _line(a, reports[a], c, reports[c])
+        g = _line_boundary(line, reports[a], int(budget * (1 - margin)), card, c, high, step)
         guessed[:] = [] if g is None or g <= c else [g]
         return g
 
@@ -677,21 +548,21 @@ def check_search(cell: "Cell", method: str, margin: float) -> None:
                          "backend='cuda'")
 
 
-def _line_boundary(lines: "_Lines", base: MemoryReport, limit: int, card: bool, start: int,
+def _line_boundary(line: "SizePlane", base: MemoryReport, limit: int, card: bool, start: int,
                    high: int, step: int) -> int | None:
     """The largest multiple of ``step`` in [start, high] that fits ``limit`` by the line
-    (each allocation's size on its line, the allocator replayed: :meth:`_Lines.at`); None
-    where the line cannot say (the runs did different things, or a size is off the line)."""
+    (:func:`_line`: each allocation's size on it, the allocator replayed); None where the
+    line cannot say (the runs did different things, or a size is off the line)."""
     context = (base.context or 0) if card else 0
 
     def fits(v: int) -> bool | None:
-        sizes = lines.sizes_at(v)
-        if sizes is None:  # a size off the line's whole bytes: it cannot say
+        acts = line.actions_at(v, 1)
+        if acts is None:  # a size off the line's whole bytes: it cannot say
             return None
-        at = lines.replayed(sizes)  # None: a request failed on the card
+        at = line.replay(acts)  # None: a request failed on the card
         return at is not None and needed(*at) + context <= limit
 
-    if not lines.ok or not fits(start):
+    if not line.ok or not fits(start):
         return None
     # start fits by the line; the size past the range stands for one that does not
     lo = _bisect(fits, start, high // step * step + step, step)

@@ -88,12 +88,13 @@ def test_the_line_through_two_runs_guesses_the_largest_batch_and_two_runs_bear_i
     assert runs[-2:] == [b, b + 1] and found.trials[-2][2] and not found.trials[-1][2]
     assert found.guessed == b and f"through theirs named {b}, then running it" in found.how
     # without the line (the runs look different to it): the same answer, more runs
-    original = sweeps._Lines.__init__
+    original = sweeps._line
 
-    def blind(self, *args):
-        original(self, *args)
-        self.ok = False
-    monkeypatch.setattr(sweeps._Lines, "__init__", blind)
+    def blind(*args):
+        line = original(*args)
+        line.ok = False
+        return line
+    monkeypatch.setattr(sweeps, "_line", blind)
     plain = find_batch_size(cell, budget="256MiB", margin=0.2)
     assert plain.batch_size == b and len(plain.trials) > len(found.trials)
 
