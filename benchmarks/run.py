@@ -12,10 +12,10 @@ from typing import Callable
 from .common import RESULTS_DIR, Figure, code_version, machine_info, write_results
 
 __all__ = ["main", "RESULTS_DIR"]
-FIGURES = ("a", "b", "c", "d", "e", "f", "w", "s", "m", "t", "p")
-# the what-if panel, trace-cost, doctor-at-scale, fit-map, torchtitan and panel-at-scale
-# figures: a full run or --only
-QUICK_SKIPS = {"w", "f", "s", "m", "t", "p"}
+FIGURES = ("a", "b", "c", "d", "e", "f", "w", "s", "m", "t", "p", "g")
+# the what-if panel, trace-cost, doctor-at-scale, fit-map, torchtitan, panel-at-scale and
+# generate() figures: a full run or --only
+QUICK_SKIPS = {"w", "f", "s", "m", "t", "p", "g"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,8 +26,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the CUDA figures (skips cleanly without a usable GPU)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the JSON (default: results/)")
     p.add_argument("--only", default=None,
-                   help="comma-separated figures to run, from a,b,c,d,e,f,w,s,m,t,p (default: "
-                        "all; --quick leaves out w, f, s, m, t and p)")
+                   help="comma-separated figures to run, from a,b,c,d,e,f,w,s,m,t,p,g (default: "
+                        "all; --quick leaves out w, f, s, m, t, p and g)")
     p.add_argument("--reps", type=int, default=None, help="pairs per timing (default 3)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for the run (default 1; 0 keeps torch's default). "
@@ -99,6 +99,10 @@ def _run_figures(only: set[str], args: argparse.Namespace, size: str, reps: int,
         from .panel_scale import panel_scale_figure
 
         show(panel_scale_figure(args.threads))
+    if "g" in only:
+        from .generate_scale import generate_scale_figure
+
+        show(generate_scale_figure(args.threads))
     if "t" in only:
         from .torchtitan import torchtitan_figure
 

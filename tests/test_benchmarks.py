@@ -189,3 +189,21 @@ def test_doctor_scale_row_runs_the_script_out_of_memory_and_counts_the_doctors_r
     assert row["exit"] == 1  # the script ran out of memory on the T4
     assert row["rows"] >= 4 and 1 <= row["fits"] < row["rows"]
     assert row["wall_s"] > 0 and row["rss_mib"] > 100
+
+
+def test_a_figure_of_its_own_module_runs_its_rows_in_a_fresh_process():
+    """``module:function`` rows (figures 3p and 3g live in modules of their own): the child
+    process imports the module and returns the row; the panel figure judges answers equal
+    only where both are whole."""
+    from benchmarks.against import _child
+    from benchmarks.panel_scale import _same
+    from benchmarks.run import QUICK_SKIPS
+
+    assert {"p", "g"} <= QUICK_SKIPS
+    row = _child(None, "generate_scale:generate_row", {"tokens": 2}, 1)
+    assert row["tokens"] == 2 and row["error"] is None and row["wall_s"] > 0
+    assert row["peak"] > 2 * 1.1e9  # the fp16 weights of a 1.1B model
+    run = {"peak": 5, "reserved": 8, "fits": True, "ran_out": False}
+    assert _same(run, dict(run)) == "yes"
+    assert _same(run, {**run, "reserved": 9}) == "NO"
+    assert _same({**run, "fits": False, "ran_out": True}, {**run, "fits": False}).startswith("n/a")

@@ -1,0 +1,85 @@
+"""Figure 3g: ``generate()`` on a 1.1B Llama on the simulated GPU, at 128 and 512 new tokens.
+
+The cell builds a Llama with TinyLlama-1.1B's shape (22 layers, hidden 2048, 32 heads, 4
+key/value heads, vocabulary 32000) from its config in fp16 on the GPU and calls
+``generate()`` greedily on a 64-token prompt for ``max_new_tokens`` tokens (and at least as
+many), on a simulated T4. Each case runs in a fresh process: the wall time of the cell's
+simulated run and the process's peak RSS. Every decode step is simulated op by op (about
+3,600 ops a token at this size), so the time grows with the tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .common import Figure, status_of
+
+__all__ = ["generate_scale_figure", "generate_row", "GENERATE_CELL", "TOKENS"]
+
+GENERATE_CELL = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                     num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+                     max_position_embeddings=2048)
+with torch.device("cuda"):
+    model = LlamaForCausalLM._from_config(config, torch_dtype=torch.float16)
+ids = torch.randint(0, 32000, (1, 64), device="cuda")
+out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                     do_sample=False)
+"""
+TOKENS = (8, 128, 512)
+# the issue's aim: 512 new tokens cost about what a few do (here: at most 2x the 8-token run)
+RATIO_TARGET = 2.0
+
+
+def generate_row(tokens: int) -> dict[str, Any]:
+    """The simulated run of :data:`GENERATE_CELL` at ``tokens`` new tokens, in this process."""
+    import resource
+
+    from memmagic import Cell
+
+    cell = Cell(GENERATE_CELL, {"max_new_tokens": tokens}, backend_options={"gpu": "T4"})
+    t0 = time.perf_counter()
+    r = cell.run()
+    wall = time.perf_counter() - t0
+    return {"case": f"{tokens} new tokens", "tokens": tokens, "wall_s": wall,
+            "per_token_s": wall / tokens, "peak": r.peak, "error": r.error,
+            "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def generate_scale_figure(threads: int = 1) -> Figure:
+    """Figure 3g: each token count's wall time beside the 8-token run's."""
+    from .figures import _beside, _threads_note
+
+    fig = Figure(
+        "g_generate_scale", "3g. generate() at 1.1B scale: 8, 128 and 512 new tokens",
+        "a cell that builds a Llama of TinyLlama-1.1B's shape in fp16 from its config and "
+        "calls generate() greedily on a 64-token prompt, exactly max_new_tokens tokens, on a "
+        "simulated T4: the simulated run's wall time (model build included) and the "
+        "process's peak RSS, each in a fresh process",
+        f"512 new tokens within {RATIO_TARGET:.0f}x the 8-token run (the issue's aim: "
+        "512 tokens cost about what a few do)",
+        [("case", "case", "text"), ("wall_s", "wall", "s"), ("per_token_s", "per token", "s"),
+         ("ratio", "vs 8 tokens", "x"), ("peak", "peak", "text"),
+         ("rss_mib", "peak RSS MiB", "text"), ("status", "target", "text")],
+        metric=("wall_s", "s"),
+        notes=[_threads_note()],
+    )
+    rows = [row for row, _ in _beside(None, "generate_scale:generate_row",
+                                      [{"tokens": n} for n in TOKENS], threads=threads)]
+    base = rows[0].get("wall_s")
+    for row in rows:
+        wall = row.get("wall_s", row.get("median_s"))
+        row["wall_s"] = wall
+        if isinstance(wall, float) and isinstance(base, float):
+            row["ratio"] = wall / base
+        if isinstance(row.get("peak"), int):
+            row["peak"] = f"{row['peak'] / 2 ** 30:.2f} GiB"
+        if isinstance(row.get("rss_mib"), float):
+            row["rss_mib"] = f"{row['rss_mib']:.0f}"
+        row["status"] = ("n/a" if row.get("tokens") != TOKENS[-1] or "ratio" not in row
+                         else status_of(row["ratio"] <= RATIO_TARGET))
+        fig.rows.append(row)
+    return fig
