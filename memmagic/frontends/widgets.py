@@ -17,6 +17,7 @@ import contextlib
 import html
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 from ..whatif.evaluated import evaluate, remember
@@ -314,6 +315,10 @@ class WhatIfPanel:
         if report is None:
             report = self.cell.run(setting)
             self.runs += 1
+            if report.failed_request is not None and self.evaluate and self.cache_enabled:
+                # ran out of memory: what the whole step needs, off the line it checks
+                whole = evaluate({**self._cache, setting: report}, setting, self._planes)
+                report = report if whole is None else replace(whole, stopped=report)
         else:
             self.evaluated += 1
         if self.cache_enabled:
@@ -342,10 +347,13 @@ class WhatIfPanel:
     def _draw_status(self, tried_setting: Setting | None = None) -> None:
         if self.error is None:
             r = self.report
-            self.status.value = "" if r.failed_request is None else (
+            why = (_out_of_memory(r) if r.failed_request is not None
+                   else f"needs {format_bytes(r.card_need)} of its {format_bytes(r.gpu_memory)} "
+                        "(evaluated)" if r.interpolated and r.fits is False else None)
+            self.status.value = "" if why is None else (
                 "<div style='color:var(--jp-warn-color1, #b45309)'>"
                 f"<b>does not fit</b> {html.escape(r.gpu_name or 'the GPU')}: "
-                f"{html.escape(_out_of_memory(r))}</div>")
+                f"{html.escape(why)}</div>")
             return
         tried = (tried_setting or self.current()).label()
         self.status.value = (

@@ -17,7 +17,7 @@ snapshot. Knows nothing of IPython or widgets.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from .knobs import BATCH_DIM, SEQ_DIM, KnobError, Setting, resizing
@@ -40,11 +40,14 @@ class EvaluatedReport(MemoryReport):
     """A report read off runs at other values of one size knob (see the module docstring).
     ``read_off``: the words saying which runs; ``ran_out``: a request failed when the
     allocator replayed it on the card (the setting does not fit; ``peak`` and
-    ``reserved_peak`` are then what it needs, replayed without the card's limit)."""
+    ``reserved_peak`` are then what it needs, replayed without the card's limit);
+    ``stopped``: the run of this very setting that ran out of memory, where it was run
+    and checked the line up to there (:func:`evaluate` counts it as such a run)."""
 
     interpolated: ClassVar[bool] = True
     read_off: str = ""
     ran_out: bool = False
+    stopped: MemoryReport | None = field(default=None, repr=False, compare=False)
 
     @property
     def fits(self) -> bool | None:
@@ -203,22 +206,26 @@ def evaluate(runs: Mapping[Setting, MemoryReport], setting: Setting,
     marked ``interpolated`` are not runs and are passed over): where runs that differ
     from it only in the batch size lie on one line, or only in the context length on one
     line or parabola, each checked byte for byte by at least one run it was not drawn
-    through. None where there are too few such runs or they do not agree (run it).
-    ``planes``: a dict the caller keeps between calls, where the lines found are kept
-    (a family of runs is then checked once)."""
+    through (a run that ran out of memory checks it up to the request that failed). None
+    where there are too few such runs or they do not agree (run it). ``planes``: a dict
+    the caller keeps between calls, where the lines found are kept (a family of runs is
+    then checked once)."""
     for dim in (BATCH_DIM, SEQ_DIM):
         knob = resizing(dim)
         v = getattr(setting, knob.name)
-        found = None if v is None else _cached(planes, _family(runs, setting, knob.name, v), dim)
+        found = None if v is None else _cached(planes, *_family(runs, setting, knob.name, v), dim)
         if found is None:
             continue
-        plane, xs = found
+        plane, xs, stopped = found
         where = ("between" if xs[0] < v < xs[-1] else "beyond")
+        noun = knob.sizes.noun
         report = evaluated_report(
             plane, *_point(v, dim),
             f"each allocation's size on the {'line' if len(plane.basis) == 2 else 'parabola'} "
-            f"through the simulated runs at {knob.sizes.noun} {', '.join(map(str, xs))} "
-            f"({where} them)")
+            f"through the simulated runs at {noun} {', '.join(map(str, xs))} ({where} them)"
+            + (f", checked by the run{'s' if len(stopped) > 1 else ''} at {noun} "
+               f"{', '.join(map(str, stopped))} up to where {'they' if len(stopped) > 1 else 'it'} "
+               "ran out of memory" if stopped else ""))
         if report is not None:
             return report
     return None
@@ -234,24 +241,29 @@ def remember(runs: Mapping[Setting, MemoryReport], setting: Setting, planes: dic
     for dim in (BATCH_DIM, SEQ_DIM):
         name = resizing(dim).name
         if getattr(setting, name) is not None:
-            _cached(planes, _family(runs, setting, name, None), dim)
+            _cached(planes, *_family(runs, setting, name, None), dim)
 
 
 def _family(runs: Mapping[Setting, MemoryReport], setting: Setting, knob: str, v: int | None
-            ) -> dict[int, MemoryReport]:
-    """The runs among ``runs`` that are ``setting`` but for ``knob``, by its value (not
-    ``v``): whole answers only (no error, not out of memory, not evaluated)."""
-    return dict(sorted(
-        (getattr(s, knob), r) for s, r in runs.items()
-        if getattr(s, knob) not in (None, v) and not r.interpolated and r.error is None
-        and _same_but(s, setting, knob)))
+            ) -> tuple[dict[int, MemoryReport], dict[int, MemoryReport]]:
+    """The runs among ``runs`` that are ``setting`` but for ``knob``, by its value: the
+    whole answers (no error, not evaluated) but ``v``'s, and those that ran out of memory
+    (``v``'s too)."""
+    same = sorted(((getattr(s, knob), getattr(r, "stopped", None) or r) for s, r in runs.items()
+                   if getattr(s, knob) is not None and _same_but(s, setting, knob)),
+                  key=lambda xr: xr[0])
+    same = [(x, r) for x, r in same if not r.interpolated]
+    return ({x: r for x, r in same if x != v and r.error is None},
+            {x: r for x, r in same if r.failed_request is not None})
 
 
-def _family_plane(family: Mapping[int, MemoryReport], dim: int
-                  ) -> tuple["SizePlane", list[int]] | None:
+def _family_plane(family: Mapping[int, MemoryReport], stopped: Mapping[int, MemoryReport],
+                  dim: int) -> tuple["SizePlane", list[int], list[int]] | None:
     """The line (the batch; the context first) or parabola (the context) through runs of
-    ``family`` (value: report) and the values of the runs it holds for: drawn through
-    some, checked byte for byte by all the others. Tried on the most runs first, then the
+    ``family`` (value: report), the values of the whole runs it holds for, and those of
+    the runs in ``stopped`` (that ran out of memory) that check it: drawn through some,
+    checked byte for byte by all the others, and by every run of ``stopped`` up to the
+    request that failed (at least one check). Tried on the most runs first, then the
     largest sizes (a cell that takes another path at small sizes leaves those out); None
     where none holds."""
     from .plane import BATCH_LINE, CONTEXT_CURVE, CONTEXT_LINE, SizePlane
@@ -263,28 +275,33 @@ def _family_plane(family: Mapping[int, MemoryReport], dim: int
         k = len(basis)
         for i, j in windows:
             ws = xs[i:j]
-            if len(ws) <= k:
+            if len(ws) < k or len(ws) + len(stopped) <= k:
                 continue
             drawn = [ws[0], ws[len(ws) // 2], ws[-1]] if k == 3 else [ws[0], ws[-1]]
             plane = SizePlane({_point(x, dim): family[x] for x in drawn},
                               *((drawn, [1]) if dim == BATCH_DIM else ([1], drawn)), basis)
             if plane.ok and all(plane.checked_by(*_point(x, dim), family[x])
-                                for x in ws if x not in drawn):
-                return plane, ws
+                                for x in ws if x not in drawn) and all(
+                    plane.checked_until_out_of_memory(*_point(x, dim), r)
+                    for x, r in stopped.items()):
+                return plane, ws, sorted(stopped)
     return None
 
 
-def _cached(planes: dict | None, family: Mapping[int, MemoryReport], dim: int
-            ) -> tuple["SizePlane", list[int]] | None:
+def _cached(planes: dict | None, family: Mapping[int, MemoryReport],
+            stopped: Mapping[int, MemoryReport], dim: int
+            ) -> tuple["SizePlane", list[int], list[int]] | None:
     """:func:`_family_plane`, kept in ``planes`` by the family's runs (which the entry holds,
     so that their ids stay theirs)."""
     if planes is None:
-        return _family_plane(family, dim)
-    key = (dim, tuple((x, id(r)) for x, r in sorted(family.items())))
+        return _family_plane(family, stopped, dim)
+    key = (dim, tuple((x, id(r)) for x, r in sorted(family.items())),
+           tuple((x, id(r)) for x, r in sorted(stopped.items())))
     if key not in planes:
         while len(planes) >= _PLANES:
             planes.pop(next(iter(planes)))
-        planes[key] = (_family_plane(family, dim), list(family.values()))
+        planes[key] = (_family_plane(family, stopped, dim),
+                       [*family.values(), *stopped.values()])
     return planes[key][0]
 
 

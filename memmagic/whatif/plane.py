@@ -297,6 +297,20 @@ class SizePlane:
         entries, restart, sizes = acts
         return self.log.replay(sizes, capacity, entries, restart)
 
+    def checked_until_out_of_memory(self, b: int, s: int, run: "MemoryReport") -> bool:
+        """Whether a run at (b, s) that ran out of memory did, up to the request that failed,
+        exactly what the plane gives there: the same allocs and frees in the same order,
+        each of the same size (staging buffers aside), and the failed request the plane's
+        next allocation."""
+        done = _until_out_of_memory(run) if self.ok else None
+        sizes = self.sizes_at(b, s) if done is not None else None
+        if done is None or sizes is None:
+            return False
+        codes, got, failed = done
+        k = len(got)
+        return (codes == self.shape[0][:len(codes)] and k < self.shape[2]
+                and got == sizes[:k] and sizes[k] == failed)
+
     def checked_by(self, b: int, s: int, run: "MemoryReport") -> bool:
         """Whether the run at (b, s) did exactly what the plane gives there: the same
         allocs and frees in the same order, each of the same size (staging buffers too), and
@@ -315,6 +329,27 @@ class SizePlane:
         if [e["action"] for e in done] != [e["action"] for e in acts[0]] or asked != acts[2]:
             return False
         return self.replay(acts) == log.replay(asked)
+
+
+def _until_out_of_memory(run: "MemoryReport") -> tuple[tuple, list[int], int] | None:
+    """What a simulated run that ran out of memory did until the request that failed, as
+    :func:`allocation_shape` gives it without its staging buffers (codes, alloc sizes),
+    and that request's bytes; None for a run that did not run out."""
+    trace = getattr(run, "trace", None)
+    log = getattr(trace, "allocator_log", None)
+    if log is None or run.failed_request is None:
+        return None
+    scratch = getattr(trace, "scratch", {})
+    ids: dict[Any, int] = {}
+    steps: list[tuple[int, int]] = []
+    for e in log.entries:
+        if e["action"] == "oom":
+            steps = _frees_sorted(steps)
+            return (tuple(c for c, _ in steps), [n for c, n in steps if not c & 1], e["size"])
+        if e["action"] in ("alloc", "free_completed") and e["key"] not in scratch:
+            free = e["action"] != "alloc"
+            steps.append((2 * ids.setdefault(e["key"], len(ids)) + free, 0 if free else e["size"]))
+    return None
 
 
 def shape_of(run: "MemoryReport") -> tuple[tuple, list[int]] | None:

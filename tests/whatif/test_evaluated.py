@@ -120,3 +120,40 @@ def test_the_panel_reads_a_size_off_its_runs():
     for b in (8, 16, 32):
         off.set(batch_size=b)
     assert (off.runs, off.evaluated) == (4, 0) and not off.report.interpolated
+
+
+def test_a_run_that_ran_out_of_memory_checks_the_line_up_to_where_it_stopped():
+    # two whole runs draw the line; a run that ran out of memory checks it up to the request
+    # that failed, and the whole step it did not finish is read off the line
+    cell = _cell(GPT2, "T4", amp="fp16")
+    runs = _runs(cell, "batch_size", (4, 8))
+    big = cell.setting().replace(batch_size=16384)
+    assert evaluate(runs, big) is None  # nothing checks the line yet
+    stopped = cell.run(big)
+    assert stopped.failed_request is not None
+    got = evaluate({**runs, big: stopped}, big)
+    assert got.ran_out and got.fits is False
+    assert "checked by the run at batch 16384 up to where it ran out of memory" in got.source
+    whole = F._roomy(cell, resolve_target("T4")).run(batch_size=16384, strict=True)
+    assert (got.peak, got.breakdown) == (whole.peak, whole.breakdown)
+    # a run that ran out elsewhere than the line says (another cell's run) checks nothing
+    other = _cell(BERT, "T4", amp="fp16").run(big)
+    assert other.failed_request is not None and evaluate({**runs, big: other}, big) is None
+    # and it checks other sizes too: batch 8192 is read off without a run
+    half = evaluate({**runs, big: stopped}, big.replace(batch_size=8192))
+    assert half.ran_out and half.peak < got.peak
+
+
+def test_the_panel_answers_a_setting_that_ran_out_with_what_it_needs():
+    pytest.importorskip("ipywidgets")
+    from memmagic.frontends.widgets import WhatIfPanel
+
+    cell = _cell(GPT2, "T4", amp="fp16")
+    panel = WhatIfPanel(cell, debounce_s=0)
+    panel.set(batch_size=8)
+    panel.set(batch_size=16384)  # runs, runs out of memory, and checks the line
+    r = panel.report
+    assert r.interpolated and r.stopped.failed_request is not None and r.fits is False
+    assert "does not fit" in panel.status.value and "(evaluated)" in panel.status.value
+    panel.set(batch_size=12288)  # read off: no run
+    assert (panel.runs, panel.evaluated) == (3, 1) and panel.report.ran_out
