@@ -461,7 +461,8 @@ class WhatIfPanel:
     # -- display -----------------------------------------------------------------------------------
     def __repr__(self) -> str:
         r = self.report
-        text = f"<memmagic what-if: {self.setting.label()} -> peak {format_bytes(r.peak)}"
+        how = " (evaluated)" if r.interpolated else ""
+        text = f"<memmagic what-if: {self.setting.label()} -> peak {format_bytes(r.peak)}{how}"
         if self.setting != self.baseline:
             text += f" (baseline {format_bytes(self.baseline_report.peak)})"
         if r.fits is not None:

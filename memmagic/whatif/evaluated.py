@@ -59,6 +59,9 @@ class EvaluatedReport(MemoryReport):
     def source(self) -> str:
         return f"evaluated, not run: {self.read_off}"
 
+    def __str__(self) -> str:
+        return f"evaluated (not run): {MemoryReport.__str__(self)}"
+
 
 def _resized(run: MemoryReport, acts: tuple[list[dict], int, list[int]]) -> Trace | None:
     """``run``'s trace with each device allocation of the bytes its allocator entry asks in

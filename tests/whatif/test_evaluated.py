@@ -70,6 +70,7 @@ def test_an_evaluated_size_is_what_a_run_gives_byte_for_byte(source, card, defau
         got = evaluate(runs, target)
         assert isinstance(got, EvaluatedReport), v
         assert got.interpolated and got.source.startswith("evaluated, not run")
+        assert str(got).startswith("evaluated (not run): peak ") and "evaluated" in got.summary()
         assert any(n.kind == "evaluated" for n in got.notes)
         _same(got, cell.run(target, strict=True))
 
@@ -114,6 +115,8 @@ def test_the_panel_reads_a_size_off_its_runs():
     panel.set(batch_size=32)
     assert (panel.runs, panel.evaluated) == (3, 1) and panel.report.interpolated
     assert "evaluated, not run" in panel.text.value and "evaluated" in panel.chart.value
+    assert repr(panel).startswith("<memmagic what-if: batch 32, amp fp16, seq 64, on T4 -> peak ")
+    assert "(evaluated)" in repr(panel)
     _same(panel.report, cell.run(cell.setting().replace(batch_size=32), strict=True))
     # off: every size is run
     off = WhatIfPanel(cell, debounce_s=0, evaluate=False)
