@@ -216,14 +216,16 @@ def evaluate(runs: Mapping[Setting, MemoryReport], setting: Setting,
     for dim in (BATCH_DIM, SEQ_DIM):
         knob = resizing(dim)
         v = getattr(setting, knob.name)
-        found = None if v is None else _cached(planes, *_family(runs, setting, knob.name, v), dim)
+        found = None if v is None else _cached(planes, *_family(runs, setting, dim, v), dim)
         if found is None:
             continue
         plane, xs, stopped = found
+        k = _per_size(setting, dim)  # the line is in the micro-batch
+        xs, stopped = [x * k for x in xs], [x * k for x in stopped]
         where = ("between" if xs[0] < v < xs[-1] else "beyond")
         noun = knob.sizes.noun
         report = evaluated_report(
-            plane, *_point(v, dim),
+            plane, *_point(v // k, dim),
             f"each allocation's size on the {'line' if len(plane.basis) == 2 else 'parabola'} "
             f"through the simulated runs at {noun} {', '.join(map(str, xs))} ({where} them)"
             + (f", checked by the run{'s' if len(stopped) > 1 else ''} at {noun} "
@@ -242,22 +244,28 @@ def remember(runs: Mapping[Setting, MemoryReport], setting: Setting, planes: dic
 
     shape_of(runs[setting])
     for dim in (BATCH_DIM, SEQ_DIM):
-        name = resizing(dim).name
-        if getattr(setting, name) is not None:
-            _cached(planes, *_family(runs, setting, name, None), dim)
+        if getattr(setting, resizing(dim).name) is not None:
+            _cached(planes, *_family(runs, setting, dim, None), dim)
 
 
-def _family(runs: Mapping[Setting, MemoryReport], setting: Setting, knob: str, v: int | None
+def _family(runs: Mapping[Setting, MemoryReport], setting: Setting, dim: int, v: int | None
             ) -> tuple[dict[int, MemoryReport], dict[int, MemoryReport]]:
-    """The runs among ``runs`` that are ``setting`` but for ``knob``, by its value: the
-    whole answers (no error, not evaluated) but ``v``'s, and those that ran out of memory
-    (``v``'s too)."""
+    """The runs among ``runs`` that are ``setting`` but for the size knob of ``dim``, by
+    its value (the batch: the micro-batch, :func:`_per_size`): the whole answers (no
+    error, not evaluated) but ``v``'s, and those that ran out of memory (``v``'s too)."""
+    knob, k = resizing(dim).name, _per_size(setting, dim)
     same = sorted(((getattr(s, knob), getattr(r, "stopped", None) or r) for s, r in runs.items()
                    if getattr(s, knob) is not None and _same_but(s, setting, knob)),
                   key=lambda xr: xr[0])
-    same = [(x, r) for x, r in same if not r.interpolated]
-    return ({x: r for x, r in same if x != v and r.error is None},
+    same = [(x // k, r) for x, r in same if not r.interpolated]
+    return ({x: r for x, r in same if x * k != v and r.error is None},
             {x: r for x, r in same if r.failed_request is not None})
+
+
+def _per_size(setting: Setting, dim: int) -> int:
+    """What a family's values are divided by for the line: the micro-steps for the batch
+    (a forward sees the micro-batch; its sizes are polynomials in that), else 1."""
+    return setting.micro_steps if dim == BATCH_DIM else 1
 
 
 def _family_plane(family: Mapping[int, MemoryReport], stopped: Mapping[int, MemoryReport],

@@ -26,6 +26,18 @@ model(pixel_values=x, labels=torch.zeros(batch_size, dtype=torch.long, device="c
 opt.step()
 """
 
+# a cell that splits its batch into micro-batches itself
+ACCUM = """
+import torch
+torch.manual_seed(0)
+w = torch.nn.Linear(64, 256).cuda()
+opt = torch.optim.Adam(w.parameters())
+for _ in range(accum_steps):
+    x = torch.randn(batch_size // accum_steps, 128, 64, device="cuda")
+    w(x).relu().sum(0).float().pow(2).mean().backward()
+opt.step()
+"""
+
 # every field a report's reader sees, and what the panel draws
 FIELDS = ("before", "peak", "after", "reserved_peak", "reserved_after", "peak_op",
           "peak_module", "peak_phase", "peak_label", "breakdown", "breakdown_before",
@@ -59,8 +71,11 @@ def _same(evaluated: EvaluatedReport, run) -> None:
     (BERT, "A100-80GB", {"amp": "bf16"}, "batch_size", (2, 4, 8), (16,)),
     (MANUAL, "T4", {}, "seq_len", (128, 256, 384, 512), (640,)),  # scores in context**2
     (VIT, "T4", {}, "batch_size", (4, 8, 16), (12, 64)),
+    # accumulation: a forward sees the micro-batch, and the line is drawn in it
+    (ACCUM, "T4", {"accum_steps": 2}, "batch_size", (8, 16, 32), (24, 64)),
 ], ids=["gpt2-batch", "gpt2-t4-fp16", "gpt2-bf16-ckpt-context", "llama-gqa-context",
-        "llama-ckpt-batch", "bert-bf16", "manual-attention-parabola", "vit-batch"])
+        "llama-ckpt-batch", "bert-bf16", "manual-attention-parabola", "vit-batch",
+        "gpt2-accumulation"])
 def test_an_evaluated_size_is_what_a_run_gives_byte_for_byte(source, card, defaults, knob,
                                                               values, targets):
     cell = _cell(source, card, **defaults)
