@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from .knobs import BATCH_DIM, SEQ_DIM, KnobError, Setting, resizing
 from ..report import MemoryReport, Note
-from ..trace import Trace
+from ..trace import Category, Trace
 
 if TYPE_CHECKING:
     from .plane import SizePlane
@@ -90,7 +90,7 @@ def _resized(run: MemoryReport, acts: tuple[list[dict], int, list[int]]) -> Trac
 
     def stage(upto: int) -> None:  # the staging buffers put in before kept entry ``upto``
         for serial, delta in staged.get(upto, ()):
-            pool_of[serial], roles[serial] = "device", "workspaces"
+            pool_of[serial], roles[serial] = "device", Category.WORKSPACES.value
             out.append((serial, delta, op_now))
 
     for serial, delta, op in trace.events:
