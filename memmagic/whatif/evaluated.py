@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from .knobs import BATCH_DIM, SEQ_DIM, KnobError, Setting, resizing
+from .plane import point
 from ..report import MemoryReport, Note
 from ..trace import Category, Trace
 
@@ -154,15 +155,23 @@ def _peak(trace: Trace) -> tuple[int, int, int, int]:
     return before, peak, live, at
 
 
+def _read_off(plane: "SizePlane", b: int, s: int
+              ) -> tuple[tuple[list[dict], int, list[int]], Trace] | None:
+    """The allocator's actions at (``b``, ``s``) on ``plane`` and its first run's trace at
+    those sizes (:func:`_resized`); None where the plane gives no sizes there."""
+    acts = plane.actions_at(b, s) if plane.ok else None
+    resized = None if acts is None else _resized(plane.run, acts)
+    return None if resized is None else (acts, resized)
+
+
 def peaks_at(plane: "SizePlane", b: int, s: int) -> tuple[int, int] | None:
     """(peak, reserved peak) at (``b``, ``s``) read off ``plane``: the tracker's device
     bytes at their highest over its first run's trace at those sizes, and the allocator's
     reserved peak replaying them on the card; None where the plane gives no sizes there or
     a request fails on the card."""
-    acts = plane.actions_at(b, s) if plane.ok else None
-    resized = None if acts is None else _resized(plane.run, acts)
-    replayed = None if resized is None else plane.replay(acts)
-    return None if replayed is None else (_peak(resized)[1], replayed[1])
+    read = _read_off(plane, b, s)
+    replayed = None if read is None else plane.replay(read[0])
+    return None if replayed is None else (_peak(read[1])[1], replayed[1])
 
 
 def evaluated_report(plane: "SizePlane", b: int, s: int, read_off: str) -> EvaluatedReport | None:
@@ -170,14 +179,10 @@ def evaluated_report(plane: "SizePlane", b: int, s: int, read_off: str) -> Evalu
     replayed on the card, its first run's trace at those sizes; None where the plane gives
     no sizes there (run it)."""
     t0 = time.perf_counter()
-    acts = plane.actions_at(b, s) if plane.ok else None
-    if acts is None:
+    read = _read_off(plane, b, s)
+    if read is None:
         return None
-    run = plane.run
-    resized = _resized(run, acts)
-    if resized is None:
-        return None
-    trace = run.trace
+    (acts, resized), run = read, plane.run
     model = plane.log.replayed(acts[2], None, acts[0], acts[1])
     ran_out = model is None
     if ran_out:
@@ -225,7 +230,7 @@ def evaluate(runs: Mapping[Setting, MemoryReport], setting: Setting,
         where = ("between" if xs[0] < v < xs[-1] else "beyond")
         noun = knob.sizes.noun
         report = evaluated_report(
-            plane, *_point(v // k, dim),
+            plane, *point(v // k, plane.basis),
             f"each allocation's size on the {'line' if len(plane.basis) == 2 else 'parabola'} "
             f"through the simulated runs at {noun} {', '.join(map(str, xs))} ({where} them)"
             + (f", checked by the run{'s' if len(stopped) > 1 else ''} at {noun} "
@@ -277,7 +282,7 @@ def _family_plane(family: Mapping[int, MemoryReport], stopped: Mapping[int, Memo
     request that failed (at least one check). Tried on the most runs first, then the
     largest sizes (a cell that takes another path at small sizes leaves those out); None
     where none holds."""
-    from .plane import BATCH_LINE, CONTEXT_CURVE, CONTEXT_LINE, SizePlane
+    from .plane import BATCH_LINE, CONTEXT_CURVE, CONTEXT_LINE, line_through
 
     xs = sorted(family)
     windows = sorted(((i, j) for i in range(len(xs)) for j in range(i + 1, len(xs) + 1)),
@@ -289,11 +294,10 @@ def _family_plane(family: Mapping[int, MemoryReport], stopped: Mapping[int, Memo
             if len(ws) < k or len(ws) + len(stopped) <= k:
                 continue
             drawn = [ws[0], ws[len(ws) // 2], ws[-1]] if k == 3 else [ws[0], ws[-1]]
-            plane = SizePlane({_point(x, dim): family[x] for x in drawn},
-                              *((drawn, [1]) if dim == BATCH_DIM else ([1], drawn)), basis)
-            if plane.ok and all(plane.checked_by(*_point(x, dim), family[x])
+            plane = line_through({x: family[x] for x in drawn}, basis)
+            if plane.ok and all(plane.checked_by(*point(x, basis), family[x])
                                 for x in ws if x not in drawn) and all(
-                    plane.checked_until_out_of_memory(*_point(x, dim), r)
+                    plane.checked_until_out_of_memory(*point(x, basis), r)
                     for x, r in stopped.items()):
                 return plane, ws, sorted(stopped)
     return None
@@ -314,11 +318,6 @@ def _cached(planes: dict | None, family: Mapping[int, MemoryReport],
         planes[key] = (_family_plane(family, stopped, dim),
                        [*family.values(), *stopped.values()])
     return planes[key][0]
-
-
-def _point(x: int, dim: int) -> tuple[int, int]:
-    """(batch, context) of a family's value (the other is 1: its power is 0)."""
-    return (x, 1) if dim == BATCH_DIM else (1, x)
 
 
 def _same_but(s: Setting, setting: Setting, knob: str) -> bool:

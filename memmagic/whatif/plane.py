@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 if TYPE_CHECKING:
     from ..report import MemoryReport
 
-__all__ = ["SizePlane", "allocation_shape", "shape_of", "BASIS", "BATCH_LINE", "CONTEXT_LINE",
-           "CONTEXT_CURVE"]
+__all__ = ["SizePlane", "allocation_shape", "shape_of", "line_through", "point", "BASIS",
+           "BATCH_LINE", "CONTEXT_LINE", "CONTEXT_CURVE"]
 
 # the monomials b^i s^j of a size, in this order
 BASIS = ((0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2))
@@ -60,17 +60,9 @@ def allocation_shape(run: MemoryReport, exclude: frozenset = frozenset()
 
 def _shape(trace: Any, log: Any, exclude: frozenset) -> tuple[tuple, list[int]] | None:
     """:func:`allocation_shape` of a run's trace and allocator log."""
-    if any(e["action"] == "oom" for e in log.entries):
+    steps, restart, failed = _log_steps(log.entries, exclude, log.restart)
+    if failed is not None:
         return None
-    ids: dict[Any, int] = {}
-    steps = []  # (code, size): code 2 * id for an alloc, 2 * id + 1 for a free
-    restart = 0
-    for n, e in enumerate(log.entries):
-        restart = len(steps) if n == log.restart else restart
-        if e["action"] in ("alloc", "free_completed") and e["key"] not in exclude:
-            free = e["action"] != "alloc"
-            steps.append((2 * ids.setdefault(e["key"], len(ids)) + free, 0 if free else e["size"]))
-    restart = len(steps) if log.restart >= len(log.entries) else restart
     allocs = _frees_sorted(steps)
     events = _device_events(trace, log.entries, exclude)
     if events is None:
@@ -79,6 +71,26 @@ def _shape(trace: Any, log: Any, exclude: frozenset) -> tuple[tuple, list[int]] 
     sizes = [n for code, n in allocs if not code & 1]
     shape = (tuple(c for c, _ in allocs), restart, len(sizes), tuple(c for c, _ in events), live)
     return shape, sizes + [n for _, n in events]
+
+
+def _log_steps(entries: list[dict], exclude: frozenset, restart_at: int = -1
+               ) -> tuple[list[tuple[int, int]], int, int | None]:
+    """An allocator log's allocs and frees as (code, size) steps (code 2 * id for an alloc,
+    2 * id + 1 for a free, keys numbered by first use; ``exclude``: keys left out), the
+    steps before entry ``restart_at`` (all of them where it is past the end), and the bytes
+    of the request that failed, where one did: the steps stop there (None: none failed)."""
+    ids: dict[Any, int] = {}
+    steps: list[tuple[int, int]] = []
+    restart = None
+    for n, e in enumerate(entries):
+        if n == restart_at:
+            restart = len(steps)
+        if e["action"] == "oom":
+            return steps, len(steps) if restart is None else restart, e["size"]
+        if e["action"] in ("alloc", "free_completed") and e["key"] not in exclude:
+            free = e["action"] != "alloc"
+            steps.append((2 * ids.setdefault(e["key"], len(ids)) + free, 0 if free else e["size"]))
+    return steps, len(steps) if restart is None else restart, None
 
 
 def _device_events(trace: Any, entries: list[dict], exclude: frozenset = frozenset()
@@ -339,17 +351,27 @@ def _until_out_of_memory(run: "MemoryReport") -> tuple[tuple, list[int], int] | 
     log = getattr(trace, "allocator_log", None)
     if log is None or run.failed_request is None:
         return None
-    scratch = getattr(trace, "scratch", {})
-    ids: dict[Any, int] = {}
-    steps: list[tuple[int, int]] = []
-    for e in log.entries:
-        if e["action"] == "oom":
-            steps = _frees_sorted(steps)
-            return (tuple(c for c, _ in steps), [n for c, n in steps if not c & 1], e["size"])
-        if e["action"] in ("alloc", "free_completed") and e["key"] not in scratch:
-            free = e["action"] != "alloc"
-            steps.append((2 * ids.setdefault(e["key"], len(ids)) + free, 0 if free else e["size"]))
-    return None
+    steps, _restart, failed = _log_steps(log.entries, frozenset(getattr(trace, "scratch", ())))
+    if failed is None:
+        return None
+    steps = _frees_sorted(steps)
+    return tuple(c for c, _ in steps), [n for c, n in steps if not c & 1], failed
+
+
+def line_through(runs: Mapping[int, "MemoryReport"], basis: Basis = BATCH_LINE) -> SizePlane:
+    """The line (or curve) through simulated runs that differ in one size, by its value, as
+    many as ``basis`` has monomials: a basis in ``b`` takes the value as the batch, one in
+    ``s`` as the context (:func:`point`)."""
+    xs = sorted(runs)
+    in_b = any(i for i, _ in basis)
+    return SizePlane({point(x, basis): runs[x] for x in xs},
+                     *((xs, [1]) if in_b else ([1], xs)), basis)
+
+
+def point(x: int, basis: Basis) -> tuple[int, int]:
+    """(batch, context) of a value of the one size ``basis`` is in (the other is 1: its
+    power is 0)."""
+    return (x, 1) if any(i for i, _ in basis) else (1, x)
 
 
 def shape_of(run: "MemoryReport") -> tuple[tuple, list[int]] | None:

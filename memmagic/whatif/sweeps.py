@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence, Un
 
 from .evaluated import peaks_at
 from .knobs import BATCH_DIM, KNOBS, SEQ_DIM, KnobError, Setting, resizing
+from .plane import line_through
 from ..report import MemoryReport, format_bytes, needed
 
 if TYPE_CHECKING:
@@ -148,13 +149,11 @@ class Interpolated:
 
 
 def _line(a: int, ra: MemoryReport, c: int, rc: MemoryReport) -> "SizePlane":
-    """The line through the simulated runs at ``a`` and ``c`` of a whole-number knob (its
-    value stands for the batch of a :class:`~memmagic.whatif.plane.SizePlane`): each
-    allocation's size on it, a reduction's staging buffers from their recipes; ``ok``
-    False where the runs did different things."""
-    from .plane import BATCH_LINE, SizePlane
-
-    return SizePlane({(a, 1): ra, (c, 1): rc}, (a, c), (1,), BATCH_LINE)
+    """The line through the simulated runs at ``a`` and ``c`` of a whole-number knob
+    (:func:`memmagic.whatif.plane.line_through`: each allocation's size on it, a
+    reduction's staging buffers from their recipes; ``ok`` False where the runs did
+    different things)."""
+    return line_through({a: ra, c: rc})
 
 
 Point = Union[MemoryReport, Interpolated]
