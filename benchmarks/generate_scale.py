@@ -49,8 +49,10 @@ def generate_row(tokens: int) -> dict[str, Any]:
             "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def generate_scale_figure(threads: int = 1) -> Figure:
-    """Figure 3g: each token count's wall time beside the 8-token run's."""
+def generate_scale_figure(threads: int = 1, against: Any = None) -> Figure:
+    """Figure 3g: each token count's wall time beside the 8-token run's; ``against``
+    (benchmarks.against.Against): each also with that commit's memmagic, in a process of
+    its own beside this tree's."""
     from .figures import _beside, _threads_note
 
     fig = Figure(
@@ -58,17 +60,25 @@ def generate_scale_figure(threads: int = 1) -> Figure:
         "a cell that builds a Llama of TinyLlama-1.1B's shape in fp16 from its config and "
         "calls generate() greedily on a 64-token prompt, exactly max_new_tokens tokens, on a "
         "simulated T4: the simulated run's wall time (model build included) and the "
-        "process's peak RSS, each in a fresh process",
+        "process's peak RSS, each in a fresh process" + (against.method if against else ""),
         f"512 new tokens within {RATIO_TARGET:.0f}x the 8-token run (the issue's aim: "
         "512 tokens cost about what a few do)",
         [("case", "case", "text"), ("wall_s", "wall", "s"), ("per_token_s", "per token", "s"),
          ("ratio", "vs 8 tokens", "x"), ("peak", "peak", "text"),
-         ("rss_mib", "peak RSS MiB", "text"), ("status", "target", "text")],
+         ("rss_mib", "peak RSS MiB", "text")]
+        + ([("prev_wall_s", f"wall ({against.label})", "s"),
+            ("prev_rss_mib", f"peak RSS MiB ({against.label})", "text")] if against else [])
+        + [("status", "target", "text")],
         metric=("wall_s", "s"),
         notes=[_threads_note()],
     )
-    rows = [row for row, _ in _beside(None, "generate_scale:generate_row",
-                                      [{"tokens": n} for n in TOKENS], threads=threads)]
+    rows = []
+    for row, prev in _beside(against, "generate_scale:generate_row",
+                             [{"tokens": n} for n in TOKENS], threads=threads):
+        if prev is not None:
+            row.update(prev_wall_s=prev.get("wall_s", prev.get("median_s")),
+                       prev_rss_mib=prev.get("rss_mib"))
+        rows.append(row)
     base = rows[0].get("wall_s")
     for row in rows:
         wall = row.get("wall_s", row.get("median_s"))
@@ -77,8 +87,9 @@ def generate_scale_figure(threads: int = 1) -> Figure:
             row["ratio"] = wall / base
         if isinstance(row.get("peak"), int):
             row["peak"] = f"{row['peak'] / 2 ** 30:.2f} GiB"
-        if isinstance(row.get("rss_mib"), float):
-            row["rss_mib"] = f"{row['rss_mib']:.0f}"
+        for key in ("rss_mib", "prev_rss_mib"):
+            if isinstance(row.get(key), float):
+                row[key] = f"{row[key]:.0f}"
         row["status"] = ("n/a" if row.get("tokens") != TOKENS[-1] or "ratio" not in row
                          else status_of(row["ratio"] <= RATIO_TARGET))
         fig.rows.append(row)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 from .common import RESULTS_DIR, Figure, code_version, machine_info, write_results
 
@@ -38,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="figure t: a checkout of pytorch/torchtitan (v0.2.0) whose trainer runs "
                         "on simulated H100s (without it the figure says so)")
     p.add_argument("--against", default=None, metavar="REV",
-                   help="figures w and s: measure each case with commit REV's memmagic too, beside "
+                   help="figures w, s and g: measure each case with commit REV's memmagic too, beside "
                         "this tree's (each in a fresh process, alternating)")
     return p
 
@@ -52,6 +53,19 @@ def _selected(args: argparse.Namespace) -> set[str]:
     if not only <= set(FIGURES):
         raise SystemExit(f"--only takes figures from {','.join(FIGURES)}, got {args.only!r}")
     return only
+
+
+@contextlib.contextmanager
+def _against(args: argparse.Namespace) -> Iterator[Any]:
+    """The commit ``--against`` names, extracted while the figures use it (None without it)."""
+    from .against import Against
+
+    against = Against(args.against, args.threads) if args.against else None
+    try:
+        yield against
+    finally:
+        if against is not None:
+            against.close()
 
 
 def _run_figures(only: set[str], args: argparse.Namespace, size: str, reps: int,
@@ -83,16 +97,10 @@ def _run_figures(only: set[str], args: argparse.Namespace, size: str, reps: int,
 
         show(trace_cost(real, reps))
     if "w" in only:
-        from .against import Against
-
-        against = Against(args.against, args.threads) if args.against else None
-        try:
+        with _against(args) as against:
             show(F.whatif_panel(size, 5 if args.quick else 20,
                                 ("transformer",) if args.quick else REAL_CPU_CASES, against))
             show(F.whatif_sweep(size, against=against))
-        finally:
-            if against is not None:
-                against.close()
     if "m" in only:
         show(F.fit_map_figure(args.threads))
     if "p" in only:
@@ -102,20 +110,15 @@ def _run_figures(only: set[str], args: argparse.Namespace, size: str, reps: int,
     if "g" in only:
         from .generate_scale import generate_scale_figure
 
-        show(generate_scale_figure(args.threads))
+        with _against(args) as against:
+            show(generate_scale_figure(args.threads, against))
     if "t" in only:
         from .torchtitan import torchtitan_figure
 
         show(torchtitan_figure(args.torchtitan))
     if "s" in only:
-        from .against import Against
-
-        against = Against(args.against, args.threads) if args.against else None
-        try:
+        with _against(args) as against:
             show(F.doctor_scale(against, args.threads))
-        finally:
-            if against is not None:
-                against.close()
 
 
 def main(argv: list[str] | None = None) -> int:

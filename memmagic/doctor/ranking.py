@@ -4,13 +4,14 @@ rows), smallest peak first; the re-runs go through the engine the doctor is give
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from ..report import format_bytes, needed
 from ..trace import PHASES
 from .oom import failure_words
-from ..whatif.knobs import BATCH_HINT, KNOBS, SEQ_DIM, Fixes, KnobError, Setting, resizing
+from ..whatif.knobs import (BATCH_DIM, BATCH_HINT, KNOBS, SEQ_DIM, Fixes, KnobError, Setting,
+                             resizing)
 
 # BATCH_HINT: the batch size knob's note when it does not apply (``Doctor.untried``)
 __all__ = ["Strategy", "fits_text", "rank", "ranking_rows", "BATCH_HINT"]
@@ -59,11 +60,16 @@ def _candidates(applicable: Sequence[str], known: Fixes) -> list[tuple[str, dict
             for fix in KNOBS[name].doctor.fixes(known)]
 
 
-def _measure(cell: Any, label: str, knobs: Mapping[str, Any]) -> Strategy:
+def _measure(cell: Any, label: str, knobs: Mapping[str, Any],
+             ran: dict[Setting, Any] | None = None) -> Strategy:
+    """The row of a re-run of ``cell`` with ``knobs`` (its report kept in ``ran``, by
+    its setting)."""
     try:
         r = cell.run(**knobs)
     except (KnobError, ValueError, TypeError) as exc:
         return Strategy(label, dict(knobs), None, reason=str(exc))
+    if ran is not None:
+        ran[cell.setting(**knobs)] = r
     return _row(label, knobs, r)
 
 
@@ -106,7 +112,8 @@ def rank(engine: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = 
                         "memmagic.Cell")
     c = engine
     notes: list[str] = []
-    baseline = _measure(c, _as_run(c.asked), {})
+    ran: dict[Setting, Any] = {}  # the re-runs' reports, by setting
+    baseline = _measure(c, _as_run(c.asked), {}, ran)
     applicable = c.applicable()
     if knobs is not None:
         applicable = [k for k in applicable if k in knobs]
@@ -119,9 +126,9 @@ def rank(engine: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = 
     known = Fixes(c.baseline.effective_batch, optimizer,
                   getattr(c.baseline, resizing(SEQ_DIM).name))
     applicable = _worth_running(applicable, baseline, info, unit, notes)
-    rows = [_measure(c, label, knobs) for label, knobs in _candidates(applicable, known)
+    rows = [_measure(c, label, knobs, ran) for label, knobs in _candidates(applicable, known)
             if any(getattr(c.baseline, k) != v for k, v in knobs.items())]  # not what ran
-    rows = _without_repeats(rows, baseline, unit, notes)
+    rows = _without_repeats(rows, baseline, unit, notes) + _read_off(c, ran, unit, notes)
     targeted = baseline.fits is not None or any(s.fits is not None for s in rows)
     if combine and targeted and not baseline.fits and not any(s.fits for s in rows):
         combo = _combine(c, baseline, rows)
@@ -138,6 +145,54 @@ def rank(engine: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = 
             notes += _SHARD_NOTES
     rows.sort(key=_order)
     return baseline, tuple(rows), notes
+
+
+# the contexts the doctor reads off: multiples of this many tokens
+_CONTEXT_STEP = 64
+
+
+def _read_off(cell: Any, ran: dict[Setting, Any], unit: str, notes: list[str]
+              ) -> list[Strategy]:
+    """Where the run as written did not fit and the re-runs at smaller batches (contexts)
+    lie on one line that the runs which ran out check up to where they stopped
+    (:mod:`memmagic.whatif.evaluated`): what the run as written needs as a whole (a note,
+    evaluated), and the largest batch (longest context) that fits by the line, run to
+    confirm it (a cell may round a size the line cannot see)."""
+    from ..whatif.evaluated import evaluate, largest_fitting, run_wanted
+
+    setting = cell.setting()
+    own = ran.get(setting)
+    if own is None or own.fits is not False:
+        return []
+    for dim in (BATCH_DIM, SEQ_DIM):  # a second run that fits, for a line through two
+        n = run_wanted(ran, setting, dim)
+        if n is not None:
+            _measure(cell, "", {resizing(dim).name: n}, ran)
+    whole = evaluate(ran, setting) if own.failed_request is not None else None
+    if whole is not None:
+        notes.append(f"as written the {unit} needs {format_bytes(whole.card_need)} of the "
+                     f"card's {format_bytes(whole.gpu_memory)} (evaluated, not run: "
+                     f"{whole.read_off})")
+    rows = []
+    for dim, step, words in ((BATCH_DIM, 1, "batch {} (from {}), the largest that fits"),
+                             (SEQ_DIM, _CONTEXT_STEP, "context {} (from {}), the longest that fits")):
+        got = largest_fitting(ran, setting, dim, step)
+        if got is None:
+            continue
+        (n, line), knob = got, resizing(dim)
+        was = getattr(setting, knob.name)
+        row = _measure(cell, words.format(n, was), {knob.name: n}, ran)
+        if (row.peak, row.reserved_peak, row.fits) == (line.peak, line.reserved_peak, True):
+            notes.append(f"{row.label}: found on a line, then run ({line.read_off}; "
+                         f"{'a multiple of ' + str(step) + ', ' if step > 1 else ''}the next "
+                         "does not fit by that line)")
+        else:  # the run disagrees with the line: a plain row, and why
+            row = replace(row, label=words.format(n, was).split(",")[0])
+            notes.append(f"{row.label}: the line through the re-runs said it fits with "
+                         f"{format_bytes(line.reserved_peak)} reserved; its run gave other "
+                         "figures (the cell's sizes are not on that line there)")
+        rows.append(row)
+    return rows
 
 
 def _worth_running(applicable: list[str], baseline: Strategy, info: Any, unit: str,

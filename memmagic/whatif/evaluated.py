@@ -21,14 +21,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
 
 from .knobs import BATCH_DIM, SEQ_DIM, KnobError, Setting, resizing
-from .plane import point
+from .plane import largest_within, point
 from ..report import MemoryReport, Note
 from ..trace import Category, Trace
 
 if TYPE_CHECKING:
     from .plane import SizePlane
 
-__all__ = ["EvaluatedReport", "evaluate", "evaluated_report", "peaks_at", "remember"]
+__all__ = ["EvaluatedReport", "evaluate", "evaluated_report", "largest_fitting", "peaks_at",
+           "remember", "run_wanted"]
 
 # bytes a replay may reserve when it answers what a setting that does not fit needs
 _NO_LIMIT = 1 << 62
@@ -224,21 +225,72 @@ def evaluate(runs: Mapping[Setting, MemoryReport], setting: Setting,
         found = None if v is None else _cached(planes, *_family(runs, setting, dim, v), dim)
         if found is None:
             continue
-        plane, xs, stopped = found
-        k = _per_size(setting, dim)  # the line is in the micro-batch
-        xs, stopped = [x * k for x in xs], [x * k for x in stopped]
-        where = ("between" if xs[0] < v < xs[-1] else "beyond")
-        noun = knob.sizes.noun
-        report = evaluated_report(
-            plane, *point(v // k, plane.basis),
+        report = evaluated_report(*_at(found, setting, dim, v))
+        if report is not None:
+            return report
+    return None
+
+
+def largest_fitting(runs: Mapping[Setting, MemoryReport], setting: Setting, dim: int,
+                    step: int = 1) -> tuple[int, EvaluatedReport] | None:
+    """The largest value of the size knob of ``dim`` (the batch: a micro-batch that is a
+    multiple of ``step``, times the micro-steps; the context: a multiple of ``step``) that
+    fits the card, between the largest of ``runs`` that fits
+    and ``setting``'s own, which does not: read off the line (or parabola) through the
+    runs that differ from ``setting`` only in that size, as :func:`evaluate` reads a value
+    off them. None where ``setting`` fits, no such run fits, the runs give no checked
+    line, or the largest is a value that was run. Else (the value, its report)."""
+    knob, k = resizing(dim).name, _per_size(setting, dim)
+    v = getattr(setting, knob)
+    family, stopped = _family(runs, setting, dim, v) if v is not None else ({}, {})
+    fitting = [x for x, r in family.items() if r.fits and x * k < v]
+    own = runs.get(setting)
+    if not fitting or own is None or own.fits is not False:
+        return None
+    found = _family_plane(family, stopped, dim)
+    if found is None:
+        return None
+    start, ref = max(fitting), family[max(fitting)]
+    n = largest_within(found[0], ref.gpu_memory, ref.context or 0, start, v // k - 1, step)
+    if n is None or n == start:
+        return None
+    report = evaluated_report(*_at(found, setting, dim, n * k))
+    return None if report is None else (n * k, report)
+
+
+def run_wanted(runs: Mapping[Setting, MemoryReport], setting: Setting, dim: int
+               ) -> int | None:
+    """The value of the size knob of ``dim`` to run so that :func:`largest_fitting` has a
+    line: where only one of the runs that differ from ``setting`` in that size fits and
+    others ran out of memory, half of it (the batch: in whole micro-batches, at least 2 of
+    them, since a dimension of 1 takes another path); else None."""
+    knob, k = resizing(dim).name, _per_size(setting, dim)
+    v = getattr(setting, knob)
+    if v is None:
+        return None
+    family, stopped = _family(runs, setting, dim, None)
+    if len(family) != 1 or not stopped:
+        return None
+    x, r = next(iter(family.items()))
+    return x // 2 * k if r.fits and x // 2 >= 2 else None
+
+
+def _at(found: tuple["SizePlane", list[int], list[int]], setting: Setting, dim: int, v: int
+        ) -> tuple["SizePlane", int, int, str]:
+    """(plane, batch, context, the words saying which runs) of value ``v`` of the size knob
+    of ``dim``, read off the line ``found`` (:func:`_family_plane`): the arguments of
+    :func:`evaluated_report`."""
+    plane, xs, stopped = found
+    k = _per_size(setting, dim)  # the line is in the micro-batch
+    xs, stopped = [x * k for x in xs], [x * k for x in stopped]
+    where = ("between" if xs[0] < v < xs[-1] else "beyond")
+    noun = resizing(dim).sizes.noun
+    return (plane, *point(v // k, plane.basis),
             f"each allocation's size on the {'line' if len(plane.basis) == 2 else 'parabola'} "
             f"through the simulated runs at {noun} {', '.join(map(str, xs))} ({where} them)"
             + (f", checked by the run{'s' if len(stopped) > 1 else ''} at {noun} "
                f"{', '.join(map(str, stopped))} up to where {'they' if len(stopped) > 1 else 'it'} "
                "ran out of memory" if stopped else ""))
-        if report is not None:
-            return report
-    return None
 
 
 def remember(runs: Mapping[Setting, MemoryReport], setting: Setting, planes: dict) -> None:

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 if TYPE_CHECKING:
     from ..report import MemoryReport
 
-__all__ = ["SizePlane", "allocation_shape", "shape_of", "line_through", "point", "BASIS",
+__all__ = ["SizePlane", "allocation_shape", "shape_of", "line_through", "point",
+           "largest_within", "bisect_largest", "BASIS",
            "BATCH_LINE", "CONTEXT_LINE", "CONTEXT_CURVE"]
 
 # the monomials b^i s^j of a size, in this order
@@ -372,6 +373,44 @@ def point(x: int, basis: Basis) -> tuple[int, int]:
     """(batch, context) of a value of the one size ``basis`` is in (the other is 1: its
     power is 0)."""
     return (x, 1) if any(i for i, _ in basis) else (1, x)
+
+
+def largest_within(plane: SizePlane, limit: int, context: int, start: int, high: int,
+                   step: int) -> int | None:
+    """The largest multiple of ``step`` in [``start``, ``high``] that fits ``limit`` by
+    ``plane`` (each allocation's size read off it at :func:`point` of the value, the
+    allocator replayed on the card: no request fails, and what it needs plus ``context``
+    is within ``limit``); None where it cannot say (``start`` does not fit, or a size is
+    off the plane's whole bytes)."""
+    from ..report import needed
+
+    def fits(v: int) -> bool | None:
+        acts = plane.actions_at(*point(v, plane.basis))
+        if acts is None:  # a size off the plane's whole bytes: it cannot say
+            return None
+        at = plane.replay(acts)  # None: a request failed on the card
+        return at is not None and needed(*at) + context <= limit
+
+    if not plane.ok or not fits(start):
+        return None
+    # start fits by the plane; the size past the range stands for one that does not
+    lo = bisect_largest(fits, start, high // step * step + step, step)
+    return None if lo is None else min(lo, high)
+
+
+def bisect_largest(fits: Callable[[int], bool | None], lo: int, hi: int, step: int
+                   ) -> int | None:
+    """The largest multiple of ``step`` between ``lo`` (which fits) and ``hi`` (which does
+    not) that fits, by bisection; None as soon as ``fits`` cannot say (None)."""
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        if mid <= lo:
+            break
+        ok = fits(mid)
+        if ok is None:
+            return None
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return lo
 
 
 def shape_of(run: "MemoryReport") -> tuple[tuple, list[int]] | None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence, Un
 
 from .evaluated import peaks_at
 from .knobs import BATCH_DIM, KNOBS, SEQ_DIM, KnobError, Setting, resizing
-from .plane import line_through
+from .plane import bisect_largest, largest_within, line_through
 from ..report import MemoryReport, format_bytes, needed
 
 if TYPE_CHECKING:
@@ -550,36 +550,9 @@ def check_search(cell: "Cell", method: str, margin: float) -> None:
 def _line_boundary(line: "SizePlane", base: MemoryReport, limit: int, card: bool, start: int,
                    high: int, step: int) -> int | None:
     """The largest multiple of ``step`` in [start, high] that fits ``limit`` by the line
-    (:func:`_line`: each allocation's size on it, the allocator replayed); None where the
-    line cannot say (the runs did different things, or a size is off the line)."""
-    context = (base.context or 0) if card else 0
-
-    def fits(v: int) -> bool | None:
-        acts = line.actions_at(v, 1)
-        if acts is None:  # a size off the line's whole bytes: it cannot say
-            return None
-        at = line.replay(acts)  # None: a request failed on the card
-        return at is not None and needed(*at) + context <= limit
-
-    if not line.ok or not fits(start):
-        return None
-    # start fits by the line; the size past the range stands for one that does not
-    lo = _bisect(fits, start, high // step * step + step, step)
-    return None if lo is None else min(lo, high)
-
-
-def _bisect(fits: Callable[[int], bool | None], lo: int, hi: int, step: int) -> int | None:
-    """The largest multiple of ``step`` between ``lo`` (which fits) and ``hi`` (which does
-    not) that fits, by bisection; None as soon as ``fits`` cannot say (None)."""
-    while hi - lo > step:
-        mid = (lo + hi) // 2 // step * step
-        if mid <= lo:
-            break
-        ok = fits(mid)
-        if ok is None:
-            return None
-        lo, hi = (mid, hi) if ok else (lo, mid)
-    return lo
+    (:func:`_line`; :func:`memmagic.whatif.plane.largest_within`): the run's CUDA context
+    counts where ``card`` (what a run needs of the whole card)."""
+    return largest_within(line, limit, (base.context or 0) if card else 0, start, high, step)
 
 
 def _largest(fits: Callable[[int], bool], low: int, high: int, step: int,
@@ -609,7 +582,7 @@ def _largest(fits: Callable[[int], bool], low: int, high: int, step: int,
             lo_ok = b = g + step
         b *= 2
     if lo_ok is not None and hi_bad is not None:
-        lo_ok = _bisect(fits, lo_ok, hi_bad, step)
+        lo_ok = bisect_largest(fits, lo_ok, hi_bad, step)
     return lo_ok
 
 

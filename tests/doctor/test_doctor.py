@@ -169,8 +169,14 @@ def test_a_cnn_where_a_smaller_batch_is_the_only_fix_that_fits():
     base, rows, notes = doctor.rank(ranking_engine(CNN, {"batch_size": 256}, gpu_memory="256MiB"))
     assert base.fits is False
     fitting = [s for s in rows if s.fits]
-    assert [s.knobs for s in fitting] == [{"batch_size": 64}]
+    assert fitting[0].knobs == {"batch_size": 64}
     assert rows[0] is fitting[0]  # ranked first: the smallest peak
+    # the line through batches 32 and 64 says batch 88 fits; the cell repeats its batch in
+    # whole copies of 32, so the run at 88 is one at 64: a plain row, and a note says why
+    assert [s.knobs for s in fitting[1:]] == [{"batch_size": 88}]
+    assert fitting[1].label == "batch 88 (from 256)"
+    assert any(n.startswith("batch 88 (from 256): the line through the re-runs said it fits")
+               for n in notes)
     assert all(s.need is not None for s in rows)
     tried = {next(iter(s.knobs)) for s in rows if s.knobs}
     assert {"batch_size", "amp", "checkpointing"} <= tried

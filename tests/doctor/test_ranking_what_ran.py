@@ -31,7 +31,10 @@ def test_after_an_out_of_memory_at_the_asked_batch_the_fixes_are_for_that_batch(
     advice = r.advice
     assert advice.baseline.label == "as run (batch 65536)" and advice.baseline.out_of_memory
     batch_rows = [s for s in advice.strategies if set(s.knobs) == {"batch_size"}]
-    assert batch_rows and all(s.label.endswith("(from 65536)") for s in batch_rows)
+    assert batch_rows and all("(from 65536)" in s.label for s in batch_rows)
+    # the halvings, and the largest batch that fits by the line through them, run
+    assert [s.label for s in batch_rows if "," in s.label] == [
+        "batch 48896 (from 65536), the largest that fits"]
     assert any(s.fits for s in batch_rows)
     # a row that ran out reads "more than" what it needs at least: never below a smaller
     # batch that ran to its end
