@@ -157,16 +157,20 @@ def _read_off(cell: Any, ran: dict[Setting, Any], unit: str, notes: list[str]
     lie on one line that the runs which ran out check up to where they stopped
     (:mod:`memmagic.whatif.evaluated`): what the run as written needs as a whole (a note,
     evaluated), and the largest batch (longest context) that fits by the line, run to
-    confirm it (a cell may round a size the line cannot see)."""
+    confirm it (a cell may round a size the line cannot see). Where too few smaller runs
+    fit for a line (the context: a parabola, for attention scores), smaller ones are run
+    first (at most two per size)."""
     from ..whatif.evaluated import evaluate, largest_fitting, run_wanted
 
     setting = cell.setting()
     own = ran.get(setting)
     if own is None or own.fits is not False:
         return []
-    for dim in (BATCH_DIM, SEQ_DIM):  # a second run that fits, for a line through two
-        n = run_wanted(ran, setting, dim)
-        if n is not None:
+    for dim in (BATCH_DIM, SEQ_DIM):  # smaller runs that fit, for a line (or a parabola)
+        for _ in range(2):
+            n = run_wanted(ran, setting, dim)
+            if n is None:
+                break
             _measure(cell, "", {resizing(dim).name: n}, ran)
     whole = evaluate(ran, setting) if own.failed_request is not None else None
     if whole is not None:
@@ -183,14 +187,14 @@ def _read_off(cell: Any, ran: dict[Setting, Any], unit: str, notes: list[str]
         was = getattr(setting, knob.name)
         row = _measure(cell, words.format(n, was), {knob.name: n}, ran)
         if (row.peak, row.reserved_peak, row.fits) == (line.peak, line.reserved_peak, True):
-            notes.append(f"{row.label}: found on a line, then run ({line.read_off}; "
+            notes.append(f"{row.label}: read off the re-runs, then run ({line.read_off}; "
                          f"{'a multiple of ' + str(step) + ', ' if step > 1 else ''}the next "
-                         "does not fit by that line)")
+                         "does not fit by the same reading)")
         else:  # the run disagrees with the line: a plain row, and why
             row = replace(row, label=words.format(n, was).split(",")[0])
-            notes.append(f"{row.label}: the line through the re-runs said it fits with "
+            notes.append(f"{row.label}: read off the re-runs, it fits with "
                          f"{format_bytes(line.reserved_peak)} reserved; its run gave other "
-                         "figures (the cell's sizes are not on that line there)")
+                         f"figures (the cell's sizes are not on that line there: {line.read_off})")
         rows.append(row)
     return rows
 

@@ -260,19 +260,22 @@ def largest_fitting(runs: Mapping[Setting, MemoryReport], setting: Setting, dim:
 
 def run_wanted(runs: Mapping[Setting, MemoryReport], setting: Setting, dim: int
                ) -> int | None:
-    """The value of the size knob of ``dim`` to run so that :func:`largest_fitting` has a
-    line: where only one of the runs that differ from ``setting`` in that size fits and
-    others ran out of memory, half of it (the batch: in whole micro-batches, at least 2 of
-    them, since a dimension of 1 takes another path); else None."""
+    """The value of the size knob of ``dim`` to run next so that :func:`largest_fitting`
+    has a line (or a parabola): where some of the runs that differ from ``setting`` in
+    that size ran out of memory and too few fit (the batch: one; the context: one, or two
+    that give no checked line), half the smallest that fits (the batch: in whole
+    micro-batches, at least 2 of them, since a dimension of 1 takes another path); else
+    None."""
     knob, k = resizing(dim).name, _per_size(setting, dim)
-    v = getattr(setting, knob)
-    if v is None:
+    if getattr(setting, knob) is None:
         return None
     family, stopped = _family(runs, setting, dim, None)
-    if len(family) != 1 or not stopped:
+    fitting = sorted(x for x, r in family.items() if r.fits)
+    if not stopped or not fitting or len(fitting) > (1 if dim == BATCH_DIM else 2):
         return None
-    x, r = next(iter(family.items()))
-    return x // 2 * k if r.fits and x // 2 >= 2 else None
+    if len(fitting) == 2 and _family_plane(family, stopped, dim) is not None:
+        return None
+    return fitting[0] // 2 * k if fitting[0] // 2 >= 2 else None
 
 
 def _at(found: tuple["SizePlane", list[int], list[int]], setting: Setting, dim: int, v: int

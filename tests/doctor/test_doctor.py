@@ -175,7 +175,7 @@ def test_a_cnn_where_a_smaller_batch_is_the_only_fix_that_fits():
     # whole copies of 32, so the run at 88 is one at 64: a plain row, and a note says why
     assert [s.knobs for s in fitting[1:]] == [{"batch_size": 88}]
     assert fitting[1].label == "batch 88 (from 256)"
-    assert any(n.startswith("batch 88 (from 256): the line through the re-runs said it fits")
+    assert any(n.startswith("batch 88 (from 256): read off the re-runs, it fits with")
                for n in notes)
     assert all(s.need is not None for s in rows)
     tried = {next(iter(s.knobs)) for s in rows if s.knobs}

@@ -47,7 +47,7 @@ def test_the_largest_batch_and_longest_context_that_fit_are_found_on_the_line(ra
         # more than any size of the halvings that fits: the line says something new
         assert n > max(x.knobs[knob] for x in rows if x.fits and set(x.knobs) == {knob}
                        and x is not s)
-        found = [m for m in notes if m.startswith(s.label + ": found on a line, then run")]
+        found = [m for m in notes if m.startswith(s.label + ": read off the re-runs, then run")]
         assert len(found) == 1 and "checked by the runs at" in found[0]
 
 
@@ -64,10 +64,26 @@ def test_no_read_off_where_the_cell_fits_or_the_runs_give_no_line():
     # it fits: nothing to read off
     _, rows, notes = doctor.rank(_cell(GPT2, 2, 128))
     assert not _read(rows) and not any("line" in n for n in notes)
-    # scores grow as context**2: the two contexts that fit draw a line the context that ran
-    # out does not bear out, and a parabola needs three: no context row; the batch (a
-    # line) still reads off
+    # batch 2 fits and 4 does not: a line needs two batches that fit, and batch 1 takes
+    # another path, so no batch row
+    _, rows, _ = doctor.rank(_cell(MANUAL, 8, 2048))
+    assert [s.knobs for s in rows if s.fits and set(s.knobs) == {"batch_size"}] == [
+        {"batch_size": 2}]
+    assert "batch_size" not in _read(rows)
+
+
+def test_a_context_with_scores_in_its_square_is_read_off_a_parabola():
+    # the contexts 256 and 512 fit and draw a line the run at 1024 does not bear out:
+    # the doctor runs 128 too, and the parabola through the three holds up to where the
+    # runs at 1024 and 2048 ran out
     cell = _cell(MANUAL, 32, 1024)
-    _, rows, _ = doctor.rank(cell)
-    assert sum(1 for s in rows if s.fits and set(s.knobs) == {"seq_len"}) == 2
-    assert set(_read(rows)) == {"batch_size"}
+    _, rows, notes = doctor.rank(cell)
+    read = _read(rows)
+    assert set(read) == {"batch_size", "seq_len"}
+    s = read["seq_len"]
+    n = s.knobs["seq_len"]
+    run = cell.run(seq_len=n)
+    assert (s.peak, s.reserved_peak, s.fits) == (run.peak, run.reserved_peak, True)
+    assert cell.run(seq_len=n + 64).fits is False
+    found = [m for m in notes if m.startswith(s.label)]
+    assert "parabola through the simulated runs at sequence length 128, 256, 512" in found[0]
