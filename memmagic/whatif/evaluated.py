@@ -16,6 +16,7 @@ snapshot. Knows nothing of IPython or widgets.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Mapping
@@ -215,15 +216,19 @@ def evaluate(runs: Mapping[Setting, MemoryReport], setting: Setting,
     marked ``interpolated`` are not runs and are passed over): where runs that differ
     from it only in the batch size lie on one line, or only in the context length on one
     line or parabola, each checked byte for byte by at least one run it was not drawn
-    through (a run that ran out of memory checks it up to the request that failed). None
-    where there are too few such runs or they do not agree (run it). ``planes``: a dict
+    through (a run that ran out of memory checks it up to the request that failed), at a
+    multiple of the greatest common divisor of their values (the batch: micro-batches).
+    None where there are too few such runs, they do not agree, or the value falls
+    between such multiples (run it). ``planes``: a dict
     the caller keeps between calls, where the lines found are kept (a family of runs is
     then checked once)."""
     for dim in (BATCH_DIM, SEQ_DIM):
         knob = resizing(dim)
         v = getattr(setting, knob.name)
         found = None if v is None else _cached(planes, *_family(runs, setting, dim, v), dim)
-        if found is None:
+        # runs at multiples of g cannot see what the cell does between them (a cell that
+        # makes its batch of whole copies of a tensor rounds it): such a value is run
+        if found is None or v // _per_size(setting, dim) % math.gcd(*found[1], *found[2]):
             continue
         report = evaluated_report(*_at(found, setting, dim, v))
         if report is not None:

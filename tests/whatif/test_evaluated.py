@@ -62,7 +62,7 @@ def _same(evaluated: EvaluatedReport, run) -> None:
 
 
 @pytest.mark.parametrize("source, card, defaults, knob, values, targets", [
-    (GPT2, "A100-80GB", {}, "batch_size", (4, 8, 12), (6, 24)),
+    (GPT2, "A100-80GB", {}, "batch_size", (4, 6, 8), (10, 24)),
     (GPT2, "T4", {"amp": "fp16"}, "batch_size", (4, 8, 16), (32,)),
     (GPT2, "A100-80GB", {"amp": "bf16", "checkpointing": True}, "seq_len", (128, 256, 512),
      (384, 1024)),
@@ -103,6 +103,26 @@ def test_a_size_that_does_not_fit_is_evaluated_whole():
     # the same need as a run on a T4 without a memory limit
     whole = F._roomy(cell, resolve_target("T4")).run(batch_size=16384, strict=True)
     assert (got.peak, got.breakdown) == (whole.peak, whole.breakdown)
+
+
+# a cell that makes its batch of whole copies of a tensor: batch 6 runs as batch 4
+ROUNDS = """
+import torch
+torch.manual_seed(0)
+w = torch.nn.Linear(64, 64).cuda()
+x = torch.randn(4, 256, 64, device="cuda").repeat(batch_size // 4, 1, 1)
+w(x).relu().sum().backward()
+"""
+
+
+def test_a_value_between_the_runs_multiples_is_run():
+    # runs at multiples of 4 lie on a line, and cannot see that the cell rounds between them
+    cell = _cell(ROUNDS, "T4")
+    runs = _runs(cell, "batch_size", (4, 8, 12))
+    base = cell.setting()
+    assert evaluate(runs, base.replace(batch_size=6)) is None
+    assert cell.run(base.replace(batch_size=6)).peak == runs[base.replace(batch_size=4)].peak
+    _same(evaluate(runs, base.replace(batch_size=20)), cell.run(base.replace(batch_size=20)))
 
 
 def test_too_few_runs_or_runs_off_the_line_give_no_answer():
