@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence, Un
 
 from .evaluated import peaks_at
 from .knobs import BATCH_DIM, KNOBS, SEQ_DIM, KnobError, Setting, resizing
-from .plane import bisect_largest, largest_within, line_through
+from .plane import CONTEXT_CURVE, bisect_largest, largest_within, line_through
 from ..report import MemoryReport, format_bytes, needed
 
 if TYPE_CHECKING:
@@ -407,7 +407,9 @@ class BatchSearch:
     report: MemoryReport | None = field(default=None, repr=False)
     knob: str = _BATCH
     card: bool = False  # budget is the card's size: the CUDA context counts in each run
-    guessed: int | None = None  # the size the line through two runs named (then run)
+    # the size the line through two runs (the context: the parabola through three) named,
+    # then run
+    guessed: int | None = None
 
     @property
     def value(self) -> int | None:
@@ -443,8 +445,10 @@ class BatchSearch:
     def _search(self) -> str:
         if self.guessed is None:
             return "doubling then bisecting"
-        named = (f"doubling until two runs made the same allocations, whose sizes on a line "
-                 f"through theirs named {self.guessed}")
+        seq = self.knob == resizing(SEQ_DIM).name
+        named = (f"doubling until {'three' if seq else 'two'} runs made the same allocations, "
+                 f"whose sizes on a {'parabola' if seq else 'line'} through theirs named "
+                 f"{self.guessed}")
         if self.guessed == self.value:
             return f"{named}, then running it and the size after it"
         return f"{named}, which the runs did not bear out, then searching on from them"
@@ -516,10 +520,18 @@ def _find_largest(cell: "Cell", knob: str, budget: int | str | None, margin: flo
 
     guessed: list[int] = []
 
-    def guess(a: int, c: int) -> int | None:  # the boundary the line through two runs gives
+    def guess(a: int, c: int) -> int | None:  # the boundary the line through runs gives
         if method != "simulation":
             return None
-        line = _line(a, reports[a], c, reports[c])
+        if knob == resizing(SEQ_DIM).name:
+            # the context: the parabola through the last three that fit (attention scores
+            # and causal masks grow as its square, which two tiny contexts hide)
+            xs = [b for b, _n, ok in trials if ok and b <= c][-3:]
+            if len(xs) < 3:
+                return None
+            line = line_through({x: reports[x] for x in xs}, CONTEXT_CURVE)
+        else:
+            line = _line(a, reports[a], c, reports[c])
         g = _line_boundary(line, reports[a], int(budget * (1 - margin)), card, c, high, step)
         guessed[:] = [] if g is None or g <= c else [g]
         return g

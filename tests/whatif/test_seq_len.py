@@ -98,6 +98,10 @@ def test_the_longest_context_that_fits_a_budget():
     assert fits[found.value] and not fits.get(found.value + 16, False)
     assert found.report.need <= found.limit
     assert "is the largest sequence length" in str(found)
+    # eager attention's scores grow as the context's square: the parabola through three
+    # runs that fit names the answer, and it and the next context bear it out
+    assert found.guessed == found.value and "parabola through theirs" in str(found)
+    assert [t for t, _n, _ok in found.trials][-2:] == [found.value, found.value + 16]
     # the longest context of bf16 autocast is longer: its activations are half the size
     amp = find_seq_len(cell, budget=128 * MiB, setting=Setting(amp="bf16"))
     assert amp.value > found.value
