@@ -240,11 +240,12 @@ def largest_fitting(runs: Mapping[Setting, MemoryReport], setting: Setting, dim:
                     step: int = 1) -> tuple[int, EvaluatedReport] | None:
     """The largest value of the size knob of ``dim`` (the batch: a micro-batch that is a
     multiple of ``step``, times the micro-steps; the context: a multiple of ``step``) that
-    fits the card, between the largest of ``runs`` that fits
-    and ``setting``'s own, which does not: read off the line (or parabola) through the
-    runs that differ from ``setting`` only in that size, as :func:`evaluate` reads a value
-    off them. None where ``setting`` fits, no such run fits, the runs give no checked
-    line, or the largest is a value that was run. Else (the value, its report)."""
+    fits the card, between the largest of ``runs`` that fits and ``setting``'s own, which
+    does not: read off the line (or parabola) through the runs that differ from
+    ``setting`` only in that size, as :func:`evaluate` reads a value off them. None where
+    ``setting`` fits, no such run fits, the runs give no checked line, or the largest is
+    a value that was run. Else (the value, its report). Not held to the runs' multiples
+    (:func:`evaluate` is): the doctor runs the value it names."""
     knob, k = resizing(dim).name, _per_size(setting, dim)
     v = getattr(setting, knob)
     family, stopped = _family(runs, setting, dim, v) if v is not None else ({}, {})
