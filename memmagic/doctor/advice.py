@@ -64,8 +64,10 @@ class Advice:
             parts.append(str(self.retained))
         if self.strategies:
             parts.append("strategies, by peak (re-run with each):")
-            for label, peak, delta, reserved, fits in self.strategy_rows():
-                parts.append(f"  {label:<44} {peak:>12} {delta:>12} {reserved:>12}  {fits}")
+            rows = self.strategy_rows()
+            width = max([44] + [len(r[0]) for r in rows])  # the longest label sets the column
+            for label, peak, delta, reserved, fits in rows:
+                parts.append(f"  {label:<{width}} {peak:>12} {delta:>12} {reserved:>12}  {fits}")
         parts.extend(f"note: {n}" for n in self.notes)
         return "\n".join(parts) if parts else "the doctor found nothing to say"
 
