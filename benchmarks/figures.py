@@ -937,8 +937,9 @@ def fit_map_row(method: str) -> dict[str, Any]:
             "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def fit_map_figure(threads: int = 1) -> Figure:
-    """Figure 3m: the fit map read off the plane, beside the same map run pair by pair."""
+def fit_map_figure(threads: int = 1, against: Any = None) -> Figure:
+    """Figure 3m: the fit map read off the plane, beside the same map run pair by pair;
+    ``against`` (benchmarks.against.Against): each also with that commit's memmagic."""
     fig = Figure(
         "m_fit_map", "3m. The fit map: batch x context on a T4 at GPT-2-small scale",
         "memmagic.fit_map of a cell that builds GPT-2-124M from transformers' config and "
@@ -946,18 +947,28 @@ def fit_map_figure(threads: int = 1) -> Figure:
         "128..2048 (16 contexts, every batch): 'plane' reads every pair off six runs and "
         "checks it with runs; 'runs' runs each pair its search tries. Each in a fresh "
         "process (its first run imports transformers); 'again': the same map once more in "
-        "that process; the cell builds the model in every run",
+        "that process; the cell builds the model in every run"
+        + (against.method if against else ""),
         f"the plane's map equal to the pair-by-pair map at every context; under "
         f"{FIT_MAP_TARGET_S:.0f} s (the issue's target for one symbolic run)",
         [("case", "case", "text"), ("wall_s", "wall", "s"), ("again_s", "again", "s"),
          ("runs", "runs", "text"), ("evaluated", "pairs evaluated", "text"),
          ("same", "same map", "text"),
-         ("rss_mib", "peak RSS MiB", "text"), ("status", "target", "text")],
+         ("rss_mib", "peak RSS MiB", "text")]
+        + ([("prev_wall_s", f"wall ({against.label})", "s"),
+            ("prev_again_s", f"again ({against.label})", "s"),
+            ("prev_runs", f"runs ({against.label})", "text")] if against else [])
+        + [("status", "target", "text")],
         metric=("wall_s", "s"),
         notes=[_threads_note()],
     )
-    rows = [row for row, _ in _beside(None, "fit_map_row", [{"method": m} for m in ("plane", "runs")],
-                                      threads=threads)]
+    rows = []
+    for row, prev in _beside(against, "fit_map_row", [{"method": m} for m in ("plane", "runs")],
+                             threads=threads):
+        if prev is not None:
+            row.update(prev_wall_s=prev.get("wall_s", prev.get("median_s")),
+                       prev_again_s=prev.get("again_s"), prev_runs=prev.get("runs"))
+        rows.append(row)
     same = rows[0].get("largest") == rows[1].get("largest") and rows[0].get("largest")
     for row in rows:
         row["same"] = "yes" if same else "no"

@@ -82,8 +82,10 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> str:
     return "yes" if all(a.get(k) == b.get(k) for k in keys) else "NO"
 
 
-def panel_scale_figure(threads: int = 1) -> Figure:
-    """Figure 3p: each move's time with sizes read off runs, beside every move run."""
+def panel_scale_figure(threads: int = 1, against: Any = None) -> Figure:
+    """Figure 3p: each move's time with sizes read off runs, beside every move run;
+    ``against`` (benchmarks.against.Against): the panel as shipped also with that commit's
+    memmagic, in a process of its own."""
     from .figures import _beside, _threads_note
 
     fig = Figure(
@@ -93,25 +95,31 @@ def panel_scale_figure(threads: int = 1) -> Figure:
         f"on a simulated {CARD}; the moves in order (context 2048, 4096, 8192, 512, 3072, "
         "1024; batch 2, 3, 4, 6, 8, 1; checkpointing on; SGD), each timed from setting the "
         "control to the redrawn panel; 'read off runs': the panel as shipped "
-        "(evaluate=True), 'every move run': evaluate=False; each panel in a fresh process",
+        "(evaluate=True), 'every move run': evaluate=False; each panel in a fresh process"
+        + (against.method if against else ""),
         f"a batch or context move answered off runs under {SIZE_TARGET_S} s; other knobs "
         f"under {OTHER_TARGET_S:.0f} s; the same numbers where both are whole answers",
         [("move", "move", "text"), ("off_s", "every move run", "s"), ("off_how", "how", "text"),
-         ("on_s", "read off runs", "s"), ("on_how", "how", "text"), ("need", "needs", "text"),
-         ("same", "same numbers", "text"), ("status", "target", "text")],
+         ("on_s", "read off runs", "s"), ("on_how", "how", "text")]
+        + ([("prev_s", f"read off runs ({against.label})", "s"),
+            ("prev_how", f"how ({against.label})", "text")] if against else [])
+        + [("need", "needs", "text"), ("same", "same numbers", "text"),
+           ("status", "target", "text")],
         metric=("on_s", "s"),
         notes=[_threads_note()],
     )
     jobs = [{"evaluate": False}, {"evaluate": True}]
-    off, on = [row for row, _ in _beside(None, "panel_scale:panel_scale_row", jobs,
-                                         threads=threads)]
+    (off, _), (on, prev) = _beside(against, "panel_scale:panel_scale_row", jobs, threads=threads)
+    prev_moves = (prev or {}).get("moves") or []
     if "moves" not in off or "moves" not in on:
         fig.rows.append({"move": "failed", "off_s": off.get("median_s"), "on_s": on.get("median_s")})
         return fig
-    for a, b in zip(off["moves"], on["moves"]):
+    for i, (a, b) in enumerate(zip(off["moves"], on["moves"])):
         row = {"move": a["move"], "off_s": a["s"], "off_how": a["how"], "on_s": b["s"],
                "on_how": b["how"], "same": _same(a, b) if a["move"] != "baseline" else "",
                "need": _need(b)}
+        if len(prev_moves) == len(on["moves"]):
+            row.update(prev_s=prev_moves[i]["s"], prev_how=prev_moves[i]["how"])
         size = a["move"].split("=")[0] in ("batch_size", "seq_len")
         if b["how"] == "evaluated":
             row["status"] = status_of(b["s"] < SIZE_TARGET_S and row["same"] != "NO")

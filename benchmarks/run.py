@@ -39,8 +39,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="figure t: a checkout of pytorch/torchtitan (v0.2.0) whose trainer runs "
                         "on simulated H100s (without it the figure says so)")
     p.add_argument("--against", default=None, metavar="REV",
-                   help="figures w, s and g: measure each case with commit REV's memmagic too, beside "
-                        "this tree's (each in a fresh process, alternating)")
+                   help="figures w, s, g, m and p: measure each case with commit REV's memmagic "
+                        "too, beside this tree's (each in a fresh process, alternating)")
     return p
 
 
@@ -102,11 +102,13 @@ def _run_figures(only: set[str], args: argparse.Namespace, size: str, reps: int,
                                 ("transformer",) if args.quick else REAL_CPU_CASES, against))
             show(F.whatif_sweep(size, against=against))
     if "m" in only:
-        show(F.fit_map_figure(args.threads))
+        with _against(args) as against:
+            show(F.fit_map_figure(args.threads, against))
     if "p" in only:
         from .panel_scale import panel_scale_figure
 
-        show(panel_scale_figure(args.threads))
+        with _against(args) as against:
+            show(panel_scale_figure(args.threads, against))
     if "g" in only:
         from .generate_scale import generate_scale_figure
 
