@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence, Un
 
 from .evaluated import peaks_at
 from .knobs import BATCH_DIM, KNOBS, SEQ_DIM, KnobError, Setting, resizing
-from .plane import CONTEXT_CURVE, bisect_largest, largest_within, line_through
+from .plane import CONTEXT_CURVE, bisect_largest, largest_within, line_through, point
 from ..report import MemoryReport, format_bytes, needed
 
 if TYPE_CHECKING:
@@ -119,6 +119,9 @@ class Interpolated:
     lo: tuple[int, MemoryReport]
     hi: tuple[int, MemoryReport]
     check: int
+    # the context: the run in the middle of a parabola through ``lo``, it and ``hi``
+    # (``check`` is then a fourth run), where the sizes are not lines in it
+    through: int | None = None
     interpolated: ClassVar[bool] = True
     error: ClassVar[None] = None
     failed_request: ClassVar[None] = None
@@ -140,6 +143,11 @@ class Interpolated:
 
     @property
     def source(self) -> str:
+        if self.through is not None:
+            return (f"interpolated between the runs at {self.lo[0]} and {self.hi[0]}: the "
+                    "simulated allocator replaying their allocations at sizes on the "
+                    f"parabolas through theirs and the run at {self.through}'s, checked by "
+                    f"the run at {self.check}")
         return (f"interpolated between the runs at {self.lo[0]} and {self.hi[0]}: the "
                 "simulated allocator replaying their allocations at sizes on the lines "
                 f"through theirs, checked by the run at {self.check}")
@@ -257,7 +265,7 @@ def sweep(cell: "Cell", knob: str = _BATCH, values: Sequence[int] | str = "1:512
         s0 = base.replace(**strat.changed())
         points = [v for v in vals if _splits(s0, knob, v)]
         curve = _Curve(lambda v, s0=s0: cell.run(s0.replace(**{knob: v}), strict=True),
-                       points, stop_after_failure, exact)
+                       points, stop_after_failure, exact, knob == resizing(SEQ_DIM).name)
         for r in curve.reports.values():
             cap = r.gpu_memory if cap is None else cap
             cap_name = r.gpu_name if cap_name is None else cap_name
@@ -281,8 +289,9 @@ class _Curve:
     :class:`Interpolated`); a failed end is bisected for the first value that fails."""
 
     def __init__(self, run: Callable[[int], MemoryReport], values: Sequence[int],
-                 stop_after_failure: bool, exact: bool) -> None:
-        self._run, self.values = run, list(values)
+                 stop_after_failure: bool, exact: bool, curves: bool = False) -> None:
+        # curves: the knob is the context, whose sizes may be parabolas (attention scores)
+        self._run, self.values, self.curves = run, list(values), curves
         self.reports: dict[int, MemoryReport] = {}
         self.points_between: dict[int, Interpolated] = {}
         self.last = len(self.values) - 1  # the last index with a point
@@ -342,19 +351,34 @@ class _Curve:
         run at ``m`` checks the way (None: it does not, or a value cannot be replayed)."""
         (a, b, c), (ra, rb, rc) = ((self.values[k] for k in (i, m, j)),
                                    (self.get(k) for k in (i, m, j)))
-        line = _line(a, ra, c, rc)
+        line, check, through = _line(a, ra, c, rc), m, None
         if not (line.ok and line.checked_by(b, 1, rb)):
-            return None
+            found = self._parabola(i, m, j)
+            if found is None:
+                return None
+            line, check, through = found, (i + m) // 2, b
         out: dict[int, Interpolated] = {}
         for k in range(i + 1, j):
-            if k == m:
+            if k in (m, check):
                 continue
             v = self.values[k]
-            peaks = peaks_at(line, v, 1)
+            peaks = peaks_at(line, *point(v, line.basis))
             if peaks is None:
                 return None
-            out[v] = Interpolated(v, *peaks, (a, ra), (c, rc), b)
+            out[v] = Interpolated(v, *peaks, (a, ra), (c, rc), self.values[check], through)
         return out
+
+    def _parabola(self, i: int, m: int, j: int) -> "SizePlane | None":
+        """The context's sizes on parabolas through the runs at ``i``, ``m`` and ``j``,
+        checked by a run halfway between ``i`` and ``m`` (None: not the context, no value
+        there, or it does not check them)."""
+        q = (i + m) // 2
+        if not self.curves or q in (i, m) or not _ran(self.get(q)):
+            return None
+        runs = {self.values[k]: self.get(k) for k in (i, m, j)}
+        curve = line_through(runs, CONTEXT_CURVE)
+        ok = curve.ok and curve.checked_by(*point(self.values[q], CONTEXT_CURVE), self.get(q))
+        return curve if ok else None
 
     def points(self) -> list[tuple[int, Point]]:
         return [(v, self.reports[v] if v in self.reports else self.points_between[v])

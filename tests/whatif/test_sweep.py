@@ -208,3 +208,18 @@ def test_the_chart_rings_interpolated_values(cell):
     ringed = {int(v) for ln in hollow for v in ln.get_xdata()}
     assert ringed == {v for v, r in s.curves["fp32"] if r.interpolated} and ringed
     assert any("interpolated between runs" in t.get_text() for t in ax.get_legend().get_texts())
+
+
+def test_a_context_sweep_reads_attention_scores_off_parabolas():
+    # scores in the context's square: no line through two contexts holds, a parabola
+    # through three does, and a fourth run checks it
+    from tests.whatif.test_fitmap import MANUAL
+
+    c = Cell(MANUAL, {"batch_size": 2, "seq_len": 128}, backend_options={"gpu": "T4"})
+    values = list(range(128, 2049, 128))
+    fast = sweep(c, "seq_len", values, {"as written": Setting()})
+    exact = sweep(c, "seq_len", values, {"as written": Setting()}, exact=True)
+    assert _peaks(fast) == _peaks(exact)
+    assert fast.runs == 4 and fast.interpolated == 12 and exact.runs == 16
+    point = next(r for _, r in fast.curves["as written"] if r.interpolated)
+    assert point.through is not None and "parabolas through theirs and the run at" in point.source
