@@ -166,32 +166,33 @@ def _read_off(cell: Any, ran: dict[Setting, Any], unit: str, notes: list[str]
     own = ran.get(setting)
     if own is None or own.fits is not False or getattr(own.trace, "allocator_log", None) is None:
         return []  # it fits, or no simulated allocator logged the runs (a real GPU's)
+    planes: dict = {}  # the lines found, each checked once (evaluated.evaluate)
     for dim in (BATCH_DIM, SEQ_DIM):  # smaller runs that fit, for a line (or a parabola)
         for _ in range(2):
-            n = run_wanted(ran, setting, dim)
+            n = run_wanted(ran, setting, dim, planes)
             if n is None:
                 break
             _measure(cell, "", {resizing(dim).name: n}, ran)
-    whole = evaluate(ran, setting) if own.failed_request is not None else None
+    whole = evaluate(ran, setting, planes) if own.failed_request is not None else None
     if whole is not None:
         notes.append(f"as written the {unit} needs {format_bytes(whole.card_need)} of the "
                      f"card's {format_bytes(whole.gpu_memory)} (evaluated, not run: "
                      f"{whole.read_off})")
     rows = []
-    for dim, step, words in ((BATCH_DIM, 1, "batch {} (from {}), the largest that fits"),
-                             (SEQ_DIM, _CONTEXT_STEP, "context {} (from {}), the longest that fits")):
-        got = largest_fitting(ran, setting, dim, step)
+    for dim, step, noun, most in ((BATCH_DIM, 1, "batch", "largest"),
+                                  (SEQ_DIM, _CONTEXT_STEP, "context", "longest")):
+        got = largest_fitting(ran, setting, dim, step, planes)
         if got is None:
             continue
         (n, line), knob = got, resizing(dim)
-        was = getattr(setting, knob.name)
-        row = _measure(cell, words.format(n, was), {knob.name: n}, ran)
+        plain = f"{noun} {n} (from {getattr(setting, knob.name)})"
+        row = _measure(cell, f"{plain}, the {most} that fits", {knob.name: n}, ran)
         if (row.peak, row.reserved_peak, row.fits) == (line.peak, line.reserved_peak, True):
             notes.append(f"{row.label}: read off the re-runs, then run ({line.read_off}; "
                          f"{'a multiple of ' + str(step) + ', ' if step > 1 else ''}the next "
                          "does not fit by the same reading)")
         else:  # the run disagrees with the line: a plain row, and why
-            row = replace(row, label=words.format(n, was).split(",")[0])
+            row = replace(row, label=plain)
             notes.append(f"{row.label}: read off the re-runs, it fits with "
                          f"{format_bytes(line.reserved_peak)} reserved; its run gave other "
                          f"figures (the cell's sizes are not on that line there: {line.read_off})")

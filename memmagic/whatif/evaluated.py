@@ -237,7 +237,8 @@ def evaluate(runs: Mapping[Setting, MemoryReport], setting: Setting,
 
 
 def largest_fitting(runs: Mapping[Setting, MemoryReport], setting: Setting, dim: int,
-                    step: int = 1) -> tuple[int, EvaluatedReport] | None:
+                    step: int = 1, planes: dict | None = None
+                    ) -> tuple[int, EvaluatedReport] | None:
     """The largest value of the size knob of ``dim`` (the batch: a micro-batch that is a
     multiple of ``step``, times the micro-steps; the context: a multiple of ``step``) that
     fits the card, between the largest of ``runs`` that fits and ``setting``'s own, which
@@ -245,7 +246,8 @@ def largest_fitting(runs: Mapping[Setting, MemoryReport], setting: Setting, dim:
     ``setting`` only in that size, as :func:`evaluate` reads a value off them. None where
     ``setting`` fits, no such run fits, the runs give no checked line, or the largest is
     a value that was run. Else (the value, its report). Not held to the runs' multiples
-    (:func:`evaluate` is): the doctor runs the value it names."""
+    (:func:`evaluate` is): the doctor runs the value it names. ``planes``: as for
+    :func:`evaluate`."""
     knob, k = resizing(dim).name, _per_size(setting, dim)
     v = getattr(setting, knob)
     family, stopped = _family(runs, setting, dim, v) if v is not None else ({}, {})
@@ -253,7 +255,7 @@ def largest_fitting(runs: Mapping[Setting, MemoryReport], setting: Setting, dim:
     own = runs.get(setting)
     if not fitting or own is None or own.fits is not False:
         return None
-    found = _family_plane(family, stopped, dim)
+    found = _cached(planes, family, stopped, dim)
     if found is None:
         return None
     start, ref = max(fitting), family[max(fitting)]
@@ -264,14 +266,14 @@ def largest_fitting(runs: Mapping[Setting, MemoryReport], setting: Setting, dim:
     return None if report is None else (n * k, report)
 
 
-def run_wanted(runs: Mapping[Setting, MemoryReport], setting: Setting, dim: int
-               ) -> int | None:
+def run_wanted(runs: Mapping[Setting, MemoryReport], setting: Setting, dim: int,
+               planes: dict | None = None) -> int | None:
     """The value of the size knob of ``dim`` to run next so that :func:`largest_fitting`
     has a line (or a parabola): where some of the runs that differ from ``setting`` in
     that size ran out of memory and too few fit (the batch: one; the context: one, or two
     that give no checked line), half the smallest that fits (the batch: in whole
     micro-batches, at least 2 of them, since a dimension of 1 takes another path); else
-    None."""
+    None. ``planes``: as for :func:`evaluate`."""
     knob, k = resizing(dim).name, _per_size(setting, dim)
     if getattr(setting, knob) is None:
         return None
@@ -279,7 +281,7 @@ def run_wanted(runs: Mapping[Setting, MemoryReport], setting: Setting, dim: int
     fitting = sorted(x for x, r in family.items() if r.fits)
     if not stopped or not fitting or len(fitting) > (1 if dim == BATCH_DIM else 2):
         return None
-    if len(fitting) == 2 and _family_plane(family, stopped, dim) is not None:
+    if len(fitting) == 2 and _cached(planes, family, stopped, dim) is not None:
         return None
     return fitting[0] // 2 * k if fitting[0] // 2 >= 2 else None
 
