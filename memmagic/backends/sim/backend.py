@@ -23,6 +23,7 @@ from ..base import Backend, Outcome
 from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
 from .compat import install_compat
+from .decode import DecodeNotes, decode_sampler
 from .cuda_api import SimulatedCuda
 from .constants import INDEX_NUMEL, numel_bound
 from .files import keep_overwritten_files
@@ -79,6 +80,7 @@ _RANK_HINT = ("as one rank of {n} GPUs it has no CPU run to fall back on: run th
               "GPUs (torchrun), or simulate the part that fails without --world-size")
 _WORKERS_NOTE = "DataLoader workers ran in-process (num_workers=0) in the simulation"
 _ACTIVE: list = []  # the simulated run in progress (they do not nest)
+DECODE = ("evaluate", "run")  # generate()'s decode steps: read off a line, or each run
 
 
 def simulation_active() -> bool:
@@ -141,6 +143,8 @@ class SimBackend(Backend):
     (:meth:`~.session.Card.copy`: the objects earlier simulated cells left, their memory
     and the allocator's cache), leaving the session as it was: what-if re-runs of a cell
     that uses those objects; ``leave_out`` names whose objects the copy leaves out.
+    ``decode="run"`` simulates every decode step of transformers' ``generate()`` op by op
+    (by default most are read off a line through three that ran: :mod:`.decode`).
     ``kernels="cpu"`` selects the CPU's kernels and defaults instead of CUDA's (the
     simulated device then behaves like the CPU: used to check the simulation against
     ``--backend cpu``). ``max_ops`` and ``max_seconds`` bound a run.
@@ -154,11 +158,15 @@ class SimBackend(Backend):
                  start_from: SimSession | None = None, leave_out: Iterable[str] = (),
                  world_size: int | None = None, rank: int | None = None,
                  mailbox: dict | None = None, gpus_per_node: int | None = None,
-                 **options: Any) -> None:
+                 decode: str = "evaluate", **options: Any) -> None:
         if options:
             raise TypeError(f"the sim backend takes gpu=, gpu_memory=, kernels=, max_ops=, "
                             f"max_seconds=, op_cache=, session=, start_from=, leave_out=, "
-                            f"world_size=, rank=, mailbox=, gpus_per_node=; got {sorted(options)}")
+                            f"world_size=, rank=, mailbox=, gpus_per_node=, decode=; got "
+                            f"{sorted(options)}")
+        if decode not in DECODE:
+            raise ValueError(f"decode takes one of {DECODE} (generate()'s decode steps read off "
+                             f"a line, or each run op by op), not {decode!r}")
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, not {kernels!r}")
         if int(max_ops) <= 0 or float(max_seconds) <= 0:
@@ -168,6 +176,7 @@ class SimBackend(Backend):
         self.max_ops = int(max_ops)
         self.max_seconds = float(max_seconds)
         self.op_cache = bool(op_cache)
+        self.decode = decode
         if session is not None and not isinstance(session, SimSession):
             raise TypeError(f"session must be a SimSession, not {type(session).__name__}")
         if start_from is not None and not isinstance(start_from, SimSession):
@@ -346,7 +355,7 @@ class SimBackend(Backend):
         _ACTIVE.append(self)
         patches.call_on_restore(lambda: _ACTIVE.remove(self))
         try:
-            _install(patches, state, tracker, self.target, autocast, notes)
+            _install(patches, state, tracker, self.target, autocast, notes, self.decode)
             if installs.cuda:
                 installs.install_kernels(card.capability)
                 if torch.is_autocast_enabled("cpu"):  # autocast already on: now
@@ -434,7 +443,7 @@ class SimBackend(Backend):
 
 # -- what a run installs (every one through the run's Patches) ---------------------------------
 def _install(patches: Patches, state: SimState, tracker: SimTracker, target: CardSpec | None,
-             autocast: dict[str, Any], notes: list[str]) -> None:
+             autocast: dict[str, Any], notes: list[str], decode: str) -> None:
     """Everything a simulated run changes in torch and in libraries."""
     # a meta kernel's error reaches the user as the op's own error: fake tensors' log of
     # it (some 40 lines on stderr, with the dispatcher's frames) would only repeat it
@@ -442,7 +451,10 @@ def _install(patches: Patches, state: SimState, tracker: SimTracker, target: Car
     _install_autocast(patches, autocast)
     _install_devices(patches, state)
     SimulatedCuda(tracker, target, notes).install(patches, autocast)
-    install_compat(patches, notes, target)
+    # generate()'s decode steps read off a line (.decode), unless each is to run
+    sampler = (("transformers.generation.utils", "GenerationMixin._sample",
+                decode_sampler(tracker, DecodeNotes(notes))),) if decode == "evaluate" else ()
+    install_compat(patches, notes, target, sampler)
     keep_overwritten_files(patches, notes)
     _install_torch_adjustments(patches, notes)
     # flex_attention reaches the tracker as an op: its outputs are the fused kernel's, as

@@ -312,10 +312,15 @@ class _Run:
         self.replaced: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, replacement)
         self.originals: dict[int, Any] = {}  # id(replacement) -> original
         self.watch: _ImportWatch | None = None
+        self.targets = _TARGETS  # what is replaced, where its module is loaded
 
     # replacing functions
     def replace(self, module: Any, attr: str, make: Callable[[_Run, Any], Any]) -> None:
-        original = module.__dict__.get(attr)
+        """Replace ``module.attr`` (``attr`` may name a class's attribute: "Class.name")."""
+        owner, _, attr = attr.rpartition(".")
+        for name in filter(None, owner.split(".")):
+            module = getattr(module, name, None)
+        original = getattr(module, "__dict__", {}).get(attr)
         if original is None or id(original) in self.originals:
             return
         replacement = make(self, original)
@@ -337,7 +342,7 @@ class _Run:
         """A watched module was imported during the run."""
         if not self.active:
             return
-        for mod_name, attr, make in _TARGETS:
+        for mod_name, attr, make in self.targets:
             if module.__name__ == mod_name:
                 self.replace(module, attr, make)
 
@@ -681,13 +686,16 @@ def _forget_simulated_code_maps() -> None:
             del qmap[key]
 
 
-def install_compat(patches: Patches, notes: list[str], target: CardSpec | None = None) -> None:
+def install_compat(patches: Patches, notes: list[str], target: CardSpec | None = None,
+                   targets: tuple = ()) -> None:
     """Install the adjustments for one simulated run (see the module's docstring); every
     one is undone by ``patches.restore()``. ``notes`` is the report's list of notes;
-    ``target`` the named card (None: size queries answer for a default card, noted)."""
+    ``target`` the named card (None: size queries answer for a default card, noted);
+    ``targets``: more (module, attribute, replacement factory) to replace for this run."""
     clear_probe_caches()
     patches.call_on_restore(clear_probe_caches)  # runs after everything installed below
     run = _Run(patches, notes)
+    run.targets = _TARGETS + tuple(targets)
     run.active = True
     patches.call_on_restore(run.finish)  # undone last: what the run bound by name
     switch = _CudnnSDPSwitch()
@@ -716,7 +724,7 @@ def install_compat(patches: Patches, notes: list[str], target: CardSpec | None =
     cache = _priv.data_parallel_stream_cache()
     if cache is not None:  # the streams it caches in the run are not kept past it
         patches.set(cache[0], cache[1], getattr(*cache))
-    for mod_name, attr, make in _TARGETS:
+    for mod_name, attr, make in run.targets:
         module = sys.modules.get(mod_name)
         if module is not None:
             run.replace(module, attr, make)

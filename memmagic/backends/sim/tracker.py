@@ -307,6 +307,28 @@ class SimTracker(StorageTracker):
         if a.reserved > self.cuda_reserved_peak:
             self.cuda_reserved_peak = a.reserved
 
+    def replay_transients(self, steps: list[tuple[Any, int | None]], live: set) -> None:
+        """Allocate (``bytes``) or free (None) each key of ``steps`` in turn in the allocator
+        model: the transient buffers of a step that was evaluated, not run (no storage, no
+        event); ``live`` keeps the keys allocated and not freed yet. torch.cuda's peaks follow
+        them. Raises :class:`AllocatorFull` where a request does not fit."""
+        a = self.allocator
+        top_allocated, top_reserved = self.cuda_allocated_peak, self.cuda_reserved_peak
+        try:
+            for key, n in steps:
+                if n is None:
+                    a.free(key)
+                    live.discard(key)
+                    continue
+                a.malloc(key, n)
+                live.add(key)
+                if a.allocated > top_allocated:
+                    top_allocated = a.allocated
+                if a.reserved > top_reserved:
+                    top_reserved = a.reserved
+        finally:
+            self.cuda_allocated_peak, self.cuda_reserved_peak = top_allocated, top_reserved
+
     @property
     def context_bytes(self) -> int:
         """The CUDA context's bytes on the card (0: none counted)."""

@@ -1,0 +1,482 @@
+"""The decode steps of transformers' ``generate()``, read off a line instead of run op by op.
+
+After its prefill, ``generate()`` calls the model once per new token, and those calls
+differ only in the cache length ``L``: a decode step of a 1.1B Llama makes some 1,100
+allocations, the same ones in the same order at every ``L``, each of a size ``a + b*L``
+(the cache's keys and values grow by one position, the attention scores by one column).
+Simulating each op of each step costs about 0.2 s a token; this module runs three decode
+steps in a row, fits every allocation's size on the line through the first two and checks
+the third against it, byte for byte. Then, up to the last step:
+
+* each later step is **evaluated**: its allocations and frees, sizes read off the line,
+  are done in order on the allocator model (its allocated and reserved bytes, segments and
+  cache move exactly as the step's would); the tensors the step leaves behind (the cache's
+  new keys and values, the logits) are made at their places as simulated tensors of the
+  line's shapes, and the cache's old ones dropped where the step drops them;
+* the **last step runs** op by op, as a check: it must do what the line says (a note says
+  whether it did), and the run's peaks, breakdown and module rows come from it (every size
+  grows with ``L``, so no evaluated step reaches them);
+* a step the line says runs out of memory is run instead (the error is then the op's own).
+
+Only ``_sample`` (greedy and sampling decoding) is read off, when the stopping criteria
+are the length and the end-of-sequence token (a simulation reads no token, so every call
+makes all its tokens); beam search, assisted decoding, other criteria and caches that hold
+tensors where they cannot be replaced run every step. ``SimBackend(decode="run")`` runs
+every step of every call. What an evaluated step leaves out: its ops (the op count, the
+trace and the timeline show the cache tensors it made, not its transient buffers) and
+the values a GPU run would compute.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from ...core.interrupts import atomic
+from ...core.patching import Patches
+from .allocator import AllocatorFull, round_request, segment_size
+
+if TYPE_CHECKING:
+    from .tracker import SimTracker
+
+__all__ = ["decode_sampler", "DecodeNotes"]
+
+_CHECKED = 3  # real steps in a row before the line is used: drawn through two, checked by the third
+_CRITERIA = frozenset({"MaxLengthCriteria", "EosTokenCriteria"})  # none reads a token's value
+_EMPTY = torch.ops.aten.empty.memory_format  # a tensor a step leaves (its values unknown)
+_DEPTH = 3  # how deep the cache's attributes are searched for tensors
+
+
+class _Unsupported(Exception):
+    """A step this module cannot read off (the reason is its message)."""
+
+
+# -- where the cache keeps its tensors ---------------------------------------------------------
+def _walk(obj: Any, path: tuple = (), depth: int = 0):
+    """(path, value) for each tensor and int reachable from a cache object through its
+    attributes, lists and dicts (``path``: ("a", name) / ("i", index) / ("k", key) steps)."""
+    if isinstance(obj, torch.Tensor) or (isinstance(obj, int) and not isinstance(obj, bool)):
+        yield path, obj
+        return
+    if depth > _DEPTH:
+        return
+    if isinstance(obj, list):
+        items = [(("i", i), v) for i, v in enumerate(obj)]
+    elif isinstance(obj, dict):
+        items = [(("k", k), v) for k, v in obj.items()]
+    elif isinstance(obj, tuple):
+        if any(isinstance(v, torch.Tensor) for v in obj):
+            raise _Unsupported("the cache holds tensors in a tuple (they cannot be replaced)")
+        return
+    elif type(obj).__module__.startswith("transformers.") and hasattr(obj, "__dict__"):
+        items = [(("a", k), v) for k, v in vars(obj).items()]
+    else:
+        return
+    for step, value in items:
+        yield from _walk(value, path + (step,), depth + 1)
+
+
+def _put(obj: Any, path: tuple, value: Any) -> None:
+    for kind, name in path[:-1]:
+        obj = getattr(obj, name) if kind == "a" else obj[name]
+    kind, name = path[-1]
+    if kind == "a":
+        setattr(obj, name, value)
+    else:
+        obj[name] = value
+
+
+# -- one step, as it ran ------------------------------------------------------------------------
+@dataclass
+class _Step:
+    """A decode step that ran: its allocator actions as codes (``("a", k)`` / ``("f", k)``: a
+    transient buffer's alloc and free; ``("s", slot)``: the alloc of a tensor the step
+    leaves in ``slot``; ``("p", slot)``: the free of the one the slot held before), the
+    requested bytes of each alloc, and what the step left: each slot's tensor's shape and
+    (dtype, device), the cache's ints, and the output's type and fields (``("cache",)``, a
+    slot, or ``("value", v)``)."""
+
+    length: int
+    codes: tuple
+    sizes: list[int]
+    shapes: dict[tuple, tuple]
+    kinds: dict[tuple, tuple]
+    ints: dict[tuple, int]
+    out_type: type
+    fields: dict[str, tuple]
+
+
+def _serials(tracker: SimTracker, cache: Any) -> tuple[dict[int, tuple], dict[tuple, int]]:
+    """Serial -> slot of the cache's tensors, and slot -> int of its ints."""
+    serials, ints = {}, {}
+    for path, value in _walk(cache):
+        if isinstance(value, torch.Tensor):
+            serial = tracker.serial_of(value)
+            if serial is not None:
+                serials[serial] = ("cache", path)
+        else:
+            ints[path] = value
+    return serials, ints
+
+
+def _left(tracker: SimTracker, out: Any, cache: Any) -> tuple[dict, dict, dict, dict, dict]:
+    """What a step left: serial -> slot (the cache's tensors and the output's), each
+    slot's shape and (dtype, device), the cache's ints, and the output's fields."""
+    serials, ints = _serials(tracker, cache)
+    fields: dict[str, Any] = {}
+    if not hasattr(out, "items"):
+        raise _Unsupported(f"the model returned a {type(out).__name__}, not a ModelOutput")
+    for name, value in out.items():
+        if value is cache:
+            fields[name] = ("cache",)
+        elif isinstance(value, torch.Tensor):
+            serial = tracker.serial_of(value)
+            if serial is None or not value.is_contiguous() or value.storage_offset():
+                raise _Unsupported(f"the output's {name} is not a tensor of its own")
+            serials[serial] = fields[name] = ("out", name)
+        elif isinstance(value, (tuple, list, dict)):
+            raise _Unsupported(f"the output's {name} holds several tensors")
+        else:
+            fields[name] = ("value", value)
+    tensors = {("cache", p): v for p, v in _walk(cache) if isinstance(v, torch.Tensor)}
+    tensors.update({("out", n): out[n] for n, f in fields.items() if f[0] == "out"})
+    shapes = {slot: tuple(t.shape) for slot, t in tensors.items()}
+    kinds = {slot: (t.dtype, t.device) for slot, t in tensors.items()}
+    return serials, shapes, kinds, ints, fields
+
+
+def _codes(entries: list[dict], before: dict[int, tuple], after: dict[int, tuple]
+           ) -> tuple[tuple, list[int]]:
+    """A step's allocator entries as codes and alloc sizes (see :class:`_Step`)."""
+    freed = {e["key"] for e in entries if e["action"] == "free_completed"}
+    transient: dict[Any, int] = {}
+    codes, sizes = [], []
+    for e in entries:
+        action, key = e["action"], e["key"]
+        if action == "alloc":
+            slot = after.get(key)
+            if slot is not None and key not in freed:
+                codes.append(("s", slot))
+            else:
+                codes.append(("a", transient.setdefault(key, len(transient))))
+            sizes.append(e["size"])
+        elif action == "free_completed":
+            if key in transient:
+                codes.append(("f", transient[key]))
+            elif key in before:
+                codes.append(("p", before[key]))
+            else:
+                raise _Unsupported("a step frees memory that its cache did not hold")
+        elif action == "oom":
+            raise _Unsupported("a step ran out of memory")
+    left = {slot for slot in after.values()} - {c[1] for c in codes if c[0] == "s"}
+    if any(slot[0] == "out" for slot in left):
+        raise _Unsupported("the output holds a tensor made before the step")
+    return tuple(codes), sizes
+
+
+# -- three steps on one line ---------------------------------------------------------------------
+def _line(v1: list[int], v2: list[int], v3: list[int], x: int, grow: bool = True
+          ) -> list[tuple[int, int]]:
+    """(a, b) of each value on the line ``a + b*L`` through ``v1`` at ``x`` and ``v2`` at
+    ``x + 1``, checked by ``v3`` at ``x + 2``; ``grow``: no value may shrink as ``L`` grows."""
+    out = []
+    for y1, y2, y3 in zip(v1, v2, v3):
+        b = y2 - y1
+        if y3 != y2 + b:
+            raise _Unsupported("a size is not on the line through the steps before it")
+        if grow and b < 0:
+            raise _Unsupported("a size shrinks as the cache grows")
+        out.append((y1 - b * x, b))
+    return out
+
+
+def _at(line: list[tuple[int, int]], x: int) -> list[int]:
+    return [a + b * x for a, b in line]
+
+
+class _Line:
+    """Three decode steps in a row that did the same things, each size, each slot's shape
+    and each of the cache's ints on a line in the cache length, checked by the third."""
+
+    def __init__(self, steps: list[_Step]) -> None:
+        s1, s2, s3 = steps
+        if (s2.length, s3.length) != (s1.length + 1, s1.length + 2):
+            raise _Unsupported("the steps are not one token apart")
+
+        def what(s: _Step) -> tuple:
+            return (s.codes, s.kinds, s.out_type, s.fields, tuple(s.shapes), tuple(s.ints),
+                    tuple(len(v) for v in s.shapes.values()))
+
+        if not what(s1) == what(s2) == what(s3):
+            raise _Unsupported("the steps did different things")
+        made = set()
+        for kind, slot in s1.codes:
+            if kind == "s":
+                made.add(slot)
+            elif kind == "p" and slot not in made:
+                raise _Unsupported("a step frees a cache tensor before it makes the new one")
+        x = s1.length
+        self.codes, self.kinds, self.out_type, self.fields = s1.codes, s1.kinds, s1.out_type, s1.fields
+        self.sizes = _line(s1.sizes, s2.sizes, s3.sizes, x)
+        self.shapes = {slot: _line(s1.shapes[slot], s2.shapes[slot], s3.shapes[slot], x)
+                       for slot in s1.shapes}
+        paths = list(s1.ints)
+        self.ints = dict(zip(paths, _line(*([s.ints[p] for p in paths] for s in steps), x,
+                                          grow=False)))
+        self.through = (s1.length, s2.length, s3.length)
+
+    def matches(self, step: _Step) -> bool:
+        """Whether a step that ran did what the line says at its length."""
+        x = step.length
+        return (step.codes == self.codes and step.sizes == _at(self.sizes, x)
+                and all(list(step.shapes[s]) == _at(v, x) for s, v in self.shapes.items()))
+
+
+# -- one generate() call's decode steps ------------------------------------------------------------
+@atomic
+class _Steps:
+    """The decode steps of one ``_sample`` call: run until three in a row draw a line, then
+    evaluated from it up to ``last`` (the cache length of the last step), which runs."""
+
+    def __init__(self, tracker: SimTracker, last: int) -> None:
+        self.tracker, self.last = tracker, last
+        self.ran: list[_Step] = []
+        self.calls = 0  # decode steps, run or evaluated
+        self.tries = 0  # steps that ran while no line was drawn
+        self.line: _Line | None = None
+        self.reason: str | None = None  # why no step is evaluated (any more)
+        self.evaluated: list[int] = []  # cache lengths of the evaluated steps
+        self.checked: bool | None = None  # whether the step that ran after them followed the line
+        self.bound = 0  # bytes of segments the last step could add at most
+
+    def forward(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("past_key_values")
+        ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        length = getattr(cache, "get_seq_length", None)
+        length = length() if callable(length) else 0
+        if (self.reason is not None or args or not isinstance(length, int) or length <= 0
+                or not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[1] != 1):
+            return original(*args, **kwargs)
+        self.calls += 1
+        if self.line is not None and length < self.last:
+            out = self._evaluate(cache, length)
+            if out is not None:
+                return out
+        return self._run(original, kwargs, cache, length)
+
+    def _run(self, original: Callable, kwargs: dict, cache: Any, length: int) -> Any:
+        tracker = self.tracker
+        a = tracker.allocator
+        start = a.log_length
+        before, _ = _serials(tracker, cache)
+        out = original(**kwargs)
+        try:
+            after, shapes, kinds, ints, fields = _left(tracker, out, cache)
+            codes, sizes = _codes(a.log_since(start), before, after)
+            self._ran(_Step(length, codes, sizes, shapes, kinds, ints, type(out), fields))
+        except _Unsupported as e:
+            self.reason = str(e)
+        except Exception as e:  # a cache or an output this module does not know: run them all
+            self.reason = f"the step could not be read: {type(e).__name__}: {e}"
+        return out
+
+    def _ran(self, step: _Step) -> None:
+        if self.line is not None:
+            if self.evaluated and self.checked is None:
+                self.checked = self.line.matches(step)
+            return
+        self.tries += 1
+        if self.ran and self.ran[-1].length != step.length - 1:
+            self.ran = []
+        self.ran = (self.ran + [step])[-_CHECKED:]
+        if len(self.ran) < _CHECKED:
+            return
+        try:
+            self.line = _Line(self.ran)
+        except _Unsupported as e:
+            if self.tries >= 2 * _CHECKED:
+                self.reason = str(e)
+            return
+        top = _at(self.line.sizes, self.last)
+        self.bound = sum(segment_size(round_request(n)) for n in top)
+
+    def _evaluate(self, cache: Any, length: int) -> Any:
+        """The step at ``length``, evaluated (see the module docstring); None: it must run
+        (the line says it runs out of memory)."""
+        line, tracker = self.line, self.tracker
+        sizes = _at(line.sizes, length)
+        if not self._fits(cache, sizes):
+            self.reason = f"the line says the step at cache length {length} runs out of memory"
+            return None
+        first = not self.evaluated  # the first one is checked against the line
+        start = tracker.allocator.log_length
+        before = _serials(tracker, cache)[0] if first else {}
+        made = self._replay(cache, sizes, length)
+        for slot, t in made.items():  # left in the cache where no old tensor was freed
+            if slot[0] == "cache":
+                _put(cache, slot[1], t)
+        for path, ab in line.ints.items():
+            _put(cache, path, _at([ab], length)[0])
+        out = line.out_type(**{name: cache if f == ("cache",) else
+                               made[f] if f[0] == "out" else f[1]
+                               for name, f in line.fields.items()})
+        if first:
+            after = _left(tracker, out, cache)[0]
+            codes, got = _codes(tracker.allocator.log_since(start), before, after)
+            if (codes, got) != (line.codes, sizes):  # (never seen): say so, run the rest
+                self.reason, self.checked = "an evaluated step did not do what its line says", False
+        self.evaluated.append(length)
+        return out
+
+    def _replay(self, cache: Any, sizes: list[int], length: int) -> dict[tuple, torch.Tensor]:
+        """Do the step's allocs and frees: transient buffers in the allocator model, the
+        tensors it leaves as simulated tensors; those tensors, by slot."""
+        line, tracker = self.line, self.tracker
+        made: dict[tuple, torch.Tensor] = {}
+        todo: list[tuple[Any, int | None]] = []
+        live: set = set()
+        it = iter(sizes)
+        try:
+            for kind, x in line.codes:
+                if kind == "a":
+                    todo.append((("decode", length, x), next(it)))
+                elif kind == "f":
+                    todo.append((("decode", length, x), None))
+                else:
+                    tracker.replay_transients(todo, live)
+                    todo = []
+                    if kind == "s":
+                        next(it)
+                        shape = _at(line.shapes[x], length)
+                        dtype, device = line.kinds[x]
+                        made[x] = _EMPTY(shape, dtype=dtype, device=device)
+                    else:
+                        _put(cache, x[1], made.pop(x))
+            tracker.replay_transients(todo, live)
+        finally:
+            if live:  # an interrupt or an error: the step's buffers are freed, as on a GPU
+                tracker.replay_transients([(k, None) for k in list(live)], live)
+        return made
+
+    def _fits(self, cache: Any, sizes: list[int]) -> bool:
+        """Whether the step fits the card: surely, where the segments it could add at most
+        fit; else by doing it on a copy of the allocator model."""
+        a = self.tracker.allocator
+        if a.capacity is None or a.reserved + self.bound <= a.capacity:
+            return True
+        model = a.clone()
+        slots = {slot: serial for serial, slot in _serials(self.tracker, cache)[0].items()}
+        it = iter(sizes)
+        try:
+            for kind, x in self.line.codes:
+                if kind in "as":
+                    model.malloc((kind, x), next(it))
+                else:
+                    model.free(("a", x) if kind == "f" else slots.get(x))
+        except AllocatorFull:
+            return False
+        return True
+
+
+# -- the run's generate() calls ------------------------------------------------------------------
+def _start(tracker: SimTracker, arguments: dict) -> tuple[_Steps | None, str | None]:
+    """The decode steps of a ``_sample`` call with these arguments, or why they all run
+    (None, None: too few to read off)."""
+    config = arguments.get("generation_config")
+    ids = arguments.get("input_ids")
+    max_length = getattr(config, "max_length", None)
+    if not isinstance(ids, torch.Tensor) or not isinstance(max_length, int):
+        return None, None
+    last = max_length - 2  # the cache length of the last decode step
+    if last - ids.shape[-1] < _CHECKED + 2:
+        return None, None
+    if arguments.get("synced_gpus"):
+        return None, "synced_gpus: every rank steps together"
+    other = sorted({type(c).__name__ for c in arguments.get("stopping_criteria") or ()} - _CRITERIA)
+    if other:
+        return None, f"a stopping criterion reads the tokens ({', '.join(other)})"
+    return _Steps(tracker, last), None
+
+
+class DecodeNotes:
+    """The report's one note on the run's ``generate()`` calls: how many decode steps were
+    evaluated, from which line, whether the step that ran after them followed it, and why
+    a call ran every step."""
+
+    def __init__(self, notes: list) -> None:
+        self.notes = notes
+        self.at: int | None = None
+        self.texts: list[str] = []
+
+    def add(self, steps: _Steps | None, reason: str | None) -> None:
+        if steps is not None and steps.evaluated:
+            text = _evaluated_text(steps)
+        else:
+            reason = reason if steps is None else steps.reason
+            if reason is None:
+                return
+            text = f"generate() ran every decode step op by op ({reason})"
+        self.texts.append(text)
+        shown = "; ".join(self.texts[:3]) + (
+            f"; and {len(self.texts) - 3} more generate() calls" if len(self.texts) > 3 else "")
+        if self.at is None:
+            self.at = len(self.notes)
+            self.notes.append(shown)
+        else:
+            self.notes[self.at] = shown
+
+
+def _evaluated_text(steps: _Steps) -> str:
+    lens, line = steps.evaluated, steps.line
+    total = steps.calls
+    a, b, c = line.through
+    text = (f"generate(): {len(lens)} of its {total} decode steps were evaluated, not run (cache "
+            f"lengths {lens[0]}-{lens[-1]}): each one's allocations and frees, sized by the "
+            f"line through the steps at {a} and {b} and checked byte for byte by {c}, done in "
+            "order on the allocator model, and the cache and logits it leaves made as "
+            "simulated tensors; the timeline shows those tensors, not the steps' transient "
+            "buffers")
+    if steps.checked:
+        text += "; the last step ran op by op and did what the line says"
+    elif steps.checked is False:
+        text += ("; a step checked against the line did NOT do what it says: the evaluated "
+                 "steps' figures may be off (SimBackend(decode='run') runs every step)")
+    if steps.reason is not None:
+        text += f"; then steps ran op by op ({steps.reason})"
+    return text
+
+
+def decode_sampler(tracker: SimTracker, notes: DecodeNotes) -> Callable[[Any, Callable], Callable]:
+    """A replacement factory for ``GenerationMixin._sample`` (the form of
+    :mod:`.compat`'s targets): each call's decode steps as this module reads them off."""
+
+    def make(run: Any, original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def _sample(self, *args: Any, **kwargs: Any) -> Any:
+            a = tracker.allocator
+            if not run.active or a is None or not a.logging:
+                return original(self, *args, **kwargs)
+            try:
+                arguments = signature.bind(self, *args, **kwargs).arguments
+            except TypeError:
+                return original(self, *args, **kwargs)
+            steps, reason = _start(tracker, arguments)
+            if steps is None:
+                notes.add(None, reason)
+                return original(self, *args, **kwargs)
+            patches = Patches()
+            patches.set(self, "forward", functools.partial(steps.forward, self.forward))
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                patches.restore()
+                notes.add(steps, None)
+        return _sample
+    return make

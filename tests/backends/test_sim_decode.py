@@ -1,0 +1,200 @@
+"""generate()'s decode steps read off a line instead of run op by op (issue 39, item 3).
+
+:mod:`memmagic.backends.sim.decode`: three decode steps run, the next ones are evaluated
+(their allocations done on the allocator model, the cache and logits they leave made as
+simulated tensors), the last one runs as a check. Each case is run both ways
+(``decode="run"`` simulates every step) and must leave the same allocator log, entry by
+entry, the same peaks and the same breakdown. Tiny models from configs: nothing is
+downloaded.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from memmagic.backends.sim import SimBackend, SimSession
+
+transformers = pytest.importorskip("transformers")
+
+from memmagic.backends.sim import decode  # noqa: E402
+
+MODELS = {
+    "llama": """\
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  max_position_embeddings=512)
+model = LlamaForCausalLM(cfg).to("cuda", torch.float16).eval()
+""",
+    "gpt2": """\
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=512)
+model = GPT2LMHeadModel(cfg).to("cuda").eval()
+""",
+}
+GENERATE = """\
+ids = torch.randint(0, 256, ({batch}, 10), device="cuda")
+out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens={tokens},
+                     min_new_tokens={tokens}, do_sample={sample}, pad_token_id=0{extra})
+"""
+
+
+def cell(model: str, tokens: int = 24, batch: int = 2, sample: bool = False, extra: str = "") -> str:
+    return MODELS[model] + GENERATE.format(batch=batch, tokens=tokens, sample=sample, extra=extra)
+
+
+def simulate(src: str, decode_steps: str = "evaluate", ns: dict | None = None, **options):
+    code = compile(textwrap.dedent(src), "<cell>", "exec")
+    backend = SimBackend(**{"gpu": "T4", "decode": decode_steps, **options})
+    return backend.execute(lambda n: exec(code, n), {} if ns is None else ns)
+
+
+def log_of(report) -> list[tuple]:
+    """The allocator log, its keys numbered by first use (the evaluated steps' buffers
+    have keys of their own)."""
+    ids: dict = {}
+    return [(e["action"], e.get("size"),
+             None if e.get("key") is None else ids.setdefault(e["key"], len(ids)))
+            for e in report.trace.allocator_log.entries]
+
+
+def decode_note(report) -> str | None:
+    return next((str(n) for n in report.notes if "decode step" in str(n)), None)
+
+
+def both(src: str, **options):
+    evaluated = simulate(src, **options)
+    ran = simulate(src, "run", **options)
+    return evaluated, ran
+
+
+def assert_same(evaluated, ran) -> None:
+    a, b = evaluated.report, ran.report
+    assert log_of(a) == log_of(b)
+    for field in ("peak", "reserved_peak", "reserved_after", "retained", "host_peak"):
+        assert getattr(a, field) == getattr(b, field), field
+    assert a.breakdown == b.breakdown
+    assert decode_note(b) is None
+
+
+@pytest.mark.parametrize("model,sample", [("llama", False), ("gpt2", True)])
+def test_evaluated_steps_do_what_running_them_does(model, sample):
+    evaluated, ran = both(cell(model, sample=sample))
+    assert evaluated.error is None and ran.error is None
+    assert_same(evaluated, ran)
+    note = decode_note(evaluated.report)
+    # 24 new tokens: the prefill and 23 decode steps; three draw the line, the last checks it
+    assert note.startswith("generate(): 19 of its 23 decode steps were evaluated, not run "
+                           "(cache lengths 13-31)"), note
+    assert "line through the steps at 10 and 11 and checked byte for byte by 12" in note
+    assert note.endswith("the last step ran op by op and did what the line says")
+    # the 19 evaluated steps' ops did not run (a step of these 2-layer models runs 50-100)
+    assert len(evaluated.report.trace.ops) < len(ran.report.trace.ops) - 19 * 40
+
+
+def test_a_lora_model_generates_the_same_way():
+    pytest.importorskip("peft")
+    src = MODELS["llama"] + """\
+from peft import LoraConfig, get_peft_model
+model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+""" + GENERATE.format(batch=1, tokens=16, sample=False, extra="")
+    evaluated, ran = both(src)
+    assert evaluated.error is None and ran.error is None
+    assert_same(evaluated, ran)
+    assert "11 of its 15 decode steps were evaluated" in decode_note(evaluated.report)
+
+
+def test_a_step_the_line_says_runs_out_of_memory_runs_and_fails_as_its_own():
+    """A card the cache outgrows: the step that fails is run, op by op; the error, the
+    failed request and the whole log are the ones of a run of every step."""
+    src = MODELS["gpt2"].replace("n_layer=2, n_embd=64", "n_layer=4, n_embd=512") \
+        + GENERATE.format(batch=8, tokens=400, sample=False, extra="")
+    evaluated, ran = both(src, gpu=None, gpu_memory="96MiB")
+    assert "out of memory" in str(ran.error)
+    assert str(evaluated.error) == str(ran.error)
+    assert evaluated.report.failed_request == ran.report.failed_request
+    assert_same(evaluated, ran)
+    note = decode_note(evaluated.report)
+    assert "decode steps were evaluated" in note
+    assert "then steps ran op by op (the line says the step at cache length" in note
+    assert note.endswith("runs out of memory)")
+
+
+def test_a_few_tokens_run_every_step():
+    evaluated, ran = both(cell("gpt2", tokens=5))
+    assert_same(evaluated, ran)
+    assert decode_note(evaluated.report) is None
+
+
+def test_a_stopping_criterion_that_reads_the_tokens_runs_every_step():
+    src = MODELS["gpt2"] + """\
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+class SeenToken(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, -1] == 7)
+
+""" + GENERATE.format(batch=1, tokens=12, sample=False,
+                      extra=", stopping_criteria=StoppingCriteriaList([SeenToken()])")
+    evaluated, ran = both(src)
+    assert_same(evaluated, ran)
+    assert decode_note(evaluated.report) == ("generate() ran every decode step op by op (a "
+                                             "stopping criterion reads the tokens (SeenToken))")
+
+
+def test_the_sampler_and_the_model_are_put_back():
+    from transformers.generation.utils import GenerationMixin
+
+    original = GenerationMixin.__dict__["_sample"]
+    session, ns = SimSession(), {}
+    for src in (cell("gpt2", tokens=12), "own = sorted(vars(model))\n"):
+        out = simulate(src, ns=ns, session=session)
+        assert out.error is None, out.error
+    assert GenerationMixin.__dict__["_sample"] is original
+    assert "forward" not in ns["own"]
+
+
+def test_an_interrupt_in_an_evaluated_step_frees_its_buffers(monkeypatch):
+    """Ctrl-C while a step is evaluated: its transient buffers go back to the allocator's
+    cache, as a GPU's frames free theirs; nothing stays allocated under their keys."""
+    calls = []
+
+    def empty(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 7:
+            raise KeyboardInterrupt
+        return decode.torch.ops.aten.empty.memory_format(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "_EMPTY", empty)
+    session = SimSession()
+    out = simulate(cell("llama", tokens=16), session=session)
+    assert isinstance(out.error, KeyboardInterrupt)
+    allocator = session.card.tracker.allocator
+    assert not [k for k in allocator._live if isinstance(k, tuple) and k[:1] == ("decode",)]
+    live = session.card.tracker.live_device_bytes()
+    assert allocator.allocated >= live  # what is held is the storages' (their blocks round up)
+
+
+def test_decode_takes_evaluate_or_run():
+    with pytest.raises(ValueError, match="decode takes one of"):
+        SimBackend(decode="skip")
+
+
+def test_a_line_is_drawn_only_through_steps_that_agree():
+    step = decode._Step(10, (("a", 0), ("f", 0)), [512], {}, {}, {}, dict, {})
+
+    def at(length, size):
+        return decode._Step(length, step.codes, [size], {}, {}, {}, dict, {})
+
+    assert decode._at(decode._Line([at(10, 1024), at(11, 1536), at(12, 2048)]).sizes, 20) == [6144]
+    for sizes, why in (((1024, 1536, 2560), "not on the line"), ((2048, 1536, 1024), "shrinks")):
+        with pytest.raises(decode._Unsupported, match=why):
+            decode._Line([at(10 + i, n) for i, n in enumerate(sizes)])
+    other = decode._Step(12, (("a", 0), ("a", 1), ("f", 0), ("f", 1)), [2048, 512], {}, {}, {},
+                         dict, {})
+    with pytest.raises(decode._Unsupported, match="did different things"):
+        decode._Line([at(10, 1024), at(11, 1536), other])
