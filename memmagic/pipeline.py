@@ -71,6 +71,7 @@ class CellRequest:
     world_size: int | None = None
     rank: int | None = None
     gpus_per_node: int | None = None
+    decode_steps: str | None = None  # generate()'s decode steps on the simulated GPU: evaluate | run
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     simulate: str = "--backend sim"
     unit: str = "cell"
@@ -184,6 +185,11 @@ def backend_spec(request: CellRequest, *, persistent: bool = True) -> tuple[str,
         persistent = False  # its process group ends with the run: on a copy of the card
     if name == "sim" and request.session is not None:
         options["session" if persistent else "start_from"] = request.session
+    if request.decode_steps is not None:
+        if name != "sim":
+            raise RequestError("--decode-steps says how the simulated GPU runs generate()'s "
+                               "decode steps: add --backend sim, or leave it out")
+        options["decode"] = request.decode_steps
     if real_cuda:
         if request.device is not None:
             options["device"] = request.device

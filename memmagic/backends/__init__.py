@@ -12,10 +12,10 @@ import sys
 from typing import Any
 
 from ..core.failures import cuda_usable
-from .base import Backend, BackendUnavailable, Measurement, Outcome, compiled_note
+from .base import DECODE_STEPS, Backend, BackendUnavailable, Measurement, Outcome, compiled_note
 
 __all__ = ["Backend", "Outcome", "Measurement", "BackendUnavailable", "get_backend", "BACKEND_NAMES",
-           "simulation_running", "compiled_note", "cuda_usable"]
+           "DECODE_STEPS", "simulation_running", "compiled_note", "cuda_usable"]
 
 BACKEND_NAMES = ("auto", "cuda", "cpu", "sim")
 

@@ -12,7 +12,12 @@ from typing import Any, Callable
 
 from ..report import MemoryReport
 
-__all__ = ["Backend", "Outcome", "Measurement", "BackendUnavailable", "compiled_note"]
+__all__ = ["Backend", "Outcome", "Measurement", "BackendUnavailable", "compiled_note",
+           "DECODE_STEPS"]
+
+# how the simulated GPU runs transformers' generate() decode steps (the sim backend's
+# decode=): read off a line through three that ran, or each one op by op
+DECODE_STEPS = ("evaluate", "run")
 
 
 class BackendUnavailable(RuntimeError):

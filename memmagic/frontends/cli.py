@@ -20,6 +20,8 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
+    from ..backends import DECODE_STEPS
+
     p = argparse.ArgumentParser(prog="python -m memmagic",
                                 description="memmagic from the command line")
     sub = p.add_subparsers(dest="command", required=True)
@@ -59,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="with --world-size: run the script as each of these ranks (all: "
                           "every rank), print each rank's peak and show the report of the rank "
                           "that needs the most, which decides whether the job fits")
+    run.add_argument("--decode-steps", default=None, choices=DECODE_STEPS,
+                     help="generate()'s decode steps on the simulated GPU: evaluate (default: "
+                          "read off a line through three that ran, the last one run as a "
+                          "check) or run (every step op by op)")
     run.add_argument("-m", dest="module", default=None, metavar="MODULE",
                      help="run a module as python -m MODULE does (its arguments follow it)")
     run.add_argument("script", type=Path, nargs="?", help="the Python script")
@@ -118,7 +124,8 @@ def run_script(args: argparse.Namespace) -> int:
     request = CellRequest(source, {}, backend=args.backend, gpu=args.gpu,
                           gpu_memory=args.gpu_memory, run=runner, knobs=knobs,
                           world_size=args.world_size, rank=args.rank,
-                          gpus_per_node=args.gpus_per_node, unit="script")
+                          gpus_per_node=args.gpus_per_node, decode_steps=args.decode_steps,
+                          unit="script")
     try:
         result = run_job(request, job_ranks(args.world_size, args.rank, args.ranks),
                          fresh=lambda: _fresh(runner),

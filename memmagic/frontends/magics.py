@@ -153,8 +153,8 @@ class MemMagics(Magics):
                            gpu_memory=gpu_memory, device=args.device,
                            breakdown=not args.no_breakdown, session=session,
                            knobs={k: v for k, v in knobs.items() if v is not None},
-                           advise=args.advise, run=run, world_size=args.world_size,
-                           rank=args.rank, gpus_per_node=args.gpus_per_node)
+                           advise=args.advise, run=run, world_size=args.world_size, rank=args.rank,
+                           gpus_per_node=args.gpus_per_node, decode_steps=args.decode_steps)
 
     def _compile(self, source: str):
         """The cell as a function of the namespace, with IPython's transforms; a syntax

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..backends import BACKEND_NAMES
+from ..backends import BACKEND_NAMES, DECODE_STEPS
 
 __all__ = ["OPTIONS", "check_card_options", "check_options", "unquote", "line_problem", "views"]
 
@@ -51,6 +51,12 @@ OPTIONS = [
         help="With --world-size: run the cell as each of these ranks (all: every rank, up to "
              "64) and report the rank that decides whether the job fits (one that failed, "
              "else the one that needs the most), with every rank's figures.")),
+    (("--decode-steps",), dict(
+        default=None, choices=DECODE_STEPS,
+        help="--backend sim: how transformers' generate() runs its decode steps: evaluate "
+             "(default: three run op by op draw a line, the next ones are read off it and done "
+             "on the allocator model, the last runs as a check; a note says so) or run (every "
+             "step op by op, about 0.2 s a token on a 1B model).")),
     (("--no-breakdown",), dict(action="store_true",
                                help="cuda only: skip the per-category breakdown (lowest overhead).")),
     (("--no-chart",), dict(action="store_true", help="Do not draw the breakdown chart.")),

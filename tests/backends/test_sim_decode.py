@@ -81,17 +81,22 @@ def assert_same(evaluated, ran) -> None:
     assert decode_note(b) is None
 
 
-@pytest.mark.parametrize("model,sample", [("llama", False), ("gpt2", True)])
-def test_evaluated_steps_do_what_running_them_does(model, sample):
-    evaluated, ran = both(cell(model, sample=sample))
+@pytest.mark.parametrize("model,sample,extra", [
+    ("llama", False, ""), ("gpt2", True, ""),
+    # a static cache: written in place (only the logits are left), get_seq_length() reads values
+    ("llama", False, ', cache_implementation="static"')])
+def test_evaluated_steps_do_what_running_them_does(model, sample, extra):
+    evaluated, ran = both(cell(model, sample=sample, extra=extra))
     assert evaluated.error is None and ran.error is None
     assert_same(evaluated, ran)
     note = decode_note(evaluated.report)
-    # 24 new tokens: the prefill and 23 decode steps; three draw the line, the last checks it
-    assert note.startswith("generate(): 19 of its 23 decode steps were evaluated, not run "
+    # 24 new tokens: the prefill and 23 decode steps (cache lengths 10-32); three draw the
+    # line, 16 are evaluated, one runs as a check, two more are evaluated, the last checks
+    assert note.startswith("generate(): 18 of its 23 decode steps were evaluated, not run "
                            "(cache lengths 13-31)"), note
-    assert "line through the steps at 10 and 11 and checked byte for byte by 12" in note
-    assert note.endswith("the last step ran op by op and did what the line says")
+    assert "checked byte for byte by a third (the steps at 10, 11 and 12)" in note
+    assert note.endswith("2 steps ran op by op as checks (at cache lengths 29, 32) and did "
+                         "what the line says")
     # the 19 evaluated steps' ops did not run (a step of these 2-layer models runs 50-100)
     assert len(evaluated.report.trace.ops) < len(ran.report.trace.ops) - 19 * 40
 
@@ -122,6 +127,43 @@ def test_a_step_the_line_says_runs_out_of_memory_runs_and_fails_as_its_own():
     assert "decode steps were evaluated" in note
     assert "then steps ran op by op (the line says the step at cache length" in note
     assert note.endswith("runs out of memory)")
+
+
+def test_a_check_that_fails_starts_a_new_line(monkeypatch):
+    """A step that runs as a check and does not do what the line says (here: made to
+    disagree) is said in the note, and the next steps draw a new line."""
+    agrees = decode._Line.matches
+    monkeypatch.setattr(decode._Line, "matches",
+                        lambda line, step: step.length != 29 and agrees(line, step))
+    evaluated, ran = both(cell("gpt2", tokens=40))
+    assert_same(evaluated, ran)
+    note = decode_note(evaluated.report)
+    # cache lengths 10-48: 13-28 evaluated, 29 fails and with 30 and 31 draws a new line,
+    # 32-47 evaluated, 48 checks
+    assert "32 of its 39 decode steps" in note, note
+    assert "(the steps at 10, 11 and 12; 29, 30 and 31)" in note
+    assert "1 step ran op by op as a check (at cache length 48)" in note
+    assert "the check at 29 did NOT do what the line says" in note
+
+
+def test_a_sliding_window_cache_is_read_off_until_it_fills():
+    """Mistral's sliding-window layers keep their last W - 1 positions as views of a longer
+    tensor: steps are read off until the one before the window fills, then run."""
+    src = """import torch
+from transformers import MistralConfig, MistralForCausalLM
+cfg = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                    max_position_embeddings=512, sliding_window=40)
+model = MistralForCausalLM(cfg).to("cuda").eval()
+""" + GENERATE.format(batch=1, tokens=48, sample=False, extra="")
+    evaluated, ran = both(src)
+    assert_same(evaluated, ran)
+    note = decode_note(evaluated.report)
+    # steps at 13-28 evaluated, 29 checks, 30-37 evaluated, 38 (= W - 2) checks, then views
+    assert "24 of its 47 decode steps were evaluated" in note, note
+    assert "(at cache lengths 29, 38)" in note
+    assert note.endswith("then steps ran op by op (the cache keeps views of larger tensors "
+                         "(a sliding window))")
 
 
 def test_a_few_tokens_run_every_step():
@@ -177,6 +219,17 @@ def test_an_interrupt_in_an_evaluated_step_frees_its_buffers(monkeypatch):
     assert not [k for k in allocator._live if isinstance(k, tuple) and k[:1] == ("decode",)]
     live = session.card.tracker.live_device_bytes()
     assert allocator.allocated >= live  # what is held is the storages' (their blocks round up)
+
+
+def test_the_magic_takes_decode_steps(ip):
+    """``%%gpumem --decode-steps run`` runs every step; the default reads them off."""
+    src = cell("gpt2", tokens=12)
+    notes = {}
+    for flag in ("", " --decode-steps run"):
+        report = ip.run_cell_magic("gpumem", f"--backend sim --gpu T4 -o -q --no-chart{flag}", src)
+        notes[flag] = decode_note(report)
+    assert "7 of its 11 decode steps were evaluated" in notes[""]
+    assert notes[" --decode-steps run"] is None
 
 
 def test_decode_takes_evaluate_or_run():

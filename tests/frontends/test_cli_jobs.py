@@ -114,6 +114,8 @@ def test_a_module_runs_as_python_dash_m_runs_it(tmp_path, capsys, clean_state, m
     (["run", "--backend", "cpu", "--world-size", "2", "-m", "json.tool"],
      "--world-size makes the simulated GPU one rank of a job: add --backend sim"),
     (["run", "--world-size", "1", "-m", "json.tool"], "--world-size is a number of GPUs, 2 or more"),
+    (["run", "--backend", "cpu", "--decode-steps", "run", "-m", "json.tool"],
+     "--decode-steps says how the simulated GPU runs generate()'s decode steps: add --backend sim"),
     (["run", "--rank", "1", "-m", "json.tool"], "--rank R needs --world-size N"),
     (["run", "--world-size", "4", "--rank", "4", "-m", "json.tool"],
      "--rank is one of the job's ranks, 0 to 3, not 4"),

@@ -14,7 +14,8 @@ per concern:
 * :mod:`.kernels`, :mod:`.autocast` and :mod:`.op_cache`: CUDA's kernels and autocast
   policy where the CPU's use memory differently, and ops answered from metadata;
 * :mod:`.cuda_api`: the ``torch.cuda`` a simulated cell sees; :mod:`.compat`: third-party
-  libraries and files;
+  libraries and files; :mod:`.decode`: transformers' ``generate()`` decode steps read off
+  a line through three that ran;
 * :mod:`.sandbox` and :mod:`.session`: the notebook's objects swapped for fake copies
   during a run, and the simulated GPU that lasts the whole notebook;
 * :mod:`.backend`: the run itself.

@@ -19,7 +19,7 @@ from ...core import _torch_private as _priv
 from ...report import Category, MemoryReport, Note, format_bytes
 from ...core.tracking import Tracking, RoleHooks
 from ...core.failures import is_user_file, release_call_closures, release_own_frames
-from ..base import Backend, Outcome
+from ..base import DECODE_STEPS, Backend, Outcome
 from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
 from .compat import install_compat
@@ -80,7 +80,6 @@ _RANK_HINT = ("as one rank of {n} GPUs it has no CPU run to fall back on: run th
               "GPUs (torchrun), or simulate the part that fails without --world-size")
 _WORKERS_NOTE = "DataLoader workers ran in-process (num_workers=0) in the simulation"
 _ACTIVE: list = []  # the simulated run in progress (they do not nest)
-DECODE = ("evaluate", "run")  # generate()'s decode steps: read off a line, or each run
 
 
 def simulation_active() -> bool:
@@ -164,8 +163,8 @@ class SimBackend(Backend):
                             f"max_seconds=, op_cache=, session=, start_from=, leave_out=, "
                             f"world_size=, rank=, mailbox=, gpus_per_node=, decode=; got "
                             f"{sorted(options)}")
-        if decode not in DECODE:
-            raise ValueError(f"decode takes one of {DECODE} (generate()'s decode steps read off "
+        if decode not in DECODE_STEPS:
+            raise ValueError(f"decode takes one of {DECODE_STEPS} (generate()'s decode steps read off "
                              f"a line, or each run op by op), not {decode!r}")
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, not {kernels!r}")

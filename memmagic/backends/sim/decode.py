@@ -13,15 +13,21 @@ the third against it, byte for byte. Then, up to the last step:
   cache move exactly as the step's would); the tensors the step leaves behind (the cache's
   new keys and values, the logits) are made at their places as simulated tensors of the
   line's shapes, and the cache's old ones dropped where the step drops them;
-* the **last step runs** op by op, as a check: it must do what the line says (a note says
-  whether it did), and the run's peaks, breakdown and module rows come from it (every size
-  grows with ``L``, so no evaluated step reaches them);
-* a step the line says runs out of memory is run instead (the error is then the op's own).
+* steps **run** op by op as checks: after 16 evaluated steps, then after 32, 64, ..., and
+  the last one; each must do what the line says (the note says whether it did), and one
+  that does not starts a new line through itself and the next two. The run's peaks,
+  breakdown and module rows come from the last step (every size grows with ``L``, so no
+  evaluated step reaches them);
+* a step the line says runs out of memory is run instead (the error is then the op's own);
+* a cache with a sliding window of ``W`` (its ``sliding_window``) is read off up to the step
+  before it fills, which runs as a check; from there its tensors are views of longer ones,
+  and the steps run op by op.
 
 Only ``_sample`` (greedy and sampling decoding) is read off, when the stopping criteria
 are the length and the end-of-sequence token (a simulation reads no token, so every call
 makes all its tokens); beam search, assisted decoding, other criteria and caches that hold
-tensors where they cannot be replaced run every step. ``SimBackend(decode="run")`` runs
+tensors where they cannot be replaced run every step. The cache length is counted from
+the prompt (a static cache's ``get_seq_length()`` reads its values). ``SimBackend(decode="run")`` runs
 every step of every call. What an evaluated step leaves out: its ops (the op count, the
 trace and the timeline show the cache tensors it made, not its transient buffers) and
 the values a GPU run would compute.
@@ -46,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["decode_sampler", "DecodeNotes"]
 
 _CHECKED = 3  # real steps in a row before the line is used: drawn through two, checked by the third
+_FIRST_CHECK = 16  # evaluated steps before the first that runs as a check (then 32, 64, ...)
 _CRITERIA = frozenset({"MaxLengthCriteria", "EosTokenCriteria"})  # none reads a token's value
 _EMPTY = torch.ops.aten.empty.memory_format  # a tensor a step leaves (its values unknown)
 _DEPTH = 3  # how deep the cache's attributes are searched for tensors
@@ -135,7 +142,7 @@ def _left(tracker: SimTracker, out: Any, cache: Any) -> tuple[dict, dict, dict, 
             fields[name] = ("cache",)
         elif isinstance(value, torch.Tensor):
             serial = tracker.serial_of(value)
-            if serial is None or not value.is_contiguous() or value.storage_offset():
+            if serial is None or not _whole(value):
                 raise _Unsupported(f"the output's {name} is not a tensor of its own")
             serials[serial] = fields[name] = ("out", name)
         elif isinstance(value, (tuple, list, dict)):
@@ -143,10 +150,19 @@ def _left(tracker: SimTracker, out: Any, cache: Any) -> tuple[dict, dict, dict, 
         else:
             fields[name] = ("value", value)
     tensors = {("cache", p): v for p, v in _walk(cache) if isinstance(v, torch.Tensor)}
+    for t in tensors.values():
+        if not _whole(t):
+            raise _Unsupported("the cache keeps views of larger tensors (a sliding window)")
     tensors.update({("out", n): out[n] for n, f in fields.items() if f[0] == "out"})
     shapes = {slot: tuple(t.shape) for slot, t in tensors.items()}
     kinds = {slot: (t.dtype, t.device) for slot, t in tensors.items()}
     return serials, shapes, kinds, ints, fields
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """Whether ``t`` is its storage, all of it, in order (what a step's new tensor is)."""
+    return (t.is_contiguous() and not t.storage_offset()
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
 def _codes(entries: list[dict], before: dict[int, tuple], after: dict[int, tuple]
@@ -221,7 +237,8 @@ class _Line:
             elif kind == "p" and slot not in made:
                 raise _Unsupported("a step frees a cache tensor before it makes the new one")
         x = s1.length
-        self.codes, self.kinds, self.out_type, self.fields = s1.codes, s1.kinds, s1.out_type, s1.fields
+        self.codes, self.kinds = s1.codes, s1.kinds
+        self.out_type, self.fields = s1.out_type, s1.fields
         self.sizes = _line(s1.sizes, s2.sizes, s3.sizes, x)
         self.shapes = {slot: _line(s1.shapes[slot], s2.shapes[slot], s3.shapes[slot], x)
                        for slot in s1.shapes}
@@ -241,29 +258,38 @@ class _Line:
 @atomic
 class _Steps:
     """The decode steps of one ``_sample`` call: run until three in a row draw a line, then
-    evaluated from it up to ``last`` (the cache length of the last step), which runs."""
+    evaluated from it, with a step run as a check after 16 evaluated ones, then after 32,
+    64, ... and at ``end`` (the cache length of the last step). A check that does not do
+    what the line says, and the step before a cache's sliding window fills, start a new
+    line from the steps that follow."""
 
-    def __init__(self, tracker: SimTracker, last: int) -> None:
-        self.tracker, self.last = tracker, last
+    def __init__(self, tracker: SimTracker, start: int, end: int) -> None:
+        self.tracker, self.start, self.end = tracker, start, end  # the first and last steps' lengths
         self.ran: list[_Step] = []
         self.calls = 0  # decode steps, run or evaluated
-        self.tries = 0  # steps that ran while no line was drawn
+        self.tries = 0  # steps that ran since the last line ended
         self.line: _Line | None = None
+        self.until = end  # while a line holds, the steps below this cache length are evaluated
+        self.gap = _FIRST_CHECK  # evaluated steps before the next check
+        self.stop = end  # the step a line must not pass (the last, or a sliding window's)
         self.reason: str | None = None  # why no step is evaluated (any more)
         self.evaluated: list[int] = []  # cache lengths of the evaluated steps
-        self.checked: bool | None = None  # whether the step that ran after them followed the line
-        self.bound = 0  # bytes of segments the last step could add at most
+        self.checks: list[tuple[int, bool]] = []  # (cache length, did what its line says)
+        self.bound = 0  # bytes of segments a step of the line could add at most
+        self.lines: list[tuple[int, int, int]] = []  # the steps each line went through
 
     def forward(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
         cache = kwargs.get("past_key_values")
         ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-        length = getattr(cache, "get_seq_length", None)
-        length = length() if callable(length) else 0
-        if (self.reason is not None or args or not isinstance(length, int) or length <= 0
-                or not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[1] != 1):
-            return original(*args, **kwargs)
+        if (args or cache is None or not isinstance(ids, torch.Tensor) or ids.dim() < 2
+                or ids.shape[1] != 1):
+            return original(*args, **kwargs)  # the prefill, or not a step of one token
+        # the cache length: counted (a static cache's get_seq_length() reads its values)
+        length = self.start + self.calls
         self.calls += 1
-        if self.line is not None and length < self.last:
+        if self.reason is not None:
+            return original(**kwargs)
+        if self.line is not None and length < self.until:
             out = self._evaluate(cache, length)
             if out is not None:
                 return out
@@ -286,10 +312,17 @@ class _Steps:
         return out
 
     def _ran(self, step: _Step) -> None:
+        """A step ran: a check of the line (which then holds to the next one, or ends), or
+        one more step to draw a line through."""
         if self.line is not None:
-            if self.evaluated and self.checked is None:
-                self.checked = self.line.matches(step)
-            return
+            if self.evaluated and self.evaluated[-1] > self.line.through[-1]:
+                ok = self.line.matches(step)
+                self.checks.append((step.length, ok))
+                if ok and step.length < self.stop:
+                    self.gap *= 2
+                    self.until = min(step.length + 1 + self.gap, self.stop)
+                    return
+            self.line, self.ran, self.tries = None, [], 0  # a new line from the next steps
         self.tries += 1
         if self.ran and self.ran[-1].length != step.length - 1:
             self.ran = []
@@ -302,7 +335,13 @@ class _Steps:
             if self.tries >= 2 * _CHECKED:
                 self.reason = str(e)
             return
-        top = _at(self.line.sizes, self.last)
+        self.lines.append(self.line.through)
+        windows = [v for p, v in step.ints.items() if p[-1] == ("a", "sliding_window")]
+        # a sliding window's cache keeps its last W - 1 positions: from the step at W - 1
+        # on, its tensors are views (which end the reading); the one before runs as a check
+        self.stop = min([self.end] + [w - 2 for w in windows if w - 2 > step.length])
+        self.until = min(step.length + 1 + self.gap, self.stop)
+        top = _at(self.line.sizes, self.stop)
         self.bound = sum(segment_size(round_request(n)) for n in top)
 
     def _evaluate(self, cache: Any, length: int) -> Any:
@@ -313,7 +352,8 @@ class _Steps:
         if not self._fits(cache, sizes):
             self.reason = f"the line says the step at cache length {length} runs out of memory"
             return None
-        first = not self.evaluated  # the first one is checked against the line
+        # the first step of a line is checked against it: did it do what the line says?
+        first = not self.evaluated or self.evaluated[-1] < line.through[-1]
         start = tracker.allocator.log_length
         before = _serials(tracker, cache)[0] if first else {}
         made = self._replay(cache, sizes, length)
@@ -329,7 +369,8 @@ class _Steps:
             after = _left(tracker, out, cache)[0]
             codes, got = _codes(tracker.allocator.log_since(start), before, after)
             if (codes, got) != (line.codes, sizes):  # (never seen): say so, run the rest
-                self.reason, self.checked = "an evaluated step did not do what its line says", False
+                self.checks.append((length, False))
+                self.reason = "an evaluated step did not do what its line says"
         self.evaluated.append(length)
         return out
 
@@ -400,7 +441,7 @@ def _start(tracker: SimTracker, arguments: dict) -> tuple[_Steps | None, str | N
     other = sorted({type(c).__name__ for c in arguments.get("stopping_criteria") or ()} - _CRITERIA)
     if other:
         return None, f"a stopping criterion reads the tokens ({', '.join(other)})"
-    return _Steps(tracker, last), None
+    return _Steps(tracker, ids.shape[-1], last), None
 
 
 class DecodeNotes:
@@ -432,20 +473,26 @@ class DecodeNotes:
 
 
 def _evaluated_text(steps: _Steps) -> str:
-    lens, line = steps.evaluated, steps.line
-    total = steps.calls
-    a, b, c = line.through
-    text = (f"generate(): {len(lens)} of its {total} decode steps were evaluated, not run (cache "
-            f"lengths {lens[0]}-{lens[-1]}): each one's allocations and frees, sized by the "
-            f"line through the steps at {a} and {b} and checked byte for byte by {c}, done in "
-            "order on the allocator model, and the cache and logits it leaves made as "
-            "simulated tensors; the timeline shows those tensors, not the steps' transient "
-            "buffers")
-    if steps.checked:
-        text += "; the last step ran op by op and did what the line says"
-    elif steps.checked is False:
-        text += ("; a step checked against the line did NOT do what it says: the evaluated "
-                 "steps' figures may be off (SimBackend(decode='run') runs every step)")
+    lens = steps.evaluated
+    lines = "; ".join(f"{a}, {b} and {c}" for a, b, c in steps.lines)
+    text = (f"generate(): {len(lens)} of its {steps.calls} decode steps were evaluated, not run "
+            f"(cache lengths {lens[0]}-{lens[-1]}): each one's allocations and frees, sized by "
+            "the line through two steps that ran and checked byte for byte by a third (the "
+            f"steps at {lines})")
+    text += (", done in order on the allocator model, and the cache and logits it leaves made "
+             "as simulated tensors; the timeline shows those tensors, not the steps' transient "
+             "buffers")
+    good = [n for n, ok in steps.checks if ok]
+    bad = [n for n, ok in steps.checks if not ok]
+    if good:
+        many = len(good) > 1
+        text += (f"; {len(good)} step{'s' * many} ran op by op as "
+                 f"{'checks' if many else 'a check'} (at cache length{'s' * many} "
+                 f"{', '.join(map(str, good))}) and did what the line says")
+    if bad:
+        text += (f"; the check{'s' if len(bad) > 1 else ''} at {', '.join(map(str, bad))} did NOT "
+                 "do what the line says: the steps evaluated before, from the last good check, "
+                 "may be off (SimBackend(decode='run') runs every step)")
     if steps.reason is not None:
         text += f"; then steps ran op by op ({steps.reason})"
     return text
