@@ -4,8 +4,10 @@ The cell builds a Llama with TinyLlama-1.1B's shape (22 layers, hidden 2048, 32 
 key/value heads, vocabulary 32000) from its config in fp16 on the GPU and calls
 ``generate()`` greedily on a 64-token prompt for ``max_new_tokens`` tokens (and at least as
 many), on a simulated T4. Each case runs in a fresh process: the wall time of the cell's
-simulated run and the process's peak RSS. Every decode step is simulated op by op (about
-3,600 ops a token at this size), so the time grows with the tokens.
+simulated run and the process's peak RSS. Three decode steps run op by op (about 2,400 ops
+each at this size), most of the others are read off the line through them
+(:mod:`memmagic.backends.sim.decode`): what grows with the tokens is generate()'s own loop
+and each evaluated step's allocations on the allocator model.
 """
 
 from __future__ import annotations

@@ -155,17 +155,20 @@ class _Writer:
         return {"segments": self.segments(log.segments), "device_traces": [entries]}
 
     def history(self, log_entries: list[dict]) -> list[dict]:
-        """The memory_viz trace entries of the allocator model's log entries."""
+        """The memory_viz trace entries of the allocator model's log entries (a key with
+        ``frames`` of its own, an evaluated decode step's buffer, shows those)."""
         entries: list[dict] = []
         for e in log_entries:
             action, op, key = e["action"], e.get("op"), e.get("key")
+            own = getattr(key, "frames", None)  # a key that says where it comes from
             if action == "alloc":
-                frames = self.made_frames(key) if self._made_by(key, op) else self.op_frame(op)
+                frames = own or (self.made_frames(key) if self._made_by(key, op)
+                                 else self.op_frame(op))
                 entries.append({"action": action, "addr": e["addr"], "size": e["size"],
                                 "stream": 0, "frames": frames, "category": self.category(key)})
             elif action in ("free_requested", "free_completed"):
                 entries.append({"action": action, "addr": e["addr"], "size": e["size"],
-                                "stream": 0, "frames": self.op_frame(op, freed=True),
+                                "stream": 0, "frames": own or self.op_frame(op, freed=True),
                                 "category": self.category(key)})
             elif action in ("segment_alloc", "segment_free"):
                 entries.append({"action": action, "addr": e["addr"], "size": e["size"],

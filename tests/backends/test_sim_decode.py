@@ -166,6 +166,17 @@ model = MistralForCausalLM(cfg).to("cuda").eval()
                          "(a sliding window))")
 
 
+def test_a_snapshot_names_the_evaluated_steps_buffers():
+    from memmagic.core.snapshot import allocator_history
+
+    out = simulate(cell("gpt2", tokens=12))
+    trace = out.report.trace
+    history = allocator_history(trace, trace.allocator_log.entries)
+    names = {f["name"] for e in history for f in e["frames"]}
+    assert "decode step at cache length 13, evaluated, not run: buffer 0" in names
+    assert not any("cache length 12," in n for n in names)  # 10-12 ran: their ops' frames
+
+
 def test_a_few_tokens_run_every_step():
     evaluated, ran = both(cell("gpt2", tokens=5))
     assert_same(evaluated, ran)
@@ -216,7 +227,7 @@ def test_an_interrupt_in_an_evaluated_step_frees_its_buffers(monkeypatch):
     out = simulate(cell("llama", tokens=16), session=session)
     assert isinstance(out.error, KeyboardInterrupt)
     allocator = session.card.tracker.allocator
-    assert not [k for k in allocator._live if isinstance(k, tuple) and k[:1] == ("decode",)]
+    assert not [k for k in allocator._live if isinstance(k, decode._Buffer)]
     live = session.card.tracker.live_device_bytes()
     assert allocator.allocated >= live  # what is held is the storages' (their blocks round up)
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 
@@ -56,6 +56,21 @@ _FIRST_CHECK = 16  # evaluated steps before the first that runs as a check (then
 _CRITERIA = frozenset({"MaxLengthCriteria", "EosTokenCriteria"})  # none reads a token's value
 _EMPTY = torch.ops.aten.empty.memory_format  # a tensor a step leaves (its values unknown)
 _DEPTH = 3  # how deep the cache's attributes are searched for tensors
+
+
+class _Buffer(NamedTuple):
+    """The allocator model's key of an evaluated step's transient buffer: the step's cache
+    length and the buffer's number in it. ``frames``: what a memory snapshot shows for it
+    (``memmagic.core.snapshot`` takes a key's own frames)."""
+
+    length: int
+    index: int
+
+    @property
+    def frames(self) -> list[dict]:
+        return [{"filename": "<generate() decode step, evaluated>", "line": self.length,
+                 "name": f"decode step at cache length {self.length}, evaluated, not run: "
+                         f"buffer {self.index}"}]
 
 
 class _Unsupported(Exception):
@@ -385,9 +400,9 @@ class _Steps:
         try:
             for kind, x in line.codes:
                 if kind == "a":
-                    todo.append((("decode", length, x), next(it)))
+                    todo.append((_Buffer(length, x), next(it)))
                 elif kind == "f":
-                    todo.append((("decode", length, x), None))
+                    todo.append((_Buffer(length, x), None))
                 else:
                     tracker.replay_transients(todo, live)
                     todo = []
