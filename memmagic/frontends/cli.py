@@ -63,8 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                           "that needs the most, which decides whether the job fits")
     run.add_argument("--decode-steps", default=None, choices=DECODE_STEPS,
                      help="generate()'s decode steps on the simulated GPU: evaluate (default: "
-                          "read off a line through three that ran, the last one run as a "
-                          "check) or run (every step op by op)")
+                          "read off a line through three that ran, checked by steps that "
+                          "run) or run (every step op by op)")
     run.add_argument("-m", dest="module", default=None, metavar="MODULE",
                      help="run a module as python -m MODULE does (its arguments follow it)")
     run.add_argument("script", type=Path, nargs="?", help="the Python script")

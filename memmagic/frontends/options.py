@@ -55,8 +55,9 @@ OPTIONS = [
         default=None, choices=DECODE_STEPS,
         help="--backend sim: how transformers' generate() runs its decode steps: evaluate "
              "(default: three run op by op draw a line, the next ones are read off it and done "
-             "on the allocator model, the last runs as a check; a note says so) or run (every "
-             "step op by op, about 0.2 s a token on a 1B model).")),
+             "on the allocator model, checked by steps that run at doubling intervals and by "
+             "the last; a note says so) or run (every step op by op, about 0.2 s a token on a "
+             "1B model).")),
     (("--no-breakdown",), dict(action="store_true",
                                help="cuda only: skip the per-category breakdown (lowest overhead).")),
     (("--no-chart",), dict(action="store_true", help="Do not draw the breakdown chart.")),

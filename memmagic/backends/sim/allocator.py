@@ -562,27 +562,10 @@ class CachingAllocatorModel:
             r[11] += requested
 
     def _split_free(self, b: _Block, sign: int) -> None:
-        """Count ``b`` (free, in a segment of several blocks) in or out of inactive_split
-        (:func:`_stat_add` of both statistics, inline: it runs on most mallocs and frees)."""
-        rows = self._rows
-        size = b.size
-        for r in (rows[0], rows[1] if b.segment.small else rows[2]):
-            if sign > 0:
-                v = r[_SPLIT] + 1
-                r[_SPLIT] = v
-                r[_SPLIT + 2] += 1
-                if v > r[_SPLIT + 1]:
-                    r[_SPLIT + 1] = v
-                v = r[_SPLIT_BYTES] + size
-                r[_SPLIT_BYTES] = v
-                r[_SPLIT_BYTES + 2] += size
-                if v > r[_SPLIT_BYTES + 1]:
-                    r[_SPLIT_BYTES + 1] = v
-            else:
-                r[_SPLIT] -= 1
-                r[_SPLIT + 3] += 1
-                r[_SPLIT_BYTES] -= size
-                r[_SPLIT_BYTES + 3] += size
+        """Count ``b`` (free, in a segment of several blocks) in or out of inactive_split."""
+        small = b.segment.small
+        self._bump(_SPLIT, small, sign)
+        self._bump(_SPLIT_BYTES, small, sign * b.size)
 
     def memory_stats(self) -> dict[str, int]:
         """The model's statistics as ``torch.cuda.memory_stats()`` names them (sorted keys,
@@ -681,17 +664,6 @@ class CachingAllocatorModel:
         entry.update(extra)
         self._log.append(entry)  # type: ignore[union-attr]
 
-    def _record_block(self, action: str, addr: int, size: int, key: object,
-                      then: str | None = None) -> None:
-        """:meth:`_record` of a block's action (and ``then`` another at the same moment: a
-        free requested, then completed), without the general case's costs: every malloc
-        and free logs so."""
-        op = self._clock() if self._clock is not None else None
-        log = self._log
-        log.append({"action": action, "addr": addr, "size": size, "key": key, "op": op})
-        if then is not None:
-            log.append({"action": then, "addr": addr, "size": size, "key": key, "op": op})
-
     # -- free lists ---------------------------------------------------------------------
     def _insert_free(self, b: _Block) -> None:
         b.free = True
@@ -730,7 +702,7 @@ class CachingAllocatorModel:
         block.requested, block.key = requested, key
         self._live[key] = block
         if self._log is not None:
-            self._record_block("alloc", block.addr, requested, key)
+            self._record("alloc", block.addr, requested, key)
         self._count_block(small, block.size, requested)
         if block.size >= self._max_split:  # alloc_found_block
             self._bump_oversize(0, 1)
@@ -796,8 +768,8 @@ class CachingAllocatorModel:
         if block is None:
             return
         if self._log is not None:
-            self._record_block("free_requested", block.addr, block.requested, key,
-                               "free_completed")
+            self._record("free_requested", block.addr, block.requested, key)
+            self._record("free_completed", block.addr, block.requested, key)
         small = block.segment.small
         self._uncount_block(small, block.size, block.requested)
         if block.size >= self._max_split:  # free()

@@ -164,8 +164,8 @@ class SimBackend(Backend):
                             f"world_size=, rank=, mailbox=, gpus_per_node=, decode=; got "
                             f"{sorted(options)}")
         if decode not in DECODE_STEPS:
-            raise ValueError(f"decode takes one of {DECODE_STEPS} (generate()'s decode steps read off "
-                             f"a line, or each run op by op), not {decode!r}")
+            raise ValueError(f"decode takes one of {DECODE_STEPS} (generate()'s decode steps "
+                             f"read off a line, or each run op by op), not {decode!r}")
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, not {kernels!r}")
         if int(max_ops) <= 0 or float(max_seconds) <= 0:
