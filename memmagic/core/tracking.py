@@ -321,6 +321,11 @@ class StorageTracker(_priv.TrackerMode):
         if _PRIORITY[role] > _PRIORITY[old]:
             self.roles[serial] = role
 
+    def note_cache(self, cache: object) -> None:
+        """What a model's ``past_key_values`` holds plays the KV-cache role (the outermost
+        model's output's, after each of its calls)."""
+        objgraph.walk([(None, cache)], lambda x, *_: self.note(x, Category.KV_CACHE), names=False)
+
     def note(self, t: object, role: Category, trainable: bool | None = None) -> None:
         """Record that ``t``'s storage plays ``role`` (only for storages already tracked).
         A parameter is trainable when it requires grad (a wrapper's inner tensors take
@@ -780,7 +785,7 @@ class RoleHooks:
         t.exit_module()
         cache = getattr(output, "past_key_values", None)
         if cache is not None and not self._parents[:-1]:  # the outermost model's output
-            objgraph.walk([(None, cache)], lambda x, *_: t.note(x, Category.KV_CACHE), names=False)
+            t.note_cache(cache)
         if self._parents:
             self._parents.pop()
         for b in _priv.own_buffers(module).values():  # BatchNorm replaces running stats in place or anew

@@ -380,6 +380,7 @@ class _Steps:
         out = line.out_type(**{name: cache if f == ("cache",) else
                                made[f] if f[0] == "out" else f[1]
                                for name, f in line.fields.items()})
+        tracker.note_cache(cache)  # as after the model's call (no module call ran)
         if first:
             after = _left(tracker, out, cache)[0]
             codes, got = _codes(tracker.allocator.log_since(start), before, after)
@@ -533,8 +534,10 @@ def decode_sampler(tracker: SimTracker, notes: DecodeNotes) -> Callable[[Any, Ca
             if steps is None:
                 notes.add(None, reason)
                 return original(self, *args, **kwargs)
+            # the decode steps call self.__call__, taken once (the prefill calls the model):
+            # an evaluated step runs no module call, so no module hook counts it as a pass
             patches = Patches()
-            patches.set(self, "forward", functools.partial(steps.forward, self.forward))
+            patches.set(self, "__call__", functools.partial(steps.forward, self.__call__))
             try:
                 return original(self, *args, **kwargs)
             finally:
