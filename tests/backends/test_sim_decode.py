@@ -101,6 +101,24 @@ def test_evaluated_steps_do_what_running_them_does(model, sample, extra):
     assert len(evaluated.report.trace.ops) < len(ran.report.trace.ops) - 19 * 40
 
 
+def test_an_encoder_decoder_passes_its_encoder_output_through():
+    """T5: each decode step's output holds the encoder's output it was given (not made by
+    the step); evaluated steps pass on the one they are given."""
+    src = """\
+import torch
+from transformers import T5Config, T5ForConditionalGeneration
+cfg = T5Config(d_model=64, d_ff=128, num_layers=2, num_heads=4, vocab_size=256,
+               decoder_start_token_id=0, pad_token_id=0)
+model = T5ForConditionalGeneration(cfg).to("cuda").eval()
+""" + GENERATE.format(batch=2, tokens=24, sample=False, extra="")
+    evaluated, ran = both(src)
+    assert evaluated.error is None and ran.error is None
+    assert_same(evaluated, ran)
+    # the decoder starts from one token: steps at cache lengths 1-23
+    assert "18 of its 23 decode steps were evaluated, not run (cache lengths 4-22)" in \
+        decode_note(evaluated.report)
+
+
 def test_a_lora_model_generates_the_same_way():
     pytest.importorskip("peft")
     src = MODELS["llama"] + """\
@@ -199,15 +217,23 @@ class SeenToken(StoppingCriteria):
                                              "stopping criterion reads the tokens (SeenToken))")
 
 
+def test_beam_search_runs_every_step_and_says_so():
+    evaluated, ran = both(cell("gpt2", tokens=12, extra=", num_beams=2"))
+    assert_same(evaluated, ran)
+    assert decode_note(evaluated.report) == ("generate() ran every decode step op by op (beam "
+                                             "search: its steps are not read off)")
+
+
 def test_the_sampler_and_the_model_are_put_back():
     from transformers.generation.utils import GenerationMixin
 
-    original = GenerationMixin.__dict__["_sample"]
+    names = ("_sample", "_beam_search", "_assisted_decoding")
+    originals = {name: GenerationMixin.__dict__[name] for name in names}
     session, ns = SimSession(), {}
     for src in (cell("gpt2", tokens=12), "own = sorted(vars(model))\n"):
         out = simulate(src, ns=ns, session=session)
         assert out.error is None, out.error
-    assert GenerationMixin.__dict__["_sample"] is original
+    assert {name: GenerationMixin.__dict__[name] for name in names} == originals
     assert "__call__" not in ns["own"] and "forward" not in ns["own"]
 
 

@@ -23,7 +23,7 @@ from ..base import DECODE_STEPS, Backend, Outcome
 from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
 from .compat import install_compat
-from .decode import DecodeNotes, decode_sampler
+from .decode import decode_targets
 from .cuda_api import SimulatedCuda
 from .constants import INDEX_NUMEL, numel_bound
 from .files import keep_overwritten_files
@@ -451,9 +451,8 @@ def _install(patches: Patches, state: SimState, tracker: SimTracker, target: Car
     _install_devices(patches, state)
     SimulatedCuda(tracker, target, notes).install(patches, autocast)
     # generate()'s decode steps read off a line (.decode), unless each is to run
-    sampler = (("transformers.generation.utils", "GenerationMixin._sample",
-                decode_sampler(tracker, DecodeNotes(notes))),) if decode == "evaluate" else ()
-    install_compat(patches, notes, target, sampler)
+    install_compat(patches, notes, target,
+                   decode_targets(tracker, notes) if decode == "evaluate" else ())
     keep_overwritten_files(patches, notes)
     _install_torch_adjustments(patches, notes)
     # flex_attention reaches the tracker as an op: its outputs are the fused kernel's, as

@@ -23,6 +23,7 @@ the third against it, byte for byte. Then, up to the last step:
   before it fills, which runs as a check; from there its tensors are views of longer ones,
   and the steps run op by op.
 
+An encoder-decoder's steps (T5, BART, Whisper) pass on the encoder output they are given.
 Only ``_sample`` (greedy and sampling decoding) is read off, when the stopping criteria
 are the length and the end-of-sequence token (a simulation reads no token, so every call
 makes all its tokens); beam search, assisted decoding, other criteria and caches that hold
@@ -49,11 +50,16 @@ from .allocator import AllocatorFull, round_request, segment_size
 if TYPE_CHECKING:
     from .tracker import SimTracker
 
-__all__ = ["decode_sampler", "DecodeNotes"]
+__all__ = ["decode_targets"]
 
 _CHECKED = 3  # real steps in a row before the line is used: drawn through two, checked by the third
 _FIRST_CHECK = 16  # evaluated steps before the first that runs as a check (then 32, 64, ...)
 _CRITERIA = frozenset({"MaxLengthCriteria", "EosTokenCriteria"})  # none reads a token's value
+# generate()'s other decoding methods: they run every step (a note says so)
+_NOT_READ = {"_beam_search": "beam search", "_assisted_decoding": "assisted decoding"}
+_MODULE = "transformers.generation.utils"
+# what a decode step's new token comes in (an encoder-decoder's decoder takes its own)
+_TOKENS = ("input_ids", "decoder_input_ids", "inputs_embeds", "decoder_inputs_embeds")
 _EMPTY = torch.ops.aten.empty.memory_format  # a tensor a step leaves (its values unknown)
 _DEPTH = 3  # how deep the cache's attributes are searched for tensors
 
@@ -145,9 +151,31 @@ def _serials(tracker: SimTracker, cache: Any) -> tuple[dict[int, tuple], dict[tu
     return serials, ints
 
 
-def _left(tracker: SimTracker, out: Any, cache: Any) -> tuple[dict, dict, dict, dict, dict]:
+def _inputs(kwargs: dict) -> dict[int, tuple]:
+    """id -> where in a step's keyword arguments, of the tensors it was given (directly, or
+    in a tuple or a transformers ModelOutput: an encoder-decoder's ``encoder_outputs``)."""
+    found = {}
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            found[id(value)] = (name,)
+        elif isinstance(value, tuple) or type(value).__module__.startswith("transformers."):
+            items = enumerate(value) if isinstance(value, tuple) else getattr(value, "items", list)()
+            for key, item in items:
+                if isinstance(item, torch.Tensor):
+                    found[id(item)] = (name, key)
+    return found
+
+
+def _given(kwargs: dict, where: tuple) -> Any:
+    value = kwargs[where[0]]
+    return value if len(where) == 1 else value[where[1]]
+
+
+def _left(tracker: SimTracker, out: Any, cache: Any, given: dict[int, tuple]
+          ) -> tuple[dict, dict, dict, dict, dict]:
     """What a step left: serial -> slot (the cache's tensors and the output's), each
-    slot's shape and (dtype, device), the cache's ints, and the output's fields."""
+    slot's shape and (dtype, device), the cache's ints, and the output's fields (an output
+    tensor the step was given, ``given``: where in its arguments)."""
     serials, ints = _serials(tracker, cache)
     fields: dict[str, Any] = {}
     if not hasattr(out, "items"):
@@ -155,6 +183,8 @@ def _left(tracker: SimTracker, out: Any, cache: Any) -> tuple[dict, dict, dict, 
     for name, value in out.items():
         if value is cache:
             fields[name] = ("cache",)
+        elif id(value) in given:  # an encoder-decoder's encoder output, passed through
+            fields[name] = ("given", given[id(value)])
         elif isinstance(value, torch.Tensor):
             serial = tracker.serial_of(value)
             if serial is None or not _whole(value):
@@ -172,6 +202,17 @@ def _left(tracker: SimTracker, out: Any, cache: Any) -> tuple[dict, dict, dict, 
     shapes = {slot: tuple(t.shape) for slot, t in tensors.items()}
     kinds = {slot: (t.dtype, t.device) for slot, t in tensors.items()}
     return serials, shapes, kinds, ints, fields
+
+
+def _field(field: tuple, cache: Any, made: dict, kwargs: dict) -> Any:
+    """An evaluated step's output field: the cache, a tensor it made, one it was given, or
+    a plain value."""
+    kind = field[0]
+    if kind == "cache":
+        return cache
+    if kind == "out":
+        return made[field]
+    return _given(kwargs, field[1]) if kind == "given" else field[1]
 
 
 def _whole(t: torch.Tensor) -> bool:
@@ -295,7 +336,7 @@ class _Steps:
 
     def forward(self, original: Callable, *args: Any, **kwargs: Any) -> Any:
         cache = kwargs.get("past_key_values")
-        ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        ids = next((kwargs[k] for k in _TOKENS if kwargs.get(k) is not None), None)
         if (args or cache is None or not isinstance(ids, torch.Tensor) or ids.dim() < 2
                 or ids.shape[1] != 1):
             return original(*args, **kwargs)  # the prefill, or not a step of one token
@@ -305,7 +346,7 @@ class _Steps:
         if self.reason is not None:
             return original(**kwargs)
         if self.line is not None and length < self.until:
-            out = self._evaluate(cache, length)
+            out = self._evaluate(cache, length, kwargs)
             if out is not None:
                 return out
         return self._run(original, kwargs, cache, length)
@@ -315,9 +356,10 @@ class _Steps:
         a = tracker.allocator
         start = a.log_length
         before, _ = _serials(tracker, cache)
+        given = _inputs(kwargs)
         out = original(**kwargs)
         try:
-            after, shapes, kinds, ints, fields = _left(tracker, out, cache)
+            after, shapes, kinds, ints, fields = _left(tracker, out, cache, given)
             codes, sizes = _codes(a.log_since(start), before, after)
             self._ran(_Step(length, codes, sizes, shapes, kinds, ints, type(out), fields))
         except _Unsupported as e:
@@ -359,7 +401,7 @@ class _Steps:
         top = _at(self.line.sizes, self.stop)
         self.bound = sum(segment_size(round_request(n)) for n in top)
 
-    def _evaluate(self, cache: Any, length: int) -> Any:
+    def _evaluate(self, cache: Any, length: int, kwargs: dict) -> Any:
         """The step at ``length``, evaluated (see the module docstring); None: it must run
         (the line says it runs out of memory)."""
         line, tracker = self.line, self.tracker
@@ -377,12 +419,11 @@ class _Steps:
                 _put(cache, slot[1], t)
         for path, ab in line.ints.items():
             _put(cache, path, _at([ab], length)[0])
-        out = line.out_type(**{name: cache if f == ("cache",) else
-                               made[f] if f[0] == "out" else f[1]
+        out = line.out_type(**{name: _field(f, cache, made, kwargs)
                                for name, f in line.fields.items()})
         tracker.note_cache(cache)  # as after the model's call (no module call ran)
         if first:
-            after = _left(tracker, out, cache)[0]
+            after = _left(tracker, out, cache, _inputs(kwargs))[0]
             codes, got = _codes(tracker.allocator.log_since(start), before, after)
             if (codes, got) != (line.codes, sizes):  # (never seen): say so, run the rest
                 self.checks.append((length, False))
@@ -514,7 +555,31 @@ def _evaluated_text(steps: _Steps) -> str:
     return text
 
 
-def decode_sampler(tracker: SimTracker, notes: DecodeNotes) -> Callable[[Any, Callable], Callable]:
+def decode_targets(tracker: SimTracker, notes: list) -> tuple:
+    """What a simulated run replaces in transformers (as :mod:`.compat`'s targets: module,
+    attribute, replacement factory): ``_sample``, whose decode steps are read off, and the
+    other decoding methods, which run every step with a note that says so; ``notes``: the
+    report's."""
+    said = DecodeNotes(notes)
+    return ((_MODULE, "GenerationMixin._sample", _sampler(tracker, said)),
+            *((_MODULE, f"GenerationMixin.{name}", _not_read(said, mode))
+              for name, mode in _NOT_READ.items()))
+
+
+def _not_read(notes: DecodeNotes, mode: str) -> Callable[[Any, Callable], Callable]:
+    def make(run: Any, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def method(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                if run.active:
+                    notes.add(None, f"{mode}: its steps are not read off")
+        return method
+    return make
+
+
+def _sampler(tracker: SimTracker, notes: DecodeNotes) -> Callable[[Any, Callable], Callable]:
     """A replacement factory for ``GenerationMixin._sample`` (the form of
     :mod:`.compat`'s targets): each call's decode steps as this module reads them off."""
 
