@@ -320,7 +320,8 @@ class _Steps:
     line from the steps that follow."""
 
     def __init__(self, tracker: SimTracker, start: int, end: int) -> None:
-        self.tracker, self.start, self.end = tracker, start, end  # the first and last steps' lengths
+        # the cache lengths of the first and the last decode steps
+        self.tracker, self.start, self.end = tracker, start, end
         self.ran: list[_Step] = []
         self.calls = 0  # decode steps, run or evaluated
         self.tries = 0  # steps that ran since the last line ended
@@ -379,7 +380,8 @@ class _Steps:
                     self.gap *= 2
                     self.until = min(step.length + 1 + self.gap, self.stop)
                     return
-            self.line, self.ran, self.tries = None, [], 0  # a new line from the next steps
+            # a new line from the next steps, checked as soon as a new one is
+            self.line, self.ran, self.tries, self.gap = None, [], 0, _FIRST_CHECK
         self.tries += 1
         if self.ran and self.ran[-1].length != step.length - 1:
             self.ran = []
