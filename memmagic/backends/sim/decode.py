@@ -23,13 +23,13 @@ the third against it, byte for byte. Then, up to the last step:
   before it fills, which runs as a check; from there its tensors are views of longer ones,
   and the steps run op by op.
 
-An encoder-decoder's steps (T5, BART, Whisper) pass on the encoder output they are given.
-Only ``_sample`` (greedy and sampling decoding) is read off, when the stopping criteria
-are the length and the end-of-sequence token (a simulation reads no token, so every call
-makes all its tokens); beam search, assisted decoding, other criteria and caches that hold
-tensors where they cannot be replaced run every step. The cache length is counted from
-the prompt (a static cache's ``get_seq_length()`` reads its values). ``SimBackend(decode="run")`` runs
-every step of every call. What an evaluated step leaves out: its ops (the op count, the
+An encoder-decoder's steps (T5's, in the tests) pass on the encoder output they are
+given. Only ``_sample`` (greedy and sampling decoding) is read off, when the stopping
+criteria are the length and the end-of-sequence token (a simulation reads no token, so
+every call makes all its tokens); beam search, assisted decoding, other criteria and
+caches that hold tensors where they cannot be replaced run every step, and a note says
+so. The cache length is counted from the prompt (a static cache's ``get_seq_length()``
+reads its values). ``SimBackend(decode="run")`` runs every step of every call. What an evaluated step leaves out: its ops (the op count, the
 trace and the timeline show the cache tensors it made, not its transient buffers) and
 the values a GPU run would compute.
 """
