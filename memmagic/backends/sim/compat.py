@@ -300,7 +300,7 @@ class _Run:
     """State of one simulated run's adjustments. ``patches.call_on_restore(run.finish)``:
     when Patches reaches it, the run ends and its remaining bindings are undone."""
 
-    def __init__(self, patches: Patches, notes: list[str]) -> None:
+    def __init__(self, patches: Patches, notes: list[str], targets: tuple = ()) -> None:
         self.active = False
         self.patches = patches
         self.notes = notes
@@ -312,7 +312,7 @@ class _Run:
         self.replaced: dict[int, tuple[Any, Any]] = {}  # id(original) -> (original, replacement)
         self.originals: dict[int, Any] = {}  # id(replacement) -> original
         self.watch: _ImportWatch | None = None
-        self.targets = _TARGETS  # what is replaced, where its module is loaded
+        self.targets = _TARGETS + targets  # what is replaced, where its module is loaded
 
     # replacing functions
     def replace(self, module: Any, attr: str, make: Callable[[_Run, Any], Any]) -> None:
@@ -694,8 +694,7 @@ def install_compat(patches: Patches, notes: list[str], target: CardSpec | None =
     ``targets``: more (module, attribute, replacement factory) to replace for this run."""
     clear_probe_caches()
     patches.call_on_restore(clear_probe_caches)  # runs after everything installed below
-    run = _Run(patches, notes)
-    run.targets = _TARGETS + tuple(targets)
+    run = _Run(patches, notes, tuple(targets))
     run.active = True
     patches.call_on_restore(run.finish)  # undone last: what the run bound by name
     switch = _CudnnSDPSwitch()

@@ -281,7 +281,8 @@ class _Line:
             raise _Unsupported("the steps are not one token apart")
 
         def what(s: _Step) -> tuple:
-            return (s.codes, s.kinds, s.out_type, s.fields, tuple(s.shapes), tuple(s.ints),
+            # (the slots: the keys of kinds, and of shapes, which holds their tensors' ranks)
+            return (s.codes, s.kinds, s.out_type, s.fields, tuple(s.ints),
                     tuple(len(v) for v in s.shapes.values()))
 
         if not what(s1) == what(s2) == what(s3):

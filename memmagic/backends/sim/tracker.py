@@ -302,6 +302,10 @@ class SimTracker(StorageTracker):
                 # from None: the user sees CUDA's error alone, not our AllocatorFull
                 raise self._oom_error(full) from None
             self.alloc_bytes[serial] = new
+        self._follow_peaks(a)
+
+    def _follow_peaks(self, a: CachingAllocatorModel) -> None:
+        """torch.cuda's max_memory_allocated / reserved follow the allocator model."""
         if a.allocated > self.cuda_allocated_peak:
             self.cuda_allocated_peak = a.allocated
         if a.reserved > self.cuda_reserved_peak:
@@ -313,21 +317,14 @@ class SimTracker(StorageTracker):
         event); ``live`` keeps the keys allocated and not freed yet. torch.cuda's peaks follow
         them. Raises :class:`AllocatorFull` where a request does not fit."""
         a = self.allocator
-        top_allocated, top_reserved = self.cuda_allocated_peak, self.cuda_reserved_peak
-        try:
-            for key, n in steps:
-                if n is None:
-                    a.free(key)
-                    live.discard(key)
-                    continue
-                a.malloc(key, n)
-                live.add(key)
-                if a.allocated > top_allocated:
-                    top_allocated = a.allocated
-                if a.reserved > top_reserved:
-                    top_reserved = a.reserved
-        finally:
-            self.cuda_allocated_peak, self.cuda_reserved_peak = top_allocated, top_reserved
+        for key, n in steps:
+            if n is None:
+                a.free(key)
+                live.discard(key)
+                continue
+            a.malloc(key, n)
+            live.add(key)
+            self._follow_peaks(a)
 
     @property
     def context_bytes(self) -> int:
