@@ -227,8 +227,9 @@ class _Mapper:
         the largest batch, at the longest context that is an odd multiple of ``step`` (a
         kernel that rounds a size to a coarser multiple shows there)."""
         bs = (max(blo, bhi // 4), max(blo + 1, bhi // 2))
-        # odd, even and odd multiples of the step: a size rounded to a coarser multiple is
-        # then no polynomial through them
+        # odd, even and odd multiples of the step: a size rounded up to a coarser multiple
+        # is then no polynomial in the context through them, but one in the context rounded
+        # up (plane.rounding), which the far corner, an odd multiple, checks
         n = len(seqs)
         ss = tuple(_near(seqs, seqs[i * n // 4], step, odd)
                    for i, odd in ((1, True), (2, False), (3, True)))
@@ -312,6 +313,9 @@ def run_fitmap_option(cell: "Cell", option: str) -> FitMap:
 def _verdict(plane: SizePlane, b: int, s: int, room: int) -> bool | None:
     """Whether (b, s) fits by the plane when the allocator may reserve ``room`` bytes (the
     card less its CUDA context; None: no answer)."""
+    floor = plane.allocated_floor(b, s)
+    if floor is not None and floor > room:  # more than the card holds, at some point
+        return False
     acts = plane.actions_at(b, s)
     return None if acts is None else plane.replay(acts, room) is not None
 

@@ -12,7 +12,8 @@ arithmetic) on a basis of monomials ``b^i s^j`` through as many runs as the basi
 :data:`CONTEXT_LINE`, :data:`CONTEXT_CURVE`: lines and a parabola through runs that differ in
 one size, for sweeps, the finders and the panel). A reduction's staging buffers (a kernel's
 sizes: no such polynomial) are recomputed from their fitted recipes
-(:func:`memmagic.backends.sim.reduction_scratch`). At a new size the sizes are evaluated and
+(:func:`memmagic.backends.sim.reduction_scratch`); a size a kernel pads to its tile is a
+polynomial in the context rounded up to that tile (:func:`_fit_rounded`). At a new size the sizes are evaluated and
 the allocator model replays the log on the card: it fits when no request fails. A plane is
 trusted only where runs it was not drawn through check it, byte for byte
 (:meth:`SizePlane.checked_by`). Knows nothing of IPython or widgets.
@@ -39,6 +40,8 @@ CONTEXT_LINE = ((0, 0), (0, 1))
 CONTEXT_CURVE = ((0, 0), (0, 1), (0, 2))
 Basis = Sequence[tuple[int, int]]
 _INT64_SAFE = 1 << 62
+# what a kernel may round the context up to (its tile: :func:`_fit_rounded`)
+_ROUNDINGS = tuple(1 << k for k in range(1, 13))
 
 def allocation_shape(run: MemoryReport, exclude: frozenset = frozenset()
                      ) -> tuple[tuple, list[int]] | None:
@@ -187,6 +190,38 @@ def _monomials(b: int, s: int, basis: Basis = BASIS) -> list[int]:
     return [b ** i * s ** j for i, j in basis]
 
 
+def _round_up(s: int, r: int) -> int:
+    return -(-s // r) * r
+
+
+def _fit_rounded(coefs: list[list[int] | None], values: Sequence[Sequence[int]],
+                 bs: Sequence[int], ss: Sequence[int], basis: Basis) -> dict[int, int] | None:
+    """The sizes ``coefs`` has no polynomial for (None), fitted in the context rounded up to
+    a power of two R instead (a kernel that pads its sequence to a multiple of its tile:
+    memory-efficient attention's workspace to 64, flash attention's to 128), the smallest R
+    that gives whole coefficients through the lattice: their coefficients are put in
+    ``coefs``; returns {column: R}. None where some size has none (or the basis has no
+    context)."""
+    missing = [i for i, c in enumerate(coefs) if c is None]
+    if not missing:
+        return {}
+    if not any(j for _, j in basis):
+        return None
+    rounding: dict[int, int] = {}
+    for r in _ROUNDINGS:
+        rs = [_round_up(s, r) for s in ss]
+        if rs == list(ss) or len(set(rs)) < len(rs):  # nothing rounded, or points merged
+            continue
+        weights, d = _weights(bs, rs, basis)
+        for i, c in zip(missing, _fit(weights, d, [[row[i] for i in missing] for row in values])):
+            if c is not None:
+                coefs[i], rounding[i] = c, r
+        missing = [i for i in missing if i not in rounding]
+        if not missing:
+            return rounding
+    return None
+
+
 class SizePlane:
     """Six simulated runs of one cell on the lattice ``bs`` x ``ss`` (2 batch sizes x 3
     context lengths), and each allocation's size as a polynomial through them.
@@ -224,10 +259,14 @@ class SizePlane:
         # the first run: the one whose log the sizes replay and whose trace they resize
         self.point, self.run, self.log = pts[0], runs[pts[0]], runs[pts[0]].trace.allocator_log
         weights, d = _weights(self.bs, self.ss, self.basis)
-        coefs = _fit(weights, d, [sh[1] for sh in shapes])
-        if any(c is None for c in coefs):
+        values = [sh[1] for sh in shapes]
+        coefs = _fit(weights, d, values)
+        # {column: R} of the sizes that are polynomials in the context rounded up to R
+        self.rounding = _fit_rounded(coefs, values, self.bs, self.ss, self.basis)
+        if self.rounding is None:
             self.reason = ("an allocation's size is not a polynomial in the batch and the "
-                           "context (a kernel that rounds its sizes)")
+                           "context, nor in the context rounded up to a power of two (a "
+                           "kernel that rounds its sizes otherwise)")
             return
         self.coefs = coefs
         # each site: its place among the entries, its recipe's form, its whole numbers fitted
@@ -242,11 +281,16 @@ class SizePlane:
         import numpy as np
 
         self._numpy = None
+        self._floor: tuple | None = None  # _floor_plan's arrays, made when first asked
         # int64 arithmetic where no size up to 64 times the lattice's overflows it
         self._limits = (64 * max(self.bs), 64 * max(self.ss))
-        top = _monomials(*self._limits, self.basis)
+        top = _monomials(self._limits[0], self._limits[1] + max(_ROUNDINGS), self.basis)
         if all(sum(abs(c) * m for c, m in zip(co, top)) < _INT64_SAFE for co in coefs):
             self._numpy = np.array(coefs, dtype=np.int64)
+            by: dict[int, list[int]] = {}
+            for col, r in self.rounding.items():
+                by.setdefault(r, []).append(col)
+            self._rounded = [(r, np.array(cols), self._numpy[cols]) for r, cols in by.items()]
         self.ok = True
 
     def sizes_at(self, b: int, s: int) -> list[int] | None:
@@ -256,10 +300,35 @@ class SizePlane:
         if self._numpy is not None and b <= self._limits[0] and s <= self._limits[1]:
             import numpy as np
 
-            sizes = (self._numpy @ np.array(m, dtype=np.int64)).tolist()
+            out = self._numpy @ np.array(m, dtype=np.int64)
+            for r, cols, coefs in self._rounded:
+                out[cols] = coefs @ np.array(_monomials(b, _round_up(s, r), self.basis),
+                                             dtype=np.int64)
+            sizes = out.tolist()
         else:
-            sizes = [sum(c * x for c, x in zip(co, m)) for co in self.coefs]
+            ms = {r: _monomials(b, _round_up(s, r), self.basis)
+                  for r in {1, *self.rounding.values()}}
+            sizes = [sum(c * x for c, x in zip(co, ms[self.rounding.get(i, 1)]))
+                     for i, co in enumerate(self.coefs)]
         return sizes if min(sizes, default=1) >= 1 else None
+
+    def allocated_floor(self, b: int, s: int) -> int | None:
+        """A floor under the allocated peak at (b, s), found without the allocator model:
+        the bytes allocated at the start, plus each alloc's request, less what each free
+        gives back, at their most (a block is at least its request; staging buffers are
+        left out). Where it is over what the card lets the allocator reserve, a request
+        fails there. None where no sizes are read off at (b, s)."""
+        import numpy as np
+
+        sizes = self.sizes_at(b, s)
+        if sizes is None or max(sizes, default=0) > _INT64_SAFE >> 16:
+            return None
+        if self._floor is None:
+            self._floor = _floor_plan(self.entries, self.log.start)
+        column, sign, given_back, start = self._floor
+        allocs = np.array(sizes[:self.shape[2]] or [0], dtype=np.int64)
+        live = np.cumsum(sign * allocs[column] - given_back)
+        return start + max(int(live.max(initial=0)), 0)
 
     def actions_at(self, b: int, s: int) -> tuple[list[dict], int, list[int]] | None:
         """What the allocator does at (b, s): its allocs and frees (with each site's
@@ -344,6 +413,30 @@ class SizePlane:
         return self.replay(acts) == log.replay(asked)
 
 
+def _floor_plan(entries: list[dict], start: Any) -> tuple[Any, Any, Any, int]:
+    """What :meth:`SizePlane.allocated_floor` adds up, per entry of ``entries`` (allocs
+    and frees): the column of the alloc's size (a free's: its alloc's), +1, -1 or 0 (a
+    free of a block from before the log), what such a free gives back (its block's size
+    in the model ``start``), and the bytes ``start`` has allocated."""
+    import numpy as np
+
+    column, sign, given_back = [], [], []
+    open_: dict[Any, int] = {}
+    n = 0
+    for e in entries:
+        key = e["key"]
+        if e["action"] == "alloc":
+            open_[key] = n
+            column.append(n), sign.append(1), given_back.append(0)
+            n += 1
+        elif key in open_:
+            column.append(open_.pop(key)), sign.append(-1), given_back.append(0)
+        else:
+            column.append(0), sign.append(0), given_back.append(start.size_of(key))
+    return (np.array(column, dtype=np.int64), np.array(sign, dtype=np.int64),
+            np.array(given_back, dtype=np.int64), start.allocated)
+
+
 def _until_out_of_memory(run: "MemoryReport") -> tuple[tuple, list[int], int] | None:
     """What a simulated run that ran out of memory did until the request that failed, as
     :func:`allocation_shape` gives it without its staging buffers (codes, alloc sizes),
@@ -385,6 +478,9 @@ def largest_within(plane: SizePlane, limit: int, context: int, start: int, high:
     from ..report import needed
 
     def fits(v: int) -> bool | None:
+        floor = plane.allocated_floor(*point(v, plane.basis))
+        if floor is not None and floor + context > limit:  # the reserved peak is more
+            return False
         acts = plane.actions_at(*point(v, plane.basis))
         if acts is None:  # a size off the plane's whole bytes: it cannot say
             return None

@@ -59,12 +59,12 @@ out.float().pow(2).mean().backward()
 BS, SS = (4, 8), (128, 256, 384)
 
 
-def _plane(source: str, card: str = "A100-80GB", **defaults):
+def _plane(source: str, card: str = "A100-80GB", ss=SS, **defaults):
     cell = Cell(source, {"batch_size": 2, "seq_len": 64}, backend_options={"gpu": card},
                 defaults=defaults)
     roomy = F._roomy(cell, resolve_target(card))
-    runs = {(b, s): roomy.run(batch_size=b, seq_len=s, strict=True) for b in BS for s in SS}
-    return F.SizePlane(runs, BS, SS), roomy
+    runs = {(b, s): roomy.run(batch_size=b, seq_len=s, strict=True) for b in BS for s in ss}
+    return F.SizePlane(runs, BS, ss), roomy
 
 
 @pytest.mark.parametrize("source, card, defaults", [
@@ -110,18 +110,51 @@ def test_sizes_that_are_no_such_polynomial_are_found_out():
     assert not plane.checked_by(12, 1024, roomy.run(batch_size=12, seq_len=1024, strict=True))
 
 
-def test_a_size_rounded_coarser_than_the_step_is_not_read_off_the_plane():
+@pytest.mark.parametrize("card, amp, tile", [("T4", None, 64), ("A100-80GB", "bf16", 128)])
+def test_a_kernel_that_pads_the_context_to_its_tile_is_read_off_the_padded_context(card, amp,
+                                                                                   tile):
+    # contexts that are odd multiples of 32: memory-efficient attention's backward (a T4)
+    # pads its workspace's context to 64, flash attention's (an A100, bf16) to 128; those
+    # sizes are polynomials in the padded context, not in the context
+    ss = (608, 1088, 1568)
+    plane, roomy = _plane(GPT2, card, ss=ss, **({"amp": amp} if amp else {}))
+    assert plane.ok, plane.reason
+    assert tile in plane.rounding.values()
+    for b, s in ((6, 992), (12, 2016), (3, 160)):  # none a multiple of 64
+        run = roomy.run(batch_size=b, seq_len=s, strict=True)
+        assert plane.checked_by(b, s, run), (b, s)
+        assert plane.at(b, s)[1] == run.reserved_peak
+
+
+def test_a_size_rounded_up_coarser_than_the_step_is_read_off_the_rounded_context():
     # rounded up to a multiple of 256 while the map steps by 128: the lattice mixes odd and
-    # even multiples of the step, so no plane passes through it, and the pairs are run
-    cell = Cell("import torch\nx = torch.empty(batch_size * ((seq_len + 255) // 256 * 256) * "
-                "1024, device='cuda')\n", {"batch_size": 2, "seq_len": 256},
-                backend_options={"gpu_memory": "1GiB"})
+    # even multiples of the step, so no polynomial in the context passes through it, one in
+    # the context rounded up to 256 does, and the far corner (an odd multiple) checks it
+    src = ("import torch\nx = torch.empty(batch_size * ((seq_len + 255) // 256 * 256) * 1024, "
+           "device='cuda')\n")
+    cell = Cell(src, {"batch_size": 2, "seq_len": 256}, backend_options={"gpu_memory": "1GiB"})
     fm = F.fit_map(cell, batch=(1, 64), seq=(128, 2048))
-    assert fm.method == "runs"
+    assert fm.method == "plane", fm.notes
     for s in fm.seqs:  # 4 KiB a token of the rounded context: 2**30 bytes hold 2**18 tokens
         top = fm.largest[s]
         rounded = (s + 255) // 256 * 256
         assert top == min(64, 2 ** 30 // (rounded * 4096))
+    # rounded down: no rounding up fits it either, so the pairs are run
+    down = src.replace("(seq_len + 255) // 256 * 256", "seq_len // 3")
+    fm = F.fit_map(Cell(down, {"batch_size": 2, "seq_len": 256},
+                        backend_options={"gpu_memory": "1GiB"}), batch=(1, 64), seq=(128, 2048))
+    assert fm.method == "runs"
+    assert any("nor in the context rounded up" in n for n in fm.notes)
+
+
+def test_the_allocated_floor_is_under_the_replay_and_over_the_card_means_no_fit():
+    plane, roomy = _plane(GPT2, "T4", amp="fp16")
+    for b, s in ((6, 640), (12, 1024), (3, 128)):
+        floor = plane.allocated_floor(b, s)
+        allocated, _reserved = plane.at(b, s)
+        assert 0 < floor <= allocated
+        # a card with less room than the floor: the replay fails too
+        assert plane.at(b, s, capacity=floor - 1) is None
 
 
 def test_the_fit_map_is_read_off_the_plane_and_its_boundary_holds_in_runs():
