@@ -953,7 +953,7 @@ def fit_map_figure(threads: int = 1, against: Any = None) -> Figure:
         "memmagic.fit_map of a cell that builds GPT-2-124M from transformers' config and "
         "trains one AdamW step under fp16 autocast, on a simulated T4, batch 1..64 (every "
         "batch) x 16 contexts 128..2048 (every 128) and x 64 contexts 32..2048 (every 32): "
-        "'plane' reads every pair off six runs and checks it with runs; 'runs' runs each "
+        "'plane' reads every pair off four or six runs and checks it with runs; 'runs' runs each "
         "pair its search tries ('runs' and 'pairs evaluated': of the method the map ended "
         "with, a plane that cannot be used falls back to runs at 8 contexts). Each in a fresh "
         "process (its first run imports transformers); 'again': the same map once more in "

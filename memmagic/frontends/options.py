@@ -93,10 +93,11 @@ OPTIONS = [
              "largest value that fits the card. Values between two runs that the run between "
              "them shows to be on a straight line are replayed, not run (rings on the chart).")),
     (("--fitmap",), dict(
-        nargs="?", const="", default=None, metavar="batch=LO:HI,seq=LO:HI",
+        nargs="?", const="", default=None, metavar="batch=LO:HI,seq=LO:HI,step=N",
         help="The fit map: for the target card (--gpu), which pairs of batch size and context "
              "length fit, as a chart of the plane with its boundary (default: batch 1:64, "
-             "context 128 up to twice the cell's). Read off six runs of the cell where each "
+             "context 128 up to twice the cell's, up to 64 contexts, multiples of step=128). "
+             "Read off four or six runs of the cell where each "
              "allocation's size is a polynomial in the two, checked by runs; otherwise run pair "
              "by pair.")),
     (("--advise",), dict(

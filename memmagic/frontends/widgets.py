@@ -136,7 +136,7 @@ class WhatIfPanel:
         self.sweep_text = w.HTML()
         self.fit_map_button = w.Button(description="fit map", tooltip=(
             "which pairs of batch size and context length fit the target card, over the "
-            "sliders' ranges (read off six runs, checked by runs)"))
+            "sliders' ranges (read off four or six runs, checked by runs)"))
         self.fit_map_button.on_click(lambda _b: self.run_fit_map())
         # one row per knob: its name in a right-aligned column, then the control, so that
         # sliders, toggle buttons, checkboxes and menus line up

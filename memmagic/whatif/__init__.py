@@ -4,7 +4,7 @@
 - ``knobs``: the knob table (each knob one entry) and :class:`Setting`;
 - ``apply``: how memmagic applies a knob to a cell that does not read its variable;
 - ``sweeps``: a knob across values, and the largest batch or context that fits;
-- ``fitmap``: the (batch, context) pairs that fit a card, read off six runs;
+- ``fitmap``: the (batch, context) pairs that fit a card, read off four or six runs;
 - ``sharding``: FSDP2 and tensor parallelism on a fake process group.
 """
 

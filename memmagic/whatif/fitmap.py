@@ -1,14 +1,17 @@
 """The fit map: for a card, which (batch size, context length) pairs of a cell fit, read off
 a few simulated runs instead of one run per pair.
 
-Six runs on a 2 x 3 lattice of (batch, context), on a card of the target's kind that
-nothing outgrows, give a :class:`~memmagic.whatif.plane.SizePlane`: each allocation's
-size as a polynomial in the batch and the context (see :mod:`memmagic.whatif.plane`). At a
-pair the sizes are evaluated and the allocator model replays the log on a card of the
-target's size: it fits when no request fails. :func:`fit_map` checks the plane against
-runs before it trusts it (the far corner, byte for byte; then the boundary it found: the
-largest batch that fits and the one above, at the first, middle and last contexts), and
-falls back to runs where a check fails. Knows nothing of IPython or widgets.
+Four runs on a 2 x 2 lattice of (batch, context) (six on a 2 x 3 where a size grows with
+the context's square), on a card of the target's kind that nothing outgrows, give a
+:class:`~memmagic.whatif.plane.SizePlane`: each allocation's size as a polynomial in the
+batch and the context (see :mod:`memmagic.whatif.plane`). At a pair the sizes are
+evaluated: where the bytes live at once are more than the card, it does not fit; else the
+allocator model replays the log on a card of the target's size, and it fits when no
+request fails. :func:`fit_map` checks the plane against runs before it trusts it (the far
+corner, byte for byte; then the boundary it found at the first, middle and last contexts:
+the largest batch that fits, its sizes byte for byte, and the one above, unless its sizes
+alone overflow the card), and falls back to runs where a check fails. Knows nothing of
+IPython or widgets.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from ..report import format_bytes
 from .knobs import BATCH_DIM, SEQ_DIM, resizing, targeting
-from .plane import SizePlane
+from .plane import BASIS, BILINEAR, SizePlane
 
 if TYPE_CHECKING:
     from .engine import Cell
@@ -37,8 +40,8 @@ class FitMap:
 
     ``largest[s]`` is the largest batch size in ``batch`` that fits at context ``s`` (None:
     none does), for each ``s`` of ``seqs``; a pair fits when its batch is at most that
-    (the memory a step needs grows with its batch). ``method``: "plane" (read off six
-    runs, :class:`SizePlane`, checked by ``checks``) or "runs" (a run per tried pair,
+    (the memory a step needs grows with its batch). ``method``: "plane" (read off four
+    or six runs, :class:`SizePlane`, checked by ``checks``) or "runs" (a run per tried pair,
     where the plane could not be used: ``notes`` say why). ``runs`` counts the simulated
     runs it took."""
 
@@ -132,8 +135,8 @@ def fit_map(cell: "Cell", *, gpu: Any = None, gpu_memory: Any = None,
 
     The card is ``gpu`` (a name, "T4") or ``gpu_memory``, else the cell's own target. The
     cell must read ``batch_size`` and ``seq_len`` or name the batch and token tensors
-    memmagic resizes (see :mod:`memmagic.whatif.knobs`). Six runs on a larger card of the
-    same kind give a :class:`SizePlane`; every other pair is evaluated from it, checked by
+    memmagic resizes (see :mod:`memmagic.whatif.knobs`). Four or six runs on a larger card
+    of the same kind give a :class:`SizePlane`; every other pair is evaluated from it, checked by
     runs (see the module's docstring); where it cannot be used, each tried pair is run (on
     at most FALLBACK_CONTEXTS contexts). ``method="runs"`` runs each tried pair at every
     context (the slow way, to compare). ``setting``: the other knobs of the runs (AMP,
@@ -223,9 +226,11 @@ class _Mapper:
                                                resizing(SEQ_DIM).name: s}), strict=True)
 
     def read_plane(self, blo: int, bhi: int, seqs: Sequence[int], step: int) -> None:
-        """The plane through the lattice's six runs, checked byte for byte at the far corner:
-        the largest batch, at the longest context that is an odd multiple of ``step`` (a
-        kernel that rounds a size to a coarser multiple shows there)."""
+        """The plane through the lattice's runs, checked byte for byte at the far corner: the
+        largest batch, at the longest context that is an odd multiple of ``step`` (a kernel
+        that rounds a size to a coarser multiple shows there). First a 2 x 2 lattice, sizes
+        linear in the context (attention kernels keep no scores); where the far corner
+        disagrees, a third context, sizes up to its square."""
         bs = (max(blo, bhi // 4), max(blo + 1, bhi // 2))
         # odd, even and odd multiples of the step: a size rounded up to a coarser multiple
         # is then no polynomial in the context through them, but one in the context rounded
@@ -235,19 +240,28 @@ class _Mapper:
                    for i, odd in ((1, True), (2, False), (3, True)))
         if len(set(ss)) < 3:
             ss = (seqs[0], seqs[n // 2], seqs[-1])
-        self.lattice = tuple((b, s) for b in bs for s in ss)
-        plane = self.plane = SizePlane({p: self.run(self.roomy, *p) for p in self.lattice}, bs, ss)
-        if not plane.ok:
-            self.notes.append(f"the runs at {_pairs(self.lattice)} cannot be read as one plane "
-                              f"({plane.reason})")
-            return
         far = max((s for s in seqs if s // step % 2), default=seqs[-1])
-        if plane.checked_by(bhi, far, self.run(self.roomy, bhi, far)):
-            self.checks.append((bhi, far, _verdict(plane, bhi, far, self.room) is True))
-        else:
-            self.notes.append(f"the run at batch {bhi}, context {far} differs from the "
-                              f"plane through the runs at {_pairs(self.lattice)}")
+        runs: dict[tuple[int, int], "MemoryReport"] = {}
+        for basis, contexts in ((BILINEAR, ss[1:]), (BASIS, ss)):
+            self.lattice = tuple((b, s) for b in bs for s in contexts)
+            for p in self.lattice:
+                if p not in runs:
+                    runs[p] = self.run(self.roomy, *p)
+            plane = self.plane = SizePlane({p: runs[p] for p in self.lattice}, bs, contexts,
+                                           basis)
+            if not plane.ok:
+                why = (f"the runs at {_pairs(self.lattice)} cannot be read as one plane "
+                       f"({plane.reason})")
+                continue
+            if (bhi, far) not in runs:
+                runs[bhi, far] = self.run(self.roomy, bhi, far)
+            if plane.checked_by(bhi, far, runs[bhi, far]):
+                self.checks.append((bhi, far, _verdict(plane, bhi, far, self.room) is True))
+                return
             plane.ok = False
+            why = (f"the run at batch {bhi}, context {far} differs from the plane through the "
+                   f"runs at {_pairs(self.lattice)}")
+        self.notes.append(why)
 
     def fits(self, b: int, s: int) -> bool:
         """Whether (b, s) fits the target: by the plane where it answers, else by a run."""
@@ -261,19 +275,30 @@ class _Mapper:
     def check_boundary(self, largest: dict[int, int | None], seqs: Sequence[int], blo: int,
                        bhi: int) -> None:
         """Runs on the target at the boundary of the first, middle and last contexts: the
-        largest batch found to fit, and the one above it."""
+        largest batch found to fit (its sizes the plane's, byte for byte), and the one above
+        it, unless the plane's sizes alone hold more at once than the card (no allocator
+        could fit them: that needs no run)."""
+        plane, beyond = self.plane, []
         for s in (seqs[0], seqs[len(seqs) // 2], seqs[-1]):
             top = largest[s]
             tried = ([top] if top is not None else []) + ([(top or blo - 1) + 1]
                                                           if (top or 0) < bhi else [])
             for b in tried:
-                ok = bool(self.run(self.real, b, s).fits)
+                floor = plane.allocated_floor(b, s)
+                if b != top and floor is not None and floor > self.room:
+                    beyond.append((b, s))
+                    continue
+                run = self.run(self.real, b, s)
+                ok = bool(run.fits)
                 self.checks.append((b, s, ok))
-                if ok != self.fits(b, s):
+                if ok != self.fits(b, s) or ok and not plane.sizes_checked_by(b, s, run):
                     self.notes.append(f"the run at batch {b}, context {s} disagrees with the plane")
-                    self.plane.ok = False
+                    plane.ok = False
                     return
-
+        if beyond:
+            self.notes.append(f"not run: {_pairs(beyond)}, above the boundary, whose sizes on "
+                              "the plane hold more at once than the card, whatever the allocator "
+                              "does")
 
 def _near(seqs: Sequence[int], s: int, step: int, odd: bool) -> int:
     """The context of ``seqs`` nearest ``s`` that is an odd (or even) multiple of ``step``
@@ -294,15 +319,18 @@ def _boundaries(fits, seqs: Sequence[int], lo: int, hi: int) -> dict[int, int | 
 
 
 def run_fitmap_option(cell: "Cell", option: str) -> FitMap:
-    """The fit map of ``--fitmap`` (``""``, ``"batch=1:64"``, ``"batch=1:64,seq=128:4096"``)."""
-    ranges: dict[str, tuple[int, int]] = {}
+    """The fit map of ``--fitmap`` (``""``, ``"batch=1:64"``, ``"batch=1:64,seq=128:4096"``,
+    ``"seq=32:2048,step=32"``: the contexts' step)."""
+    ranges: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in option.replace(" ", "").split(","))):
         name, _, span = part.partition("=")
         lo, _, hi = span.partition(":")
-        if name not in ("batch", "seq") or not (lo.isdigit() and hi.isdigit()) or name in ranges:
-            raise ValueError(f"--fitmap takes batch=LO:HI and seq=LO:HI (e.g. --fitmap "
-                             f"batch=1:64,seq=128:4096), not {option!r}")
-        ranges[name] = (int(lo), int(hi))
+        ok = (span.isdigit() and int(span) > 0 if name == "step"
+              else name in ("batch", "seq") and lo.isdigit() and hi.isdigit())
+        if not ok or name in ranges:
+            raise ValueError(f"--fitmap takes batch=LO:HI, seq=LO:HI and step=N (e.g. --fitmap "
+                             f"batch=1:64,seq=128:4096,step=64), not {option!r}")
+        ranges[name] = int(span) if name == "step" else (int(lo), int(hi))
     try:
         return fit_map(cell, **ranges)
     except _NoCard:

@@ -8,7 +8,8 @@ have one shape differ only in sizes, and a transformer step's sizes are polynomi
 batch ``b`` and the context ``s``: weights a constant, activations ``b*s*c``, attention
 scores ``b*s*s*c``, masks ``s*s*c``. :class:`SizePlane` fits each size exactly (integer
 arithmetic) on a basis of monomials ``b^i s^j`` through as many runs as the basis has
-(:data:`BASIS`: six runs on a 2 x 3 lattice, for the fit map; :data:`BATCH_LINE`,
+(:data:`BASIS`: six runs on a 2 x 3 lattice, or :data:`BILINEAR`: four on a 2 x 2, for the
+fit map; :data:`BATCH_LINE`,
 :data:`CONTEXT_LINE`, :data:`CONTEXT_CURVE`: lines and a parabola through runs that differ in
 one size, for sweeps, the finders and the panel). A reduction's staging buffers (a kernel's
 sizes: no such polynomial) are recomputed from their fitted recipes
@@ -29,11 +30,14 @@ if TYPE_CHECKING:
     from ..report import MemoryReport
 
 __all__ = ["SizePlane", "allocation_shape", "shape_of", "line_through", "point",
-           "largest_within", "bisect_largest", "BASIS",
+           "largest_within", "bisect_largest", "BASIS", "BILINEAR",
            "BATCH_LINE", "CONTEXT_LINE", "CONTEXT_CURVE"]
 
 # the monomials b^i s^j of a size, in this order
 BASIS = ((0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2))
+# without the squares of the context: four runs on a 2 x 2 lattice (attention kernels keep no
+# b*s*s scores)
+BILINEAR = ((0, 0), (0, 1), (1, 0), (1, 1))
 # through runs that differ in one size: a line in the batch; a line or a parabola in the context
 BATCH_LINE = ((0, 0), (1, 0))
 CONTEXT_LINE = ((0, 0), (0, 1))
@@ -223,8 +227,9 @@ def _fit_rounded(coefs: list[list[int] | None], values: Sequence[Sequence[int]],
 
 
 class SizePlane:
-    """Six simulated runs of one cell on the lattice ``bs`` x ``ss`` (2 batch sizes x 3
-    context lengths), and each allocation's size as a polynomial through them.
+    """Simulated runs of one cell on the lattice ``bs`` x ``ss`` (2 batch sizes x 3 context
+    lengths for :data:`BASIS`, x 2 for :data:`BILINEAR`; one size for the lines), and each
+    allocation's size as a polynomial through them.
 
     A reduction's staging buffers are left out of the comparison: each reduction that may
     stage one is a *site*, at the same place of every run, whose buffers (none, or a
@@ -393,19 +398,23 @@ class SizePlane:
         return (codes == self.shape[0][:len(codes)] and k < self.shape[2]
                 and got == sizes[:k] and sizes[k] == failed)
 
+    def sizes_checked_by(self, b: int, s: int, run: "MemoryReport") -> bool:
+        """Whether the run at (b, s) made the allocs and frees the plane gives there, in the
+        same order, each of the same size (staging buffers aside): on any card."""
+        if not self.ok:
+            return False
+        sh = shape_of(run)
+        sizes = self.sizes_at(b, s)
+        return sh is not None and sizes is not None and sh[0] == self.shape and sh[1] == sizes
+
     def checked_by(self, b: int, s: int, run: "MemoryReport") -> bool:
         """Whether the run at (b, s) did exactly what the plane gives there: the same
         allocs and frees in the same order, each of the same size (staging buffers too), and
         the same allocated and reserved peaks."""
-        if not self.ok:
-            return False
-        trace = run.trace
-        sh = shape_of(run)
-        sizes = self.sizes_at(b, s)
-        if sh is None or sizes is None or sh[0] != self.shape or sh[1] != sizes:
+        if not self.sizes_checked_by(b, s, run):
             return False
         acts = self.actions_at(b, s)
-        log = trace.allocator_log
+        log = run.trace.allocator_log
         done = [e for e in log.entries if e["action"] in ("alloc", "free_completed")]
         asked = [e["size"] for e in done if e["action"] == "alloc"]
         if [e["action"] for e in done] != [e["action"] for e in acts[0]] or asked != acts[2]:

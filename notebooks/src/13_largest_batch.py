@@ -89,12 +89,13 @@ print(f"largest batch with no margin: {tight.batch_size}, with 10%: {found.batch
 # A language model's step has two sizes: how many sequences (the batch) and how long
 # each is (the context). Its memory is a polynomial in the two: the weights, gradients
 # and optimizer state are constants, most activations grow with batch x context, and
-# attention's scores (where the kernel keeps them) with batch x context². So six runs on
-# a 2 x 3 grid of sizes fix every allocation's size at *every* pair, and the simulated
-# allocator replays them for each pair instead of running the model again.
-# `fit_map` does that, checks the result against real runs of the cell (at the far
-# corner, and at the boundary it found), and falls back to running pair by pair where a
-# check fails (a kernel that rounds its sizes, a path that changes with size).
+# attention's scores (where the kernel keeps them) with batch x context². So four runs on
+# a 2 x 2 grid of sizes (six on a 2 x 3 grid where scores grow with the context²) fix
+# every allocation's size at *every* pair, and the simulated allocator replays them for
+# each pair instead of running the model again. `fit_map` does that, checks the result
+# against real runs of the cell (at the far corner, and at the boundary it found), and
+# falls back to running pair by pair where a check fails (a kernel that rounds its sizes
+# down, a path that changes with size).
 
 # %%
 from memmagic import fit_map

@@ -183,6 +183,54 @@ def test_the_fit_map_is_read_off_the_plane_and_its_boundary_holds_in_runs():
     assert chart._repr_png_()[0][:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_four_runs_where_sizes_are_linear_in_the_context_six_where_scores_are_squared():
+    # GPT-2 on a T4 takes memory-efficient attention: no b*s*s scores, a 2 x 2 lattice
+    # holds; the hand-written attention keeps its scores, so the far corner disagrees with
+    # that lattice and a third context is run
+    cell = Cell(GPT2, {"batch_size": 2, "seq_len": 256}, backend_options={"gpu_memory": "1GiB"})
+    fm = F.fit_map(cell, batch=(1, 64), seq=(128, 2048))
+    assert fm.method == "plane" and len(fm.lattice) == 4, fm.notes
+    cell = Cell(MANUAL, {"batch_size": 2, "seq_len": 256}, backend_options={"gpu": "T4"})
+    fm = F.fit_map(cell, batch=(1, 64), seq=(128, 2048))
+    assert fm.method == "plane" and len(fm.lattice) == 6, fm.notes
+    assert len({s for _, s in fm.lattice}) == 3
+    # the runs: the 2 x 2 lattice, its far corner, the third context's two, the boundary's
+    assert fm.runs == 4 + 1 + 2 + sum(1 for c in fm.checks[1:])
+    real = F._on_card(cell, resolve_target("T4"))
+    s = fm.seqs[-1]
+    top = fm.largest[s]
+    assert real.run(batch_size=top, seq_len=s, strict=True).fits
+    assert not real.run(batch_size=top + 1, seq_len=s, strict=True).fits
+
+
+def test_the_batch_above_the_boundary_is_not_run_where_its_sizes_alone_overflow_the_card():
+    cell = Cell(GPT2, {"batch_size": 2, "seq_len": 256}, backend_options={"gpu_memory": "1GiB"})
+    fm = F.fit_map(cell, batch=(1, 64), seq=(128, 2048))
+    skipped = [n for n in fm.notes if n.startswith("not run: ")]
+    assert skipped and "above the boundary" in skipped[0], fm.notes
+    real = F._on_card(cell, resolve_target(None, "1GiB"))
+    ran = 0
+    for s in (fm.seqs[len(fm.seqs) // 2], fm.seqs[-1]):
+        b = fm.largest[s] + 1
+        if (b, s) not in {(c[0], c[1]) for c in fm.checks}:  # not run by the map: run it here
+            assert f"({b}, {s})" in skipped[0]
+            assert not real.run(batch_size=b, seq_len=s, strict=True).fits
+            ran += 1
+    assert ran
+
+
+def test_a_check_on_the_card_whose_sizes_differ_from_the_plane_sends_the_map_to_runs():
+    # a cell that sizes a buffer by the card's memory: on the roomy card of the lattice it
+    # is another size than on the card itself; the verdicts at the boundary agree, the
+    # sizes do not, byte for byte
+    src = GPT2 + ("free = torch.cuda.get_device_properties(0).total_memory\n"
+                  "extra = torch.empty(4096 if free < 2 ** 40 else 8192, device='cuda')\n")
+    cell = Cell(src, {"batch_size": 2, "seq_len": 256}, backend_options={"gpu_memory": "1GiB"})
+    fm = F.fit_map(cell, batch=(1, 32), seq=(128, 1024))
+    assert fm.method == "runs"
+    assert any("disagrees with the plane" in n for n in fm.notes), fm.notes
+
+
 def test_where_the_plane_cannot_be_used_each_pair_is_run():
     cubic = ("import torch\nx = torch.empty(batch_size ** 3 * seq_len, device='cuda')\n"
              "y = x * 2\n")
@@ -205,8 +253,9 @@ def test_bad_input_gets_one_line():
         F.fit_map(cell)
     with pytest.raises(ValueError, match="batch takes"):
         F.fit_map(cell, gpu="T4", batch=(8, 4))
-    with pytest.raises(ValueError, match="--fitmap takes batch=LO:HI and seq=LO:HI"):
-        F.run_fitmap_option(cell, "batch=1-64")
+    for bad in ("batch=1-64", "step=0", "step=x", "seq=1:8,seq=1:9"):
+        with pytest.raises(ValueError, match="--fitmap takes batch=LO:HI, seq=LO:HI and step=N"):
+            F.run_fitmap_option(cell, bad)
     with pytest.raises(ValueError, match="--fitmap needs a card"):
         F.run_fitmap_option(cell, "")
 
@@ -216,6 +265,9 @@ def test_the_magic_draws_the_fit_map(ip):
     fm = ip.run_cell_magic("gpumem", "--fitmap batch=1:16,seq=128:512 --gpu-memory 512MiB -o "
                            "--no-chart", GPT2)
     assert isinstance(fm, F.FitMap) and fm.batch == (1, 16) and fm.seqs == (128, 256, 384, 512)
+    fm = ip.run_cell_magic("gpumem", "--fitmap batch=1:16,seq=96:512,step=32 --gpu-memory 512MiB "
+                           "-o --no-chart", GPT2)
+    assert fm.seqs == tuple(range(96, 513, 32)) and fm.method == "plane", fm.notes
     from IPython.core.error import UsageError
 
     with pytest.raises(UsageError, match="--fitmap is a view of the cell of its own"):
