@@ -136,9 +136,9 @@ def fit_map(cell: "Cell", *, gpu: Any = None, gpu_memory: Any = None,
     The card is ``gpu`` (a name, "T4") or ``gpu_memory``, else the cell's own target. The
     cell must read ``batch_size`` and ``seq_len`` or name the batch and token tensors
     memmagic resizes (see :mod:`memmagic.whatif.knobs`). Four or six runs on a larger card
-    of the same kind give a :class:`SizePlane`; every other pair is evaluated from it, checked by
-    runs (see the module's docstring); where it cannot be used, each tried pair is run (on
-    at most FALLBACK_CONTEXTS contexts). ``method="runs"`` runs each tried pair at every
+    of the same kind give a :class:`SizePlane`; every other pair is evaluated from it,
+    checked by runs (see the module's docstring); where it cannot be used, each tried pair
+    is run (on at most FALLBACK_CONTEXTS contexts). ``method="runs"`` runs each tried pair at every
     context (the slow way, to compare). ``setting``: the other knobs of the runs (AMP,
     checkpointing; a :class:`Setting` or a dict, as ``cell.run`` takes it; its target card
     is the map's unless ``gpu`` or ``gpu_memory`` says otherwise)."""
@@ -299,6 +299,7 @@ class _Mapper:
             self.notes.append(f"not run: {_pairs(beyond)}, above the boundary, whose sizes on "
                               "the plane hold more at once than the card, whatever the allocator "
                               "does")
+
 
 def _near(seqs: Sequence[int], s: int, step: int, odd: bool) -> int:
     """The context of ``seqs`` nearest ``s`` that is an odd (or even) multiple of ``step``

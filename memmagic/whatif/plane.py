@@ -9,15 +9,15 @@ batch ``b`` and the context ``s``: weights a constant, activations ``b*s*c``, at
 scores ``b*s*s*c``, masks ``s*s*c``. :class:`SizePlane` fits each size exactly (integer
 arithmetic) on a basis of monomials ``b^i s^j`` through as many runs as the basis has
 (:data:`BASIS`: six runs on a 2 x 3 lattice, or :data:`BILINEAR`: four on a 2 x 2, for the
-fit map; :data:`BATCH_LINE`,
-:data:`CONTEXT_LINE`, :data:`CONTEXT_CURVE`: lines and a parabola through runs that differ in
-one size, for sweeps, the finders and the panel). A reduction's staging buffers (a kernel's
-sizes: no such polynomial) are recomputed from their fitted recipes
-(:func:`memmagic.backends.sim.reduction_scratch`); a size a kernel pads to its tile is a
-polynomial in the context rounded up to that tile (:func:`_fit_rounded`). At a new size the sizes are evaluated and
-the allocator model replays the log on the card: it fits when no request fails. A plane is
-trusted only where runs it was not drawn through check it, byte for byte
-(:meth:`SizePlane.checked_by`). Knows nothing of IPython or widgets.
+fit map; :data:`BATCH_LINE`, :data:`CONTEXT_LINE`, :data:`CONTEXT_CURVE`: lines and a
+parabola through runs that differ in one size, for sweeps, the finders and the panel). A
+reduction's staging buffers (a kernel's sizes: no such polynomial) are recomputed from
+their fitted recipes (:func:`memmagic.backends.sim.reduction_scratch`); a size a kernel
+pads to its tile is a polynomial in the context rounded up to that tile
+(:func:`_fit_rounded`). At a new size the sizes are evaluated and the allocator model
+replays the log on the card: it fits when no request fails. A plane is trusted only where
+runs it was not drawn through check it, byte for byte (:meth:`SizePlane.checked_by`).
+Knows nothing of IPython or widgets.
 """
 
 from __future__ import annotations
