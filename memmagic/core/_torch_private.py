@@ -270,12 +270,24 @@ def fake_alias(base: FakeTensor, out: FakeTensor) -> FakeTensor:
     """``out`` (a FakeTensor carrying a constant, on a storage of its own) remade on
     ``base``'s storage with its sizes, strides, offset, fake device and constant, and
     registered as a constant."""
+    return constant_view(base, out.constant, out)
+
+
+def constant_view(base: FakeTensor, constant: torch.Tensor, like: torch.Tensor | None = None,
+                  template: dict | None = None) -> FakeTensor:
+    """A FakeTensor on ``base``'s storage (``base`` carries a constant laid out as it is)
+    with the dtype, sizes, strides and offset of ``like`` (``constant``, a real view of
+    base's constant, where None), standing for ``like``'s fake device (base's), carrying
+    ``constant`` and registered as a constant: what FakeTensorMode makes of a view op on
+    a constant, without its converter (``template``: see :func:`_constant_fake_of`)."""
     mode = base.fake_mode
+    like = constant if like is None else like
     with no_dispatch():
-        meta = torch.empty((0,), dtype=out.dtype, device="meta")
-        meta.set_(base.untyped_storage(), out.storage_offset(), out.shape, out.stride())
-    fake = FakeTensor(mode, meta, out.fake_device, constant=out.constant)
-    register_fake_constant(mode, out.constant, fake)
+        meta = torch.empty((0,), dtype=like.dtype, device="meta")
+        meta.set_(base.untyped_storage(), like.storage_offset(), like.shape, like.stride())
+    fake = _constant_fake_of(mode, meta, getattr(like, "fake_device", base.fake_device),
+                             constant, template)
+    register_fake_constant(mode, constant, fake)
     return fake
 
 
@@ -569,7 +581,8 @@ def fake_constant(t: torch.Tensor) -> torch.Tensor | None:
     return getattr(t, "constant", None)
 
 
-def constant_fake(mode: FakeTensorMode, real: torch.Tensor, device: torch.device) -> torch.Tensor:
+def constant_fake(mode: FakeTensorMode, real: torch.Tensor, device: torch.device,
+                  template: dict | None = None) -> torch.Tensor:
     """A FakeTensor of ``mode`` carrying ``real`` (a plain CPU tensor that owns its storage)
     as its constant, standing for ``device``; FakeTensorMode then computes ops on it for real
     while the result stays within ``torch._subclasses.fake_tensor.CONSTANT_NUMEL_LIMIT``.
@@ -577,13 +590,36 @@ def constant_fake(mode: FakeTensorMode, real: torch.Tensor, device: torch.device
     What ``from_real_tensor(make_constant=True)`` makes of such a tensor (its meta twin with
     the same geometry, the constant registered with the converter: an in-place op on it,
     Adam's ``step += 1``, finds this fake tensor again instead of a new storage), without
-    describing the tensor through meta_utils (0.3 ms a call)."""
+    describing the tensor through meta_utils (0.3 ms a call). ``template``: see
+    :func:`_constant_fake_of`."""
     with no_dispatch():
         meta = torch.empty_strided(tuple(real.shape), real.stride(), dtype=real.dtype,
                                    device="meta")
-    fake = FakeTensor(mode, meta, device, constant=real)
+    fake = _constant_fake_of(mode, meta, device, real, template)
     register_fake_constant(mode, real, fake)
     return fake
+
+
+def _constant_fake_of(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device,
+                      constant: torch.Tensor, template: dict | None) -> FakeTensor:
+    """``FakeTensor(mode, meta, device, constant=constant)``; with ``template`` (the
+    ``__dict__`` of a CPU FakeTensor the constructor made, as :func:`bare_fake` takes it)
+    without the constructor's Python work."""
+    if template is None:
+        return FakeTensor(mode, meta, device, constant=constant)
+    fake = bare_fake(mode, meta, device)
+    fake.__dict__.update(template)
+    if device != template[FAKE_DEVICE_ATTR]:
+        fake.fake_device = device
+    fake.constant = constant
+    return fake
+
+
+def may_turn_const(mode: FakeTensorMode, t: torch.Tensor) -> bool:
+    """Whether FakeTensorMode ``mode`` keeps real tensor ``t`` (an op's output computed on
+    constants, or what ``torch.tensor`` lifts) as a constant: its own test, with the bound
+    the simulation sets during a run (:func:`may_turn_const_holder`)."""
+    return mode.may_turn_const(t)
 
 
 def may_turn_const_holder():
@@ -622,7 +658,8 @@ def drop_constant(t: torch.Tensor) -> None:
     t.constant = None
 
 
-__all__ += ["fake_device", "fake_constant", "constant_fake", "constant_numel_limit_holder",
+__all__ += ["fake_device", "fake_constant", "constant_fake", "constant_view", "may_turn_const",
+            "constant_numel_limit_holder",
             "may_turn_const_holder",
             "drop_constant"]
 

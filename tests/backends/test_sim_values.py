@@ -53,6 +53,26 @@ def test_control_flow_on_constants_takes_the_gpu_path():
     assert seen["steps"] == 4 and seen["branch"] == "big"
 
 
+def test_host_indices_drawn_for_real_slice_numpy_data_as_on_a_gpu():
+    # nanoGPT's get_batch: for each index drawn on the host, a slice of a numpy array made a
+    # tensor; the index arithmetic and the lift of each slice keep their values
+    seen = {}
+    out, _ = run("""
+        import numpy as np
+        import torch
+        data = np.arange(1000, dtype=np.uint16)
+        ix = torch.tensor([3, 500, 990])
+        x = torch.stack([torch.from_numpy(data[i:i + 8].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + 8].astype(np.int64)) for i in ix])
+        seen["x"], seen["y"] = x[:, 0].tolist(), (y - x).unique().tolist()
+        seen["ends"] = [int(i + 8) for i in ix]
+        x, y = x.to("cuda"), y.to("cuda")
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen == {"x": [3, 500, 990], "y": [1], "ends": [11, 508, 998]}
+    assert "depend on data were read" not in " ".join(out.report.notes)
+
+
 def test_data_dependent_values_stay_placeholders():
     seen = {}
     out, _ = run("""

@@ -100,6 +100,9 @@ def test_op_overload_and_default_constant_limit():
     mode = priv.new_fake_mode()
     assert getattr(cls, name)(mode, torch.ones(1)) is True
     assert getattr(cls, name)(mode, torch.ones(2)) is (priv.DEFAULT_CONSTANT_NUMEL_LIMIT >= 2)
+    # may_turn_const asks the mode the same, through the class (a run patches it there)
+    assert priv.may_turn_const(mode, torch.ones(1)) is True
+    assert priv.may_turn_const(mode, torch.ones(2)) is (priv.DEFAULT_CONSTANT_NUMEL_LIMIT >= 2)
 
 
 def test_fake_device_attr_holds_the_device():
@@ -184,6 +187,36 @@ def test_fake_alias_puts_a_constant_view_on_its_bases_storage(monkeypatch):
     with mode:
         base.copy_(mode.from_tensor(torch.zeros(3, 4, dtype=torch.long)))  # unknown values
     assert priv.fake_constant(alias) is None  # forgotten with the base's
+
+
+def test_constant_view_is_a_constant_view_on_its_bases_storage(monkeypatch):
+    monkeypatch.setattr(*priv.constant_numel_limit_holder(), 4096)  # as the simulation does
+    mode = priv.new_fake_mode()
+    device = mode.from_tensor(torch.empty(0)).fake_device
+    base = priv.constant_fake(mode, torch.arange(12).view(3, 4), device)
+    view = priv.constant_view(base, priv.fake_constant(base)[1])
+    assert priv.storage_key(view.untyped_storage()) == priv.storage_key(base.untyped_storage())
+    assert view.shape == (4,) and view.storage_offset() == 4 and view.fake_device == device
+    assert priv.fake_constant(view).tolist() == [4, 5, 6, 7]
+    with mode:
+        base.copy_(mode.from_tensor(torch.zeros(3, 4, dtype=torch.long)))  # unknown values
+    assert priv.fake_constant(view) is None  # forgotten with the base's
+
+
+def test_constant_fakes_from_a_template_are_the_constructors():
+    mode = priv.new_fake_mode()
+    template = op_cache._fake_template(mode)
+    assert template is not None
+    device = mode.from_tensor(torch.empty(0)).fake_device
+    made = priv.constant_fake(mode, torch.tensor(2.5), device)
+    fast = priv.constant_fake(mode, torch.tensor(2.5), device, template)
+    assert type(fast) is type(made) and _geometry(fast) == _geometry(made)
+    assert {k: v for k, v in fast.__dict__.items() if k != "constant"} == {
+        k: v for k, v in made.__dict__.items() if k != "constant"}
+    assert priv.dispatch_keys(fast) == priv.dispatch_keys(made)
+    assert priv.fake_constant(fast).item() == 2.5
+    with mode:
+        assert (fast + 1).item() == 3.5
 
 
 def test_fake_debug_enabled_reads_the_config():
@@ -430,17 +463,58 @@ def test_op_cache_never_gives_an_aliasing_op_a_fresh_storage():
             assert c.untyped_storage()._cdata != x.untyped_storage()._cdata
 
 
-def test_op_cache_leaves_constants_and_in_place_ops_to_fake_tensor_mode():
+def test_op_cache_computes_on_constants_as_fake_tensor_mode_does():
     mode = priv.new_fake_mode()
     cache = FakeOutputCache(mode, {})
     step = priv.fake_copy(mode, torch.tensor(3.0))  # a fake tensor that knows its value
+    with mode:
+        slow = step + 1
     with mode, _Front(cache):
         for _ in range(2):
-            s = step + 1
+            hits = cache.hits
+            s = step + 1  # computed on the constant, by the cache
+            assert cache.hits == hits + 1
             assert priv.fake_constant(s) is not None and s.item() == 4.0
+            assert _geometry(s) == _geometry(slow) and s.fake_device == slow.fake_device
             x = torch.zeros(5)
             assert x.add_(1) is x and x.shape == (5,)
+            r = step + torch.rand(())  # an input of unknown value: no constant
+            assert priv.fake_constant(r) is None
     assert step.item() == 3.0
+
+
+def test_op_cache_views_constants_on_their_storage(monkeypatch):
+    monkeypatch.setattr(*priv.constant_numel_limit_holder(), 4096)  # as the simulation does
+    mode = priv.new_fake_mode()
+    cache = FakeOutputCache(mode, {})
+    with mode:
+        ix = torch.tensor([3, 7, 11])
+    with mode, _Front(cache):
+        hits = cache.hits
+        items = list(ix)  # unbind: views of the constant, by the cache
+        assert cache.hits == hits + 1
+        assert [int(i) for i in items] == [3, 7, 11]
+        assert all(priv.storage_key(i.untyped_storage()) == priv.storage_key(ix.untyped_storage())
+                   for i in items)
+        assert [i.storage_offset() for i in items] == [0, 1, 2]
+        assert int(items[1] + 256) == 263
+        ix.copy_(torch.rand(3).long())  # unknown values written to the base
+    assert priv.fake_constant(items[1]) is None
+
+
+def test_fast_lift_keeps_what_the_mode_keeps(monkeypatch):
+    monkeypatch.setattr(*priv.constant_numel_limit_holder(), 4096)  # as the simulation does
+    mode = priv.new_fake_mode()
+    cache = FakeOutputCache(mode, {})
+    real = torch.arange(256)
+    with mode:
+        slow = torch.tensor(real.tolist())
+    with mode, _Front(cache):
+        hits = cache.hits
+        fast = torch.tensor(real.tolist())
+        assert cache.hits == hits + 1
+    assert _geometry(fast) == _geometry(slow)
+    assert torch.equal(priv.fake_constant(fast), real)
 
 
 def test_fast_lift_makes_the_constant_fake_tensor_mode_makes():

@@ -2,7 +2,8 @@
 
 An engine, not a shim: it lives with its user (the simulated device) and reaches torch's
 private APIs only through :mod:`memmagic.core._torch_private` (the primitives it needs there:
-``no_dispatch``, ``op_schema``, ``bare_fake``, ``register_fake_constant``,
+``no_dispatch``, ``op_schema``, ``bare_fake``, ``register_fake_constant``, ``constant_fake``,
+``may_turn_const``, ``fake_constant``,
 ``dispatch_keys``, ``FAKE_DEVICE_ATTR``, ``fake_debug_enabled``, ``storage_key``,
 ``fake_dispatch_cache_size``, ``clear_fake_dispatch_cache``).
 Tested in tests/core/test_torch_private_sim.py (the op-cache section).
@@ -21,10 +22,6 @@ __all__ = ["FakeOutputCache", "FAKE_CACHE_MAX_ENTRIES", "FAKE_MODE_CACHE_MAX_ENT
            "bound_caches"]
 
 _storage_key = _priv.storage_key
-# torch.tensor(x) of at most this many elements is lifted by the fast path (FakeTensorMode's
-# own bound on constants as torch ships it; the simulation raises the module global during
-# a run, the lift keeps to one element)
-_LIFT_NUMEL = _priv.DEFAULT_CONSTANT_NUMEL_LIMIT
 
 
 class FakeOutputCache:
@@ -86,7 +83,7 @@ class FakeOutputCache:
             self.passes += 1
             return func(*args, **kwargs)
         if rule == "lift":
-            out = _fast_lift(self.mode, func, args, kwargs)
+            out = _fast_lift(self.mode, func, args, kwargs, self.template)
             if out is None:
                 self.passes += 1
                 return func(*args, **kwargs)
@@ -96,8 +93,12 @@ class FakeOutputCache:
         if key is None:
             key = _cache_key(func, args, kwargs, loose=True)
             if key is None:
-                self.passes += 1
-                return func(*args, **kwargs)
+                out = _on_constants(self.mode, rule, func, args, kwargs, self.template)
+                if out is None:
+                    self.passes += 1
+                    return func(*args, **kwargs)
+                self.hits += 1
+                return out
         entries = self.entries
         entry = entries.get(key)
         if entry is None:
@@ -164,22 +165,63 @@ _NO_CACHE_NAMES = frozenset({"resize_", "resize_as_", "set_", "_resize_output_",
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 
-def _fast_lift(mode: FakeTensorMode, func, args, kwargs) -> FakeTensor | None:
-    """``torch.tensor(0.0)`` under FakeTensorMode without its meta converter (~200 us): a
-    real tensor of at most one element becomes a fake tensor carrying a copy of it as its
+def _fast_lift(mode: FakeTensorMode, func, args, kwargs, template: dict | None = None
+               ) -> FakeTensor | None:
+    """``torch.tensor(0.0)`` (``torch.from_numpy(a)`` in the simulation) under
+    FakeTensorMode without its meta converter (~0.3 ms): a real tensor the mode keeps as a
+    constant (:func:`memmagic.core._torch_private.may_turn_const`: one element as torch
+    ships it, more in the simulation) becomes a fake tensor carrying a copy of it as its
     constant, registered as FakeTensorMode registers constants (writes to an alias make it
     forget the value) and memoized as it memoizes them. None for anything else
-    (FakeTensorMode then converts it)."""
+    (FakeTensorMode then converts it). ``template``: see :func:`_fake_template`."""
     if kwargs or len(args) != 1:
         return None
     t = args[0]
-    if (type(t) is not torch.Tensor or t.numel() > _LIFT_NUMEL or t.requires_grad
-            or t.layout is not torch.strided or t.device.type != "cpu" or t.is_quantized
-            or t.dtype.is_complex or t.is_neg() or t.is_conj()):
+    if (type(t) is not torch.Tensor or t.requires_grad or t.layout is not torch.strided
+            or t.device.type != "cpu" or t.is_quantized or t.dtype.is_complex or t.is_neg()
+            or t.is_conj() or not _priv.may_turn_const(mode, t)):
         return None
     with _priv.no_dispatch():
         const = func(t).clone()
-    return _priv.constant_fake(mode, const, const.device)
+    return _priv.constant_fake(mode, const, const.device, template)
+
+
+def _on_constants(mode: FakeTensorMode, rule, func, args, kwargs, template: dict | None = None):
+    """An op on host fake tensors that all carry a constant, as FakeTensorMode computes it:
+    on the constants, for real, its output a constant again where the mode keeps it. One
+    fresh tensor (``i + block_size`` of an index drawn for real), or views of the first
+    argument (``for i in ix``: ``unbind``) on its storage. None where it is anything else
+    (FakeTensorMode then runs it). Without its converter's description of each output
+    (~0.5 ms). ``template``: see :func:`_fake_template`."""
+    if rule not in ("fresh", "view", "views") or torch.Tag.nondeterministic_seeded in func.tags:
+        return None
+    real_args, real_kwargs, fakes = [], {}, 0
+    for k, a in [(None, a) for a in args] + list((kwargs or {}).items()):
+        if isinstance(a, torch.Tensor):
+            const = _priv.fake_constant(a) if isinstance(a, FakeTensor) else None
+            if const is None or a.fake_device.type != "cpu":
+                return None
+            a, fakes = const, fakes + 1
+        elif not isinstance(a, (int, float, bool, str, torch.dtype, torch.device,
+                                torch.memory_format, type(None))):
+            return None  # a list (of tensors?), a SymInt, a generator: FakeTensorMode's
+        if k is None:
+            real_args.append(a)
+        else:
+            real_kwargs[k] = a
+    if not fakes or rule != "fresh" and (fakes > 1 or not isinstance(args[0], FakeTensor)):
+        return None
+    with _priv.no_dispatch():
+        out = func(*real_args, **real_kwargs)
+    if (rule == "views") != isinstance(out, (list, tuple)):
+        return None
+    outs = list(out) if rule == "views" else [out]
+    if any(type(o) is not torch.Tensor or not _priv.may_turn_const(mode, o) for o in outs):
+        return None
+    if rule == "fresh":
+        return _priv.constant_fake(mode, out, out.device, template)
+    views = [_priv.constant_view(args[0], o, template=template) for o in outs]
+    return views if rule == "views" else views[0]
 
 
 def _alias_set(x) -> frozenset | None:

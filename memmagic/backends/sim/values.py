@@ -87,13 +87,19 @@ _marked_arith(SimulatedFloat, float)
 _marked_arith(SimulatedInt, int)
 
 
+_MARKED = (SimulatedFloat, SimulatedInt)
+
+
 def holds_placeholder(data: Any) -> bool:
     """Whether ``data`` (an argument of a torch call: a number, or lists and tuples of
-    them) holds a placeholder (:class:`SimulatedFloat`, :class:`SimulatedInt`)."""
-    if isinstance(data, (SimulatedFloat, SimulatedInt)):
+    them) holds a placeholder (:class:`SimulatedFloat`, :class:`SimulatedInt`). (On every
+    torch call of a simulation: a loop, no generator.)"""
+    if isinstance(data, _MARKED):
         return True
     if isinstance(data, (list, tuple)):
-        return any(holds_placeholder(x) for x in data)
+        for x in data:
+            if isinstance(x, _MARKED) or isinstance(x, (list, tuple)) and holds_placeholder(x):
+                return True
     return False
 
 
