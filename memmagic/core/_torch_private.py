@@ -279,14 +279,14 @@ def constant_view(base: FakeTensor, constant: torch.Tensor, like: torch.Tensor |
     with the dtype, sizes, strides and offset of ``like`` (``constant``, a real view of
     base's constant, where None), standing for ``like``'s fake device (base's), carrying
     ``constant`` and registered as a constant: what FakeTensorMode makes of a view op on
-    a constant, without its converter (``template``: see :func:`_constant_fake_of`)."""
+    a constant, without its converter (``template``: see :func:`fake_from_template`)."""
     mode = base.fake_mode
     like = constant if like is None else like
     with no_dispatch():
         meta = torch.empty((0,), dtype=like.dtype, device="meta")
         meta.set_(base.untyped_storage(), like.storage_offset(), like.shape, like.stride())
-    fake = _constant_fake_of(mode, meta, getattr(like, "fake_device", base.fake_device),
-                             constant, template)
+    fake = fake_from_template(mode, meta, getattr(like, "fake_device", base.fake_device),
+                              template, constant)
     register_fake_constant(mode, constant, fake)
     return fake
 
@@ -591,17 +591,18 @@ def constant_fake(mode: FakeTensorMode, real: torch.Tensor, device: torch.device
     the same geometry, the constant registered with the converter: an in-place op on it,
     Adam's ``step += 1``, finds this fake tensor again instead of a new storage), without
     describing the tensor through meta_utils (0.3 ms a call). ``template``: see
-    :func:`_constant_fake_of`."""
+    :func:`fake_from_template`."""
     with no_dispatch():
         meta = torch.empty_strided(tuple(real.shape), real.stride(), dtype=real.dtype,
                                    device="meta")
-    fake = _constant_fake_of(mode, meta, device, real, template)
+    fake = fake_from_template(mode, meta, device, template, real)
     register_fake_constant(mode, real, fake)
     return fake
 
 
-def _constant_fake_of(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device,
-                      constant: torch.Tensor, template: dict | None) -> FakeTensor:
+def fake_from_template(mode: FakeTensorMode, meta: torch.Tensor, device: torch.device,
+                       template: dict | None, constant: torch.Tensor | None = None
+                       ) -> FakeTensor:
     """``FakeTensor(mode, meta, device, constant=constant)``; with ``template`` (the
     ``__dict__`` of a CPU FakeTensor the constructor made, as :func:`bare_fake` takes it)
     without the constructor's Python work."""
@@ -611,7 +612,8 @@ def _constant_fake_of(mode: FakeTensorMode, meta: torch.Tensor, device: torch.de
     fake.__dict__.update(template)
     if device != template[FAKE_DEVICE_ATTR]:
         fake.fake_device = device
-    fake.constant = constant
+    if constant is not None:
+        fake.constant = constant
     return fake
 
 
@@ -659,6 +661,7 @@ def drop_constant(t: torch.Tensor) -> None:
 
 
 __all__ += ["fake_device", "fake_constant", "constant_fake", "constant_view", "may_turn_const",
+            "fake_from_template",
             "constant_numel_limit_holder",
             "may_turn_const_holder",
             "drop_constant"]

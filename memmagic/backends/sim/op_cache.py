@@ -2,8 +2,8 @@
 
 An engine, not a shim: it lives with its user (the simulated device) and reaches torch's
 private APIs only through :mod:`memmagic.core._torch_private` (the primitives it needs there:
-``no_dispatch``, ``op_schema``, ``bare_fake``, ``register_fake_constant``, ``constant_fake``,
-``may_turn_const``, ``fake_constant``,
+``no_dispatch``, ``op_schema``, ``fake_from_template``, ``register_fake_constant``,
+``constant_fake``, ``constant_view``, ``may_turn_const``, ``fake_constant``,
 ``dispatch_keys``, ``FAKE_DEVICE_ATTR``, ``fake_debug_enabled``, ``storage_key``,
 ``fake_dispatch_cache_size``, ``clear_fake_dispatch_cache``).
 Tested in tests/core/test_torch_private_sim.py (the op-cache section).
@@ -620,13 +620,7 @@ def _fake_from_meta(mode: FakeTensorMode, meta, template: dict | None) -> FakeTe
 
 
 def _wrap_fake(mode: FakeTensorMode, empty: torch.Tensor, device, template: dict | None) -> FakeTensor:
-    if template is None:
-        return FakeTensor(mode, empty, device)
-    t = _priv.bare_fake(mode, empty, device)
-    t.__dict__.update(template)
-    if device != template[_priv.FAKE_DEVICE_ATTR]:
-        t.fake_device = device
-    return t
+    return _priv.fake_from_template(mode, empty, device, template)
 
 
 def _fake_view(mode: FakeTensorMode, base: FakeTensor, meta, template: dict | None) -> FakeTensor:
