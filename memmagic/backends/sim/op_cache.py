@@ -187,7 +187,8 @@ def _fast_lift(mode: FakeTensorMode, func, args, kwargs, template: dict | None =
 
 
 def _on_constants(mode: FakeTensorMode, rule, func, args, kwargs, template: dict | None = None):
-    """An op on host fake tensors that all carry a constant, as FakeTensorMode computes it:
+    """An op on fake tensors that all carry a constant (on the CPU FakeTensorMode sees: the
+    simulated GPU's tensors too), as FakeTensorMode computes it:
     on the constants, for real, its output a constant again where the mode keeps it. One
     fresh tensor (``i + block_size`` of an index drawn for real), or views of the first
     argument (``for i in ix``: ``unbind``) on its storage. None where it is anything else
@@ -211,8 +212,11 @@ def _on_constants(mode: FakeTensorMode, rule, func, args, kwargs, template: dict
             real_kwargs[k] = a
     if not fakes or rule != "fresh" and (fakes > 1 or not isinstance(args[0], FakeTensor)):
         return None
-    with _priv.no_dispatch():
-        out = func(*real_args, **real_kwargs)
+    try:
+        with _priv.no_dispatch():
+            out = func(*real_args, **real_kwargs)
+    except Exception:  # FakeTensorMode raises it, where the user's traceback is made
+        return None
     if (rule == "views") != isinstance(out, (list, tuple)):
         return None
     outs = list(out) if rule == "views" else [out]
