@@ -284,8 +284,7 @@ class _Mapper:
             tried = ([top] if top is not None else []) + ([(top or blo - 1) + 1]
                                                           if (top or 0) < bhi else [])
             for b in tried:
-                floor = plane.allocated_floor(b, s)
-                if b != top and floor is not None and floor > self.room:
+                if b != top and plane.overflows(b, s, self.room):
                     beyond.append((b, s))
                     continue
                 run = self.run(self.real, b, s)
@@ -342,8 +341,7 @@ def run_fitmap_option(cell: "Cell", option: str) -> FitMap:
 def _verdict(plane: SizePlane, b: int, s: int, room: int) -> bool | None:
     """Whether (b, s) fits by the plane when the allocator may reserve ``room`` bytes (the
     card less its CUDA context; None: no answer)."""
-    floor = plane.allocated_floor(b, s)
-    if floor is not None and floor > room:  # more than the card holds, at some point
+    if plane.overflows(b, s, room):  # more than the card holds, at some point
         return False
     acts = plane.actions_at(b, s)
     return None if acts is None else plane.replay(acts, room) is not None

@@ -335,6 +335,12 @@ class SizePlane:
         live = np.cumsum(sign * allocs[column] - given_back)
         return start + max(int(live.max(initial=0)), 0)
 
+    def overflows(self, b: int, s: int, room: int) -> bool:
+        """Whether the sizes at (b, s) alone hold more than ``room`` bytes at once
+        (:meth:`allocated_floor`): then no allocator fits them in ``room``."""
+        floor = self.allocated_floor(b, s)
+        return floor is not None and floor > room
+
     def actions_at(self, b: int, s: int) -> tuple[list[dict], int, list[int]] | None:
         """What the allocator does at (b, s): its allocs and frees (with each site's
         staging buffers put in), the entry from which peaks count, and the allocs' sizes."""
@@ -429,21 +435,21 @@ def _floor_plan(entries: list[dict], start: Any) -> tuple[Any, Any, Any, int]:
     in the model ``start``), and the bytes ``start`` has allocated."""
     import numpy as np
 
-    column, sign, given_back = [], [], []
+    rows: list[tuple[int, int, int]] = []  # (column, sign, given back) per entry
     open_: dict[Any, int] = {}
     n = 0
     for e in entries:
         key = e["key"]
         if e["action"] == "alloc":
             open_[key] = n
-            column.append(n), sign.append(1), given_back.append(0)
+            rows.append((n, 1, 0))
             n += 1
         elif key in open_:
-            column.append(open_.pop(key)), sign.append(-1), given_back.append(0)
+            rows.append((open_.pop(key), -1, 0))
         else:
-            column.append(0), sign.append(0), given_back.append(start.size_of(key))
-    return (np.array(column, dtype=np.int64), np.array(sign, dtype=np.int64),
-            np.array(given_back, dtype=np.int64), start.allocated)
+            rows.append((0, 0, start.size_of(key)))
+    column, sign, given_back = np.array(rows, dtype=np.int64).reshape(-1, 3).T
+    return column, sign, given_back, start.allocated
 
 
 def _until_out_of_memory(run: "MemoryReport") -> tuple[tuple, list[int], int] | None:
@@ -487,8 +493,7 @@ def largest_within(plane: SizePlane, limit: int, context: int, start: int, high:
     from ..report import needed
 
     def fits(v: int) -> bool | None:
-        floor = plane.allocated_floor(*point(v, plane.basis))
-        if floor is not None and floor + context > limit:  # the reserved peak is more
+        if plane.overflows(*point(v, plane.basis), limit - context):  # reserved is more
             return False
         acts = plane.actions_at(*point(v, plane.basis))
         if acts is None:  # a size off the plane's whole bytes: it cannot say

@@ -155,6 +155,7 @@ def test_the_allocated_floor_is_under_the_replay_and_over_the_card_means_no_fit(
         assert 0 < floor <= allocated
         # a card with less room than the floor: the replay fails too
         assert plane.at(b, s, capacity=floor - 1) is None
+        assert plane.overflows(b, s, floor - 1) and not plane.overflows(b, s, floor)
 
 
 def test_the_fit_map_is_read_off_the_plane_and_its_boundary_holds_in_runs():

@@ -620,10 +620,6 @@ def _fake_from_meta(mode: FakeTensorMode, meta, template: dict | None) -> FakeTe
     shape, stride, dtype, device = meta
     with _priv.no_dispatch():
         empty = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-    return _wrap_fake(mode, empty, device, template)
-
-
-def _wrap_fake(mode: FakeTensorMode, empty: torch.Tensor, device, template: dict | None) -> FakeTensor:
     return _priv.fake_from_template(mode, empty, device, template)
 
 
@@ -634,7 +630,7 @@ def _fake_view(mode: FakeTensorMode, base: FakeTensor, meta, template: dict | No
     with _priv.no_dispatch():
         empty = torch.empty((0,), dtype=dtype, device="meta")
         empty.set_(base.untyped_storage(), offset, shape, stride)
-    return _wrap_fake(mode, empty, device, template)
+    return _priv.fake_from_template(mode, empty, device, template)
 
 
 def _fake_template(mode: FakeTensorMode) -> dict | None:
