@@ -233,7 +233,8 @@ __all__ += [
     "OpOverload", "DEFAULT_CONSTANT_NUMEL_LIMIT", "FAKE_DEVICE_ATTR", "PARSE_TO_FUNCTION",
     "no_dispatch", "dispatch_keys", "bare_fake", "make_subclass_slot", "make_wrapper_subclass_slot", "accelerator_slot", "fake_as_subclass", "register_fake_constant", "fake_alias", "fake_debug_enabled",
     "fake_tensor_device_getter", "dataloader_iterator_slot", "destroy_library",
-    "default_foreach_slots",
+    "default_foreach_slots", "module_call_slot", "has_forward_hooks", "tree_flatten",
+    "tree_unflatten",
 ]
 
 
@@ -282,11 +283,13 @@ def constant_view(base: FakeTensor, constant: torch.Tensor, like: torch.Tensor |
     a constant, without its converter (``template``: see :func:`fake_from_template`)."""
     mode = base.fake_mode
     like = constant if like is None else like
-    with no_dispatch():
+    # a view is an inference tensor where its base is one (in inference mode, a view of a
+    # normal tensor is a normal tensor, whose storage an inference tensor cannot take)
+    with no_dispatch(), torch.inference_mode(base.is_inference()):
         meta = torch.empty((0,), dtype=like.dtype, device="meta")
         meta.set_(base.untyped_storage(), like.storage_offset(), like.shape, like.stride())
-    fake = fake_from_template(mode, meta, getattr(like, "fake_device", base.fake_device),
-                              template, constant)
+        fake = fake_from_template(mode, meta, getattr(like, "fake_device", base.fake_device),
+                                  template, constant)
     register_fake_constant(mode, constant, fake)
     return fake
 
@@ -324,6 +327,32 @@ def make_wrapper_subclass_slot() -> tuple[type, str]:
     tensor subclass (DTensor, torchao's quantized tensors) makes its storage-less outer
     tensor with the device it is given."""
     return torch.Tensor, "_make_wrapper_subclass"
+
+
+def module_call_slot() -> tuple[type, str]:
+    """(class, attribute) of ``nn.Module._call_impl``: what every module call runs
+    (``_wrapped_call_impl`` looks it up on the module), which reads ``self.forward`` before
+    it runs the global and the module's forward pre-hooks and calls it after them."""
+    return torch.nn.Module, "_call_impl"
+
+
+def has_forward_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` itself carries forward or forward pre-hooks (not the global ones)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
+def tree_flatten(tree: Any) -> tuple[list, Any]:
+    """torch's pytree flatten: the leaves of nested tuples, lists, dicts, namedtuples and
+    registered classes (transformers' ``ModelOutput``), and the spec to rebuild it."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list, spec: Any) -> Any:
+    from torch.utils import _pytree
+
+    return _pytree.tree_unflatten(leaves, spec)
 
 
 _STAND_INS: dict[type, type] = {}

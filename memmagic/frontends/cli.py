@@ -62,9 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                           "every rank), print each rank's peak and show the report of the rank "
                           "that needs the most, which decides whether the job fits")
     run.add_argument("--decode-steps", default=None, choices=DECODE_STEPS,
-                     help="generate()'s decode steps on the simulated GPU: evaluate (default: "
-                          "read off a line through three that ran, checked by steps that "
-                          "run) or run (every step op by op)")
+                     help="generate()'s decode steps and an evaluation loop's repeated forward "
+                          "passes on the simulated GPU: evaluate (default: read off the ones "
+                          "that ran, checked by ones that run) or run (every one op by op)")
     run.add_argument("-m", dest="module", default=None, metavar="MODULE",
                      help="run a module as python -m MODULE does (its arguments follow it)")
     run.add_argument("script", type=Path, nargs="?", help="the Python script")
@@ -274,9 +274,10 @@ def _run_notes(runner: Any, args: argparse.Namespace, error: BaseException | Non
         notes.append(f"the script ended after {done}, before --steps {args.steps}")
     if p.no_grad_forwards >= EVALUATION_NOTE_AT:
         notes.append(f"the script ran {p.no_grad_forwards} forward passes with gradients off "
-                     "(an evaluation): the simulation runs each one, and each re-run of the "
-                     "doctor repeats them; fewer evaluation batches in the script's own options "
-                     "shorten every run")
+                     "(an evaluation): the simulation runs each one that does not repeat the "
+                     "calls before it exactly (the others are evaluated, as a note says), and "
+                     "each re-run of the doctor repeats them; fewer evaluation batches in the "
+                     "script's own options shorten every run")
     changes = runner.changes.note()
     if changes:
         notes.append(changes)

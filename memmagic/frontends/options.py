@@ -56,8 +56,9 @@ OPTIONS = [
         help="--backend sim: how transformers' generate() runs its decode steps: evaluate "
              "(default: three run op by op draw a line, the next ones are read off it and done "
              "on the allocator model, checked by steps that run at doubling intervals and by "
-             "the last; a note says so) or run (every step op by op, about 0.2 s a token on a "
-             "1B model).")),
+             "the last; an evaluation loop's forward passes that repeat the two before them are "
+             "done on the allocator model, checked by calls that run; a note says so) or run "
+             "(every step and every call op by op, about 0.2 s a token on a 1B model).")),
     (("--no-breakdown",), dict(action="store_true",
                                help="cuda only: skip the per-category breakdown (lowest overhead).")),
     (("--no-chart",), dict(action="store_true", help="Do not draw the breakdown chart.")),

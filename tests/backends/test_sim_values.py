@@ -362,3 +362,23 @@ def test_a_tensor_formats_as_torch_formats_it():
     assert seen["spec"] == "1.0000(simulated) 3.00   3"
     assert seen["plain"] == "1.0(simulated) 3.0 tensor([1., 1.], device='cuda:0')"
     assert seen["many"] == "TypeError"
+
+
+def test_views_of_constants_in_inference_mode_are_what_torch_makes():
+    """In inference mode a view of a normal tensor is a normal tensor and a view of an
+    inference tensor an inference tensor (the op cache's views of constants failed there:
+    'Cannot set version_counter for inference tensor')."""
+    seen = {}
+    out, _ = run("""
+        import torch
+        x = torch.randint(0, 100, (8, 32), device="cuda")
+        with torch.inference_mode():
+            v = x.view(-1)
+            y = torch.arange(12, device="cuda")
+            w = y.view(3, 4)
+        seen["normal"] = (v.is_inference(), v[:3].tolist() == x.view(-1)[:3].tolist())
+        seen["inference"] = (y.is_inference(), w.is_inference(), w[1].tolist())
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["normal"] == (False, True)
+    assert seen["inference"] == (True, True, [4, 5, 6, 7])

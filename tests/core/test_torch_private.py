@@ -216,3 +216,54 @@ def test_zipfile_writer_slot_opens_every_path_torch_save_writes(tmp_path):
         patches.restore()
     assert [str(f) for f in seen] == [str(tmp_path / "a.pt")]
     assert torch.load(tmp_path / "a.pt") == {"step": 1}
+
+
+def test_module_call_slot_is_what_a_call_runs_and_reads_forward_after_the_hooks():
+    """The repeats of a simulation (backends/sim/repeats.py) replace ``_call_impl`` and swap
+    the outermost module's ``forward`` for one call: the global hooks still see that call."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    cls, slot = priv.module_call_slot()
+    m = torch.nn.Linear(2, 2)
+    original, seen = getattr(cls, slot), []
+
+    def wrapped(module, *args, **kwargs):
+        seen.append(("call", type(module).__name__))
+        return original(module, *args, **kwargs)
+
+    handle = register_module_forward_pre_hook(lambda mod, args: seen.append(("hook", None)))
+    setattr(cls, slot, wrapped)
+    try:
+        m.forward = lambda x: "swapped"
+        assert m(torch.zeros(2)) == "swapped"
+    finally:
+        setattr(cls, slot, original)
+        handle.remove()
+        del m.forward
+    assert seen == [("call", "Linear"), ("hook", None)]
+    assert m(torch.zeros(2)).shape == (2,)
+
+
+def test_has_forward_hooks_sees_the_modules_own_hooks_only():
+    m = torch.nn.Linear(2, 2)
+    assert not priv.has_forward_hooks(m)
+    h = m.register_forward_pre_hook(lambda mod, args: None)
+    assert priv.has_forward_hooks(m)
+    h.remove()
+    h = m.register_forward_hook(lambda mod, args, out: None)
+    assert priv.has_forward_hooks(m)
+    h.remove()
+    assert not priv.has_forward_hooks(m)
+
+
+def test_tree_flatten_round_trips_nested_outputs():
+    t = torch.zeros(2)
+    leaves, spec = priv.tree_flatten(((t, None), {"a": 1.5, "b": [t]}))
+    assert leaves[0] is t and leaves[1] is None and len(leaves) == 4
+    again = priv.tree_unflatten(leaves, spec)
+    assert again[0][0] is t and again[1]["b"][0] is t and again[1]["a"] == 1.5
+    transformers = pytest.importorskip("transformers")
+    out = transformers.modeling_outputs.CausalLMOutput(loss=t, logits=t)
+    leaves, spec = priv.tree_flatten(out)
+    assert [x is t for x in leaves] == [True, True]
+    assert type(priv.tree_unflatten(leaves, spec)) is type(out)

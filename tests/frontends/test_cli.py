@@ -241,7 +241,7 @@ def test_steps_count_optimizer_steps_when_the_script_evaluates_first(tmp_path, c
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "note: stopped after 2 optimizer step(s) (--steps 2)" in text
-    assert "forward passes with gradients off" not in text  # 5: no note
+    assert "the script ran 5 forward passes" not in text  # 5: no note on their cost
 
 
 def test_an_optimizer_that_steps_others_makes_one_step(tmp_path, capsys, clean_state):
@@ -296,7 +296,13 @@ def test_a_long_evaluation_gets_a_note_on_what_it_costs(tmp_path, capsys, clean_
     text = capsys.readouterr().out
     assert rc == 0, text
     assert (f"note: the script ran {n} forward passes with gradients off (an evaluation): the "
-            "simulation runs each one, and each re-run of the doctor repeats them") in text
+            "simulation runs each one that does not repeat the calls before it exactly (the "
+            "others are evaluated, as a note says), and each re-run of the doctor repeats "
+            "them") in text
+    evaluated = next(line for line in text.splitlines() if "were evaluated, not run" in line)
+    # the first makes cuBLAS's workspace, two agree, one checks after 16 evaluated
+    assert evaluated.split()[1] == str(n - 4), evaluated
+    assert evaluated.endswith("1 call ran op by op as a check and did the same")
 
 
 def test_a_time_limit_cuts_the_run_and_a_long_run_shows_progress(tmp_path, capsys, monkeypatch,

@@ -527,9 +527,18 @@ class CachingAllocatorModel:
         _stat_add(self._oversize, at, delta)
 
     def _bump(self, at: int, small: bool, delta: int) -> None:
+        """The statistic at ``at`` changes by ``delta`` in the pools all and ``small``'s
+        (:func:`_stat_add`, written out: it runs on every malloc and free)."""
         rows = self._rows
-        _stat_add(rows[0], at, delta)
-        _stat_add(rows[1] if small else rows[2], at, delta)
+        for r in (rows[0], rows[1] if small else rows[2]):
+            v = r[at] + delta
+            r[at] = v
+            if delta > 0:
+                r[at + 2] += delta
+                if v > r[at + 1]:
+                    r[at + 1] = v
+            else:
+                r[at + 3] -= delta
 
     def _count_block(self, small: bool, size: int, requested: int) -> None:
         """A block of ``size`` bytes (``requested`` asked for) was handed out."""
@@ -563,9 +572,22 @@ class CachingAllocatorModel:
 
     def _split_free(self, b: _Block, sign: int) -> None:
         """Count ``b`` (free, in a segment of several blocks) in or out of inactive_split."""
-        small = b.segment.small
-        self._bump(_SPLIT, small, sign)
-        self._bump(_SPLIT_BYTES, small, sign * b.size)
+        rows, size = self._rows, b.size
+        for r in (rows[0], rows[1] if b.segment.small else rows[2]):  # _bump, written out
+            if sign > 0:
+                v = r[_SPLIT] + 1
+                r[_SPLIT], r[_SPLIT + 2] = v, r[_SPLIT + 2] + 1
+                if v > r[_SPLIT + 1]:
+                    r[_SPLIT + 1] = v
+                v = r[_SPLIT_BYTES] + size
+                r[_SPLIT_BYTES], r[_SPLIT_BYTES + 2] = v, r[_SPLIT_BYTES + 2] + size
+                if v > r[_SPLIT_BYTES + 1]:
+                    r[_SPLIT_BYTES + 1] = v
+            else:
+                r[_SPLIT] -= 1
+                r[_SPLIT + 3] += 1
+                r[_SPLIT_BYTES] -= size
+                r[_SPLIT_BYTES + 3] += size
 
     def memory_stats(self) -> dict[str, int]:
         """The model's statistics as ``torch.cuda.memory_stats()`` names them (sorted keys,
@@ -657,11 +679,13 @@ class CachingAllocatorModel:
 
     def _record(self, action: str, addr: int | None, size: int, key: object = None,
                 **extra: int) -> None:
-        entry = {"action": action, "addr": addr, "size": size, "key": key,
-                 "op": self._clock() if self._clock is not None else None}
+        op = self._clock() if self._clock is not None else None
         if addr is None:
-            del entry["addr"]
-        entry.update(extra)
+            entry = {"action": action, "size": size, "key": key, "op": op, **extra}
+        else:
+            entry = {"action": action, "addr": addr, "size": size, "key": key, "op": op}
+            if extra:
+                entry.update(extra)
         self._log.append(entry)  # type: ignore[union-attr]
 
     # -- free lists ---------------------------------------------------------------------
@@ -707,7 +731,8 @@ class CachingAllocatorModel:
         if block.size >= self._max_split:  # alloc_found_block
             self._bump_oversize(0, 1)
         self.allocated += block.size
-        self.allocated_peak = max(self.allocated_peak, self.allocated)
+        if self.allocated > self.allocated_peak:
+            self.allocated_peak = self.allocated
         return block.size
 
     def _free_block(self, size: int, small: bool) -> _Block | None:

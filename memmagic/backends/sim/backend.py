@@ -24,6 +24,7 @@ from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
 from .compat import install_compat
 from .decode import decode_targets
+from .repeats import install_repeats
 from .cuda_api import SimulatedCuda
 from .constants import INDEX_NUMEL, numel_bound
 from .files import keep_overwritten_files
@@ -453,6 +454,8 @@ def _install(patches: Patches, state: SimState, tracker: SimTracker, target: Car
     # generate()'s decode steps read off a line (.decode), unless each is to run
     install_compat(patches, notes, target,
                    decode_targets(tracker, notes) if decode == "evaluate" else ())
+    if decode == "evaluate":  # repeated forward passes with gradients off, likewise
+        install_repeats(patches, tracker, state, notes)
     keep_overwritten_files(patches, notes)
     _install_torch_adjustments(patches, notes)
     # flex_attention reaches the tracker as an op: its outputs are the fused kernel's, as

@@ -276,9 +276,11 @@ class DeviceRewriteMode(TorchFunctionMode):
         return marked(value)
 
     def _tolist(self, func, args, kwargs):
+        self.s.value_reads += 1
         return tensor_tolist(args[0], self.s.note_read)
 
     def _numpy(self, func, args, kwargs):
+        self.s.value_reads += 1
         return tensor_numpy(args[0], self.s.note_read)
 
     def _array(self, func, args, kwargs):

@@ -113,6 +113,9 @@ class SimState:
         self.data_reads = 0
         # (user line or None, what) -> reads: the report names lines, not internal reads
         self.read_ops: dict[tuple[str | None, str], int] = {}
+        # every read of a tensor's values into Python (item, bool, tolist, numpy), real or
+        # placeholder: code that reads none takes the same path whatever the values
+        self.value_reads = 0
         self.tracker: StorageTracker | None = None  # the run's SimTracker (its pools)
         self.node_gpus = 1  # torch.cuda.device_count(): the node's GPUs (a job's rank: more)
         self.in_dispatch = 0              # >0 while torch's own dispatch code runs
@@ -129,6 +132,7 @@ class SimState:
         self.cuda_seen = False
         self.data_reads = 0
         self.read_ops = {}
+        self.value_reads = 0
         self.in_dispatch = 0
         self.rnn_ran = False
         self.library_kernels = {}

@@ -599,6 +599,8 @@ class SimTracker(StorageTracker):
         return e.pool
 
     def _read_scalar(self, func, t: torch.Tensor):
+        self.s.value_reads += 1
+
         def zero() -> bool:
             serial = self.serial_of(t)
             return serial is not None and serial in self.s.zero_read_serials

@@ -1,0 +1,495 @@
+"""Forward passes with gradients off that repeat, done on the allocator model instead of op
+by op.
+
+An evaluation loop calls the model again and again on batches of one shape (nanoGPT's
+``estimate_loss`` makes 2 x 200 such calls before its first step; a test loop one per
+batch). Each call makes the same allocations and frees in the same order, of the same sizes,
+and leaves only its output. Simulating every op of every call is most of such a script's
+time; this module runs calls op by op until two in a row did the same things, then
+**evaluates** the next ones of that kind:
+
+* a call's kind: the model (its parameters' and buffers' shapes, dtypes and devices, its
+  modules' training flags), the shapes, strides, dtypes and devices of the tensors it is
+  given and its other arguments' values, autocast and inference mode;
+* an evaluated call does that kind's allocations and frees, in order, on the allocator
+  model (its allocated and reserved bytes, segments and cache move exactly as the call's
+  would), and makes its output as simulated tensors of the same shapes, in the same
+  structure; its module's hooks and the run's global hooks (the per-module rows, a script's
+  forward count) see one call of the outermost module;
+* a call runs op by op as a check after 16 evaluated ones, then after 32, 64, ...; it must do
+  what the two before did (a note says whether it did), else that kind is run again until
+  two calls agree;
+* a call that would raise the run's peak, or might not fit the card, runs op by op (the
+  peak keeps its op and module; an out of memory is the op's own).
+
+A call is never evaluated where it could do something else than the calls that ran: one
+that reads a tensor's values into Python (``.item()``, ``if mask.any():``, ``tolist``) or
+runs an op whose output's shape depends on values (``nonzero``); one that keeps memory past
+its call (a cache in the model, a first matmul's cuBLAS workspace), frees memory made
+before it, or allocates on the host; one whose modules change an attribute or carry hooks;
+one whose output holds anything but new tensors of their own and plain values (a
+transformers cache object, a view, a tensor carrying values); one with gradients on. What an
+evaluated call leaves out: its ops (the op count, the trace and the timeline show the
+tensors it returns, not its transient buffers), the values a GPU run would compute, and
+any Python side effect of its code (a print, a counter kept outside its modules).
+``SimBackend(decode="run")`` runs every call op by op.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+
+import torch
+
+from ...core import _torch_private as _priv
+from ...core.interrupts import atomic
+from ...core.patching import Patches
+from .allocator import round_request, segment_size
+
+if TYPE_CHECKING:
+    from .state import SimState
+    from .tracker import SimTracker
+
+__all__ = ["install_repeats"]
+
+_FIRST_CHECK = 16  # evaluated calls of a kind before one runs as a check (then 32, 64, ...)
+_EMPTY = torch.ops.aten.empty.memory_format  # an output an evaluated call makes
+# ops whose output's shape follows from tensor values (the trace's op names)
+_VALUE_SHAPED = frozenset({"nonzero", "nonzero_static", "masked_select", "unique_dim",
+                           "_unique", "_unique2", "unique_consecutive", "repeat_interleave",
+                           "_assert_async", "argwhere"})
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+class _Transient(NamedTuple):
+    """The allocator model's key of an evaluated call's transient buffer. ``frames``: what
+    a memory snapshot shows for it (``memmagic.core.snapshot`` takes a key's own frames)."""
+
+    call: int
+    index: int
+    model: str
+
+    @property
+    def frames(self) -> list[dict]:
+        return [{"filename": "<forward pass with gradients off, evaluated>", "line": self.call,
+                 "name": f"{self.model} call {self.call}, evaluated, not run: buffer "
+                         f"{self.index}"}]
+
+
+class _NotRepeatable(Exception):
+    """A call that may do something else than the calls of its kind (the reason)."""
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """What one call did: its allocator actions as codes (``("a", i)`` / ``("f", i)``: a
+    transient buffer's alloc and free; ``("o", j)``: the alloc of output tensor j; ``("k", i)``:
+    autocast's cast of a weight, cached until autocast exits), each
+    alloc's requested bytes, each output tensor's (shape, dtype, device), the output's
+    structure (its pytree spec, and per leaf ``("o", j)`` or ``("v", value)``), the most
+    bytes it holds at once above what it began with, the bytes of segments it could add at
+    most, and the most host bytes it holds at once (buffers torch's kernels make on the
+    host, all freed before it returns)."""
+
+    codes: tuple
+    sizes: tuple
+    outs: tuple
+    spec: Any
+    leaves: tuple
+    rise: int
+    bound: int
+    host: int
+
+    def same(self, other: "_Pass | None") -> bool:
+        return other is not None and (self.codes, self.sizes, self.outs, self.spec,
+                                      self.leaves) == (other.codes, other.sizes, other.outs,
+                                                       other.spec, other.leaves)
+
+
+@dataclass
+class _Kind:
+    """The calls of one kind: the last that ran, the one evaluated calls repeat (once two in
+    a row agree), and how many evaluated calls are left before the next check."""
+
+    name: str
+    last: _Pass | None = None
+    line: _Pass | None = None
+    gap: int = _FIRST_CHECK
+    left: int = 0
+    evaluated: int = 0
+
+
+# -- the kind of a call -------------------------------------------------------------------------
+def _model_key(module: torch.nn.Module) -> tuple | None:
+    """The model's part of a call's kind (None: a module carries hooks)."""
+    flags = []
+    for m in module.modules():
+        if _priv.has_forward_hooks(m):
+            return None
+        flags.append(m.training)
+    tensors = [(id(t), tuple(t.shape), t.dtype, t.device)
+               for t in (*module.parameters(), *module.buffers())]
+    return id(module), tuple(flags), tuple(tensors)
+
+
+def _leaf_key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        # (a dimension of size 1 has any stride: a row of a wider tensor is one of its own)
+        strides = tuple(s if n != 1 else 0 for n, s in zip(x.shape, x.stride()))
+        return tuple(x.shape), strides, x.dtype, x.device, x.requires_grad, type(x)
+    if isinstance(x, _PLAIN):
+        return type(x), x
+    raise _NotRepeatable(f"it is given a {type(x).__name__}")
+
+
+def _call_key(model: tuple, args: tuple, kwargs: dict) -> tuple:
+    leaves, spec = _priv.tree_flatten((args, kwargs))
+    return (model, spec, tuple(_leaf_key(x) for x in leaves),
+            torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+            torch.is_inference_mode_enabled())
+
+
+def _attributes(module: torch.nn.Module) -> list[tuple[Any, dict]]:
+    """Each module's attributes as they are now, by identity (no reference to the values:
+    holding one would keep a tensor the call replaces alive past its place)."""
+    return [(m, {k: id(v) for k, v in vars(m).items()}) for m in module.modules()]
+
+
+def _unchanged(before: list[tuple[Any, dict]]) -> bool:
+    for m, attrs in before:
+        now = vars(m)
+        if len(now) != len(attrs) or any(id(now.get(k, attrs)) != v for k, v in attrs.items()):
+            return False
+    return True
+
+
+# -- what a call did --------------------------------------------------------------------------------
+def _whole(t: torch.Tensor) -> bool:
+    """Whether ``t`` is its storage, all of it, in order (what a call's new tensor is)."""
+    return (t.is_contiguous() and not t.storage_offset()
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def _output(tracker: SimTracker, out: Any) -> tuple[dict[int, int], tuple, Any, tuple]:
+    """serial -> output slot, each slot's (shape, dtype, device), the output's pytree spec
+    and its leaves as ``("o", slot)`` / ``("v", value)``."""
+    leaves, spec = _priv.tree_flatten(out)
+    slots: dict[int, int] = {}
+    outs, marks = [], []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            serial = tracker.serial_of(leaf)
+            if (type(leaf) is not _priv.FakeTensor or serial is None or serial in slots
+                    or not _whole(leaf) or leaf.requires_grad):
+                raise _NotRepeatable("its output holds a tensor that is not a new one of its own")
+            if _priv.fake_constant(leaf) is not None:
+                raise _NotRepeatable("its output carries values")
+            slots[serial] = len(outs)
+            marks.append(("o", len(outs)))
+            outs.append((tuple(leaf.shape), leaf.dtype, leaf.device))
+        elif isinstance(leaf, _PLAIN):
+            marks.append(("v", leaf))
+        else:
+            raise _NotRepeatable(f"its output holds a {type(leaf).__name__}")
+    return slots, tuple(outs), spec, tuple(marks)
+
+
+def _codes(entries: list[dict], slots: dict[int, int], cached: bool
+           ) -> tuple[tuple, tuple, list]:
+    """A call's allocator entries as codes and alloc sizes (see :class:`_Pass`), and the
+    keys it keeps; ``cached``: autocast may keep weight casts (to its exit)."""
+    freed = {e["key"] for e in entries if e["action"] == "free_completed"}
+    transient: dict[Any, int] = {}
+    codes, sizes, kept = [], [], []
+    for e in entries:
+        action, key = e["action"], e["key"]
+        if action == "alloc":
+            if key in freed:
+                codes.append(("a", transient.setdefault(key, len(transient))))
+            elif key in slots:
+                codes.append(("o", slots[key]))
+            elif cached:  # autocast's weight cast, held in its cache until autocast exits
+                codes.append(("k", len(kept)))
+                kept.append(key)
+            else:
+                raise _NotRepeatable("it keeps memory past its call (in the model, a cache, "
+                                     "a library's workspace)")
+            sizes.append(e["size"])
+        elif action == "free_completed":
+            if key not in transient:
+                raise _NotRepeatable("it frees memory made before it")
+            codes.append(("f", transient[key]))
+        elif action == "oom":
+            raise _NotRepeatable("it ran out of memory")
+    if sum(c[0] == "o" for c in codes) != len(slots):
+        raise _NotRepeatable("its output holds a tensor made before it")
+    return tuple(codes), tuple(sizes), kept
+
+
+def _rise(codes: tuple, sizes: tuple) -> tuple[int, int]:
+    """The most bytes a call holds at once above what it began with (as the tracker counts
+    them), and the bytes of segments it could add at most."""
+    held = rise = bound = 0
+    size_of: dict[int, int] = {}
+    it = iter(sizes)
+    for kind, x in codes:
+        if kind == "f":
+            held -= size_of.pop(x)
+            continue
+        n = round_request(next(it))
+        bound += segment_size(n)
+        held += n
+        if kind == "a":
+            size_of[x] = n
+        rise = max(rise, held)  # ("o" and "k": held past the call)
+    return rise, bound
+
+
+def _cast_cache_on() -> bool:
+    """Whether autocast may cache weight casts now (they live until it exits)."""
+    return torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled()
+
+
+def _host_rise(tracker: SimTracker, events: list) -> int:
+    """The most host bytes a call's events hold at once; it must free them all."""
+    held = rise = 0
+    for serial, delta, _ in events:
+        if tracker.pool_of.get(serial) != "device":
+            held += delta
+            rise = max(rise, held)
+    if held:
+        raise _NotRepeatable("it keeps host memory past its call")
+    return rise
+
+
+# -- the run's calls -----------------------------------------------------------------------------------
+@atomic
+class _Repeats:
+    """The outermost module calls of one run with gradients off (see the module's
+    docstring)."""
+
+    def __init__(self, tracker: SimTracker, state: SimState) -> None:
+        self.tracker, self.state = tracker, state
+        self.depth = 0  # module calls under way
+        self.kinds: dict[tuple, _Kind] = {}
+        self.calls = 0  # evaluated calls, for their buffers' keys
+        self.reasons: dict[str, str] = {}  # model -> why its calls all ran
+        self.checks: list[tuple[str, bool]] = []
+        # autocast's weight casts an evaluated call made: freed when autocast exits; and the
+        # casts calls that ran kept, which must be freed then too
+        self.pending: list[Any] = []
+        self.unconfirmed: list[tuple[_Kind, list]] = []
+
+    def call(self, original: Callable, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        """An outermost call with gradients off: through torch's own call (its hooks) to
+        :meth:`forward` in place of the module's forward."""
+        __tracebackhide__ = True
+        a = self.tracker.allocator
+        model = _model_key(module) if a is not None and a.logging else None
+        if model is None:
+            return original(module, *args, **kwargs)
+        patches = Patches()
+        patches.set(module, "forward", functools.partial(self.forward, module, model,
+                                                         module.forward))
+        try:
+            return original(module, *args, **kwargs)
+        finally:
+            patches.restore()
+
+    def forward(self, module: torch.nn.Module, model: tuple, forward: Callable, *args: Any,
+                **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        name = type(module).__name__
+        try:
+            key = _call_key(model, args, kwargs)
+        except _NotRepeatable as e:
+            self.reasons.setdefault(name, str(e))
+            return forward(*args, **kwargs)
+        kind = self.kinds.get(key)
+        if kind is None:
+            kind = self.kinds[key] = _Kind(name)
+        if kind.line is not None and kind.left > 0:
+            out = self._evaluate(kind)
+            if out is not _RUN:
+                return out
+        return self._run(kind, module, forward, args, kwargs)
+
+    def _run(self, kind: _Kind, module: torch.nn.Module, forward: Callable, args: tuple,
+             kwargs: dict) -> Any:
+        tracker, state = self.tracker, self.state
+        a = tracker.allocator
+        start, ops, reads = a.log_length, len(tracker.op_log), state.value_reads
+        events = len(tracker.events)
+        before = _attributes(module)
+        out = forward(*args, **kwargs)
+        try:
+            if state.value_reads != reads:
+                raise _NotRepeatable("it reads tensor values into Python (.item(), a condition "
+                                     "on a tensor, tolist)")
+            if not tracker.trace_ops:
+                raise _NotRepeatable("the run keeps no op log")
+            shaped = {op[0] for op in tracker.op_log[ops:]} & _VALUE_SHAPED
+            if shaped:
+                raise _NotRepeatable(f"it runs {min(shaped)}, whose output's shape follows "
+                                     "from tensor values")
+            host = _host_rise(tracker, tracker.events[events:])
+            if not _unchanged(before):
+                raise _NotRepeatable("it changes an attribute of its modules")
+            slots, outs, spec, leaves = _output(tracker, out)
+            codes, sizes, kept = _codes(a.log_since(start), slots, _cast_cache_on())
+            done = _Pass(codes, sizes, outs, spec, leaves, *_rise(codes, sizes), host)
+        except _NotRepeatable as e:
+            self.reasons.setdefault(kind.name, str(e))
+            kind.last = kind.line = None
+            return out
+        self._ran(kind, done)
+        if kept:  # confirmed once autocast frees them (see autocast_cleared)
+            self.unconfirmed.append((kind, kept))
+        return out
+
+    def _ran(self, kind: _Kind, done: _Pass) -> None:
+        """A call ran: a check of its kind's line (which then holds to the next one, or
+        ends), or one more call towards two that agree."""
+        if kind.line is not None:  # a check, or a call the line could not evaluate
+            ok = kind.line.same(done)
+            due = kind.left <= 0
+            if kind.evaluated and (due or not ok):
+                self.checks.append((kind.name, ok))
+            if ok:
+                if due:
+                    kind.gap *= 2
+                    kind.left = kind.gap
+                return
+            kind.line, kind.gap = None, _FIRST_CHECK
+        if done.same(kind.last):
+            kind.line, kind.left = done, kind.gap
+        kind.last = done
+
+    def _evaluate(self, kind: _Kind) -> Any:
+        """A call of ``kind`` evaluated (see the module's docstring); _RUN: it must run."""
+        line, tracker = kind.line, self.tracker
+        a = tracker.allocator
+        if (tracker.current["device"] + line.rise > tracker.peak["device"]
+                or tracker.current["host"] + line.host > tracker.peak["host"]):
+            return _RUN  # it would raise the run's peak: run, so the peak has its op
+        if a.capacity is not None and a.reserved + line.bound > a.capacity:
+            return _RUN  # it might not fit: an out of memory is the op's own
+        if self.pending or self.unconfirmed:
+            return _RUN  # autocast still holds casts of a call before
+        self.calls += 1
+        kind.left -= 1
+        kind.evaluated += 1
+        made: dict[int, torch.Tensor] = {}
+        todo: list[tuple[Any, int | None]] = []
+        live: set = set()
+        it = iter(line.sizes)
+        try:
+            for code, x in line.codes:
+                if code == "o":
+                    tracker.replay_transients(todo, live)
+                    todo = []
+                    next(it)
+                    shape, dtype, device = line.outs[x]
+                    made[x] = _EMPTY(shape, dtype=dtype, device=device)
+                elif code == "k":
+                    key = _Transient(self.calls, -1 - x, kind.name)
+                    tracker.replay_transients(todo + [(key, next(it))], live)
+                    todo = []
+                    live.discard(key)
+                    self.pending.append(key)
+                else:
+                    n = next(it) if code == "a" else None
+                    todo.append((_Transient(self.calls, x, kind.name), n))
+            tracker.replay_transients(todo, live)
+        finally:
+            if live:  # an interrupt or an error: the call's buffers are freed, as on a GPU
+                tracker.replay_transients([(k, None) for k in list(live)], live)
+        leaves = [made[v] if code == "o" else v for code, v in line.leaves]
+        return _priv.tree_unflatten(leaves, line.spec)
+
+    def autocast_cleared(self) -> None:
+        """Autocast exited and freed its weight casts: those of evaluated calls are freed
+        too; a call that ran and kept memory autocast did not free is no repeat."""
+        if self.pending:
+            self.tracker.replay_transients([(k, None) for k in self.pending], set())
+            self.pending = []
+        a = self.tracker.allocator
+        for kind, kept in self.unconfirmed:
+            if a is not None and any(a.size_of(k) for k in kept):
+                self.reasons.setdefault(kind.name, "it keeps memory past its call (in the "
+                                                   "model, a cache, a library's workspace)")
+                kind.last = kind.line = None
+        self.unconfirmed = []
+
+    def note(self) -> str | None:
+        """The report's note on the calls evaluated, the checks, and why calls all ran."""
+        done = sum(k.evaluated for k in self.kinds.values())
+        if not done:
+            return None
+        models = sorted({k.name for k in self.kinds.values() if k.evaluated})
+        text = (f"{done} forward passes with gradients off ({', '.join(models)}) were evaluated, "
+                "not run: each one did the allocations and frees of the two calls of its kind "
+                "before it (the same model, inputs of the same shapes), in order on the "
+                "allocator model, and its output was made as simulated tensors; the timeline "
+                "shows those tensors, not their transient buffers, and no Python code of the "
+                "model ran in them (SimBackend(decode='run') runs every call)")
+        good = sum(ok for _, ok in self.checks)
+        bad = len(self.checks) - good
+        if good:
+            text += (f"; {good} call{'s' * (good > 1)} ran op by op as "
+                     f"{'checks' if good > 1 else 'a check'} and did the same")
+        if bad:
+            text += (f"; {bad} check{'s' * (bad > 1)} did NOT do what the calls before did: "
+                     "the calls evaluated before them may be off")
+        return text
+
+
+class _Run:
+    """Marks an evaluated call's place: it must run op by op."""
+
+
+_RUN = _Run()
+
+
+def install_repeats(patches: Patches, tracker: SimTracker, state: SimState,
+                    notes: list) -> None:
+    """Evaluate the run's repeated forward passes with gradients off (see the module's
+    docstring): ``nn.Module._call_impl`` replaced for the run; the report's note added
+    when the run ends."""
+    repeats = _Repeats(tracker, state)
+    cls, slot = _priv.module_call_slot()
+    original = getattr(cls, slot)
+
+    @atomic  # (no interrupt lands between a count and its try)
+    def _call_impl(module, *args, **kwargs):
+        __tracebackhide__ = True
+        if repeats.depth or torch.is_grad_enabled():
+            repeats.depth += 1
+            try:
+                return original(module, *args, **kwargs)
+            finally:
+                repeats.depth -= 1
+        repeats.depth += 1
+        try:
+            return repeats.call(original, module, args, kwargs)
+        finally:
+            repeats.depth -= 1
+
+    patches.set(cls, slot, _call_impl)
+    clear = torch.clear_autocast_cache
+
+    def clear_autocast_cache() -> None:
+        clear()
+        repeats.autocast_cleared()
+
+    patches.set(torch, "clear_autocast_cache", clear_autocast_cache)
+
+    def add_note() -> None:
+        repeats.autocast_cleared()  # (a run that ends inside autocast keeps no casts)
+        text = repeats.note()
+        if text:
+            notes.append(text)
+
+    patches.call_on_restore(add_note)
