@@ -46,7 +46,7 @@ import torch
 from ...core import _torch_private as _priv
 from ...core.interrupts import atomic
 from ...core.patching import Patches
-from .allocator import round_request, segment_size
+from .allocator import AllocatorFull, round_request, segment_size
 
 if TYPE_CHECKING:
     from .state import SimState
@@ -247,6 +247,24 @@ def _rise(codes: tuple, sizes: tuple) -> tuple[int, int]:
     return rise, bound
 
 
+def _fits(a: Any, line: _Pass) -> bool:
+    """Whether a call of ``line`` fits the card: surely, where the segments it could add at
+    most fit; else by doing it on a copy of the allocator model."""
+    if a.capacity is None or a.reserved + line.bound <= a.capacity:
+        return True
+    model = a.clone()
+    it = iter(line.sizes)
+    try:
+        for code, x in line.codes:
+            if code == "f":
+                model.free(("a", x))
+            else:
+                model.malloc((code, x), next(it))
+    except AllocatorFull:
+        return False
+    return True
+
+
 def _cast_cache_on() -> bool:
     """Whether autocast may cache weight casts now (they live until it exits)."""
     return torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled()
@@ -374,8 +392,8 @@ class _Repeats:
         if (tracker.current["device"] + line.rise > tracker.peak["device"]
                 or tracker.current["host"] + line.host > tracker.peak["host"]):
             return _RUN  # it would raise the run's peak: run, so the peak has its op
-        if a.capacity is not None and a.reserved + line.bound > a.capacity:
-            return _RUN  # it might not fit: an out of memory is the op's own
+        if not _fits(a, line):
+            return _RUN  # it does not fit: the out of memory is the op's own
         if self.pending or self.unconfirmed:
             return _RUN  # autocast still holds casts of a call before
         self.calls += 1
