@@ -234,7 +234,7 @@ __all__ += [
     "no_dispatch", "dispatch_keys", "bare_fake", "make_subclass_slot", "make_wrapper_subclass_slot", "accelerator_slot", "fake_as_subclass", "register_fake_constant", "fake_alias", "fake_debug_enabled",
     "fake_tensor_device_getter", "dataloader_iterator_slot", "destroy_library",
     "default_foreach_slots", "module_call_slot", "has_forward_hooks", "tree_flatten",
-    "tree_unflatten",
+    "tree_unflatten", "ddp_param_check_slot", "register_reducer_comm_hook",
 ]
 
 
@@ -353,6 +353,24 @@ def tree_unflatten(leaves: list, spec: Any) -> Any:
     from torch.utils import _pytree
 
     return _pytree.tree_unflatten(leaves, spec)
+
+
+def ddp_param_check_slot() -> tuple[Any, str]:
+    """(module, attribute) of ``_verify_param_shape_across_processes`` as
+    ``DistributedDataParallel.__init__`` calls it: an all-gather of every parameter's shape
+    through the process group, written and read on the host in C++ (fake tensors have no
+    data there)."""
+    import torch.nn.parallel.distributed as ddp
+
+    return ddp, "_verify_param_shape_across_processes"
+
+
+def register_reducer_comm_hook(reducer: Any, hook: Callable) -> None:
+    """Install ``hook(state, bucket) -> Future`` as the communication hook of a DDP
+    ``Reducer`` (what ``DistributedDataParallel.register_comm_hook`` does, with no state)."""
+    import torch.distributed as dist
+
+    dist._register_comm_hook(reducer, None, hook)
 
 
 _STAND_INS: dict[type, type] = {}

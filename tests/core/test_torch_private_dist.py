@@ -195,3 +195,26 @@ def test_dtensor_sharding_caches_are_cleared_when_a_fake_group_ends():
 
     assert add_twice() == (1, 1)  # the second add was a hit
     assert add_twice() == (1, 1)  # and the first of the next group a miss again
+
+
+def test_ddp_param_check_slot_and_the_reducers_comm_hook():
+    """DDP's shape check is looked up where the slot says; a hook installed on its Reducer
+    is called with each bucket in backward (the simulation's in-place all-reduce)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    module, name = priv.ddp_param_check_slot()
+    assert getattr(module, name).__name__ == "_verify_param_shape_across_processes"
+    assert "_verify_param_shape_across_processes" in DDP.__init__.__code__.co_names
+    seen = []
+
+    def hook(state, bucket):
+        seen.append(bucket.buffer().numel())
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    with priv.fake_process_group(2):
+        ddp = DDP(torch.nn.Linear(4, 3))
+        priv.register_reducer_comm_hook(ddp.reducer, hook)
+        ddp(torch.randn(2, 4)).sum().backward()
+    assert seen == [4 * 3 + 3]

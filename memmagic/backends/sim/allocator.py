@@ -572,22 +572,9 @@ class CachingAllocatorModel:
 
     def _split_free(self, b: _Block, sign: int) -> None:
         """Count ``b`` (free, in a segment of several blocks) in or out of inactive_split."""
-        rows, size = self._rows, b.size
-        for r in (rows[0], rows[1] if b.segment.small else rows[2]):  # _bump, written out
-            if sign > 0:
-                v = r[_SPLIT] + 1
-                r[_SPLIT], r[_SPLIT + 2] = v, r[_SPLIT + 2] + 1
-                if v > r[_SPLIT + 1]:
-                    r[_SPLIT + 1] = v
-                v = r[_SPLIT_BYTES] + size
-                r[_SPLIT_BYTES], r[_SPLIT_BYTES + 2] = v, r[_SPLIT_BYTES + 2] + size
-                if v > r[_SPLIT_BYTES + 1]:
-                    r[_SPLIT_BYTES + 1] = v
-            else:
-                r[_SPLIT] -= 1
-                r[_SPLIT + 3] += 1
-                r[_SPLIT_BYTES] -= size
-                r[_SPLIT_BYTES + 3] += size
+        small = b.segment.small
+        self._bump(_SPLIT, small, sign)
+        self._bump(_SPLIT_BYTES, small, sign * b.size)
 
     def memory_stats(self) -> dict[str, int]:
         """The model's statistics as ``torch.cuda.memory_stats()`` names them (sorted keys,

@@ -23,6 +23,7 @@ from ..base import DECODE_STEPS, Backend, Outcome
 from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
 from .compat import install_compat
+from .ddp import install_ddp
 from .decode import decode_targets
 from .repeats import install_repeats
 from .cuda_api import SimulatedCuda
@@ -456,6 +457,7 @@ def _install(patches: Patches, state: SimState, tracker: SimTracker, target: Car
                    decode_targets(tracker, notes) if decode == "evaluate" else ())
     if decode == "evaluate":  # repeated forward passes with gradients off, likewise
         install_repeats(patches, tracker, state, notes)
+    install_ddp(patches, state, notes)
     keep_overwritten_files(patches, notes)
     _install_torch_adjustments(patches, notes)
     # flex_attention reaches the tracker as an op: its outputs are the fused kernel's, as
