@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from memmagic.backends.sim import SimBackend
+from memmagic.whatif.plane import allocation_shape
 
 MODEL = """\
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -109,6 +110,8 @@ def both(src: str, **options):
     assert evaluated.error is None and ran.error is None, (evaluated.error, ran.error)
     a, b = evaluated.report, ran.report
     assert log_of(a) == log_of(b)
+    # the tracker's events too: what the what-if planes and the doctor's lines fit
+    assert allocation_shape(a) == allocation_shape(b)
     for field in ("peak", "reserved_peak", "reserved_after", "retained", "host_peak"):
         assert getattr(a, field) == getattr(b, field), field
     assert a.breakdown == b.breakdown

@@ -527,18 +527,9 @@ class CachingAllocatorModel:
         _stat_add(self._oversize, at, delta)
 
     def _bump(self, at: int, small: bool, delta: int) -> None:
-        """The statistic at ``at`` changes by ``delta`` in the pools all and ``small``'s
-        (:func:`_stat_add`, written out: it runs on every malloc and free)."""
         rows = self._rows
-        for r in (rows[0], rows[1] if small else rows[2]):
-            v = r[at] + delta
-            r[at] = v
-            if delta > 0:
-                r[at + 2] += delta
-                if v > r[at + 1]:
-                    r[at + 1] = v
-            else:
-                r[at + 3] -= delta
+        _stat_add(rows[0], at, delta)
+        _stat_add(rows[1] if small else rows[2], at, delta)
 
     def _count_block(self, small: bool, size: int, requested: int) -> None:
         """A block of ``size`` bytes (``requested`` asked for) was handed out."""

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -63,21 +63,6 @@ _VALUE_SHAPED = frozenset({"nonzero", "nonzero_static", "masked_select", "unique
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
-class _Transient(NamedTuple):
-    """The allocator model's key of an evaluated call's transient buffer. ``frames``: what
-    a memory snapshot shows for it (``memmagic.core.snapshot`` takes a key's own frames)."""
-
-    call: int
-    index: int
-    model: str
-
-    @property
-    def frames(self) -> list[dict]:
-        return [{"filename": "<forward pass with gradients off, evaluated>", "line": self.call,
-                 "name": f"{self.model} call {self.call}, evaluated, not run: buffer "
-                         f"{self.index}"}]
-
-
 class _NotRepeatable(Exception):
     """A call that may do something else than the calls of its kind (the reason)."""
 
@@ -86,15 +71,17 @@ class _NotRepeatable(Exception):
 class _Pass:
     """What one call did: its allocator actions as codes (``("a", i)`` / ``("f", i)``: a
     transient buffer's alloc and free; ``("o", j)``: the alloc of output tensor j; ``("k", i)``:
-    autocast's cast of a weight, cached until autocast exits), each
-    alloc's requested bytes, each output tensor's (shape, dtype, device), the output's
-    structure (its pytree spec, and per leaf ``("o", j)`` or ``("v", value)``), the most
+    autocast's cast of a weight, cached until autocast exits), each alloc's requested
+    bytes, per buffer and per cast the (role, frames) the tracker kept for it (its category,
+    the stack a memory snapshot shows), each output tensor's (shape, dtype, device), the
+    output's structure (its pytree spec, and per leaf ``("o", j)`` or ``("v", value)``), the most
     bytes it holds at once above what it began with, the bytes of segments it could add at
     most, and the most host bytes it holds at once (buffers torch's kernels make on the
     host, all freed before it returns)."""
 
     codes: tuple
     sizes: tuple
+    made: tuple
     outs: tuple
     spec: Any
     leaves: tuple
@@ -124,13 +111,15 @@ class _Kind:
 # -- the kind of a call -------------------------------------------------------------------------
 def _model_key(module: torch.nn.Module) -> tuple | None:
     """The model's part of a call's kind (None: a module carries hooks)."""
-    flags = []
+    flags, tensors = [], []
     for m in module.modules():
         if _priv.has_forward_hooks(m):
             return None
         flags.append(m.training)
-    tensors = [(id(t), tuple(t.shape), t.dtype, t.device)
-               for t in (*module.parameters(), *module.buffers())]
+        for own in (_priv.own_parameters(m), _priv.own_buffers(m)):
+            for t in own.values():
+                if t is not None:
+                    tensors.append((id(t), t.shape, t.dtype, t.device))
     return id(module), tuple(flags), tuple(tensors)
 
 
@@ -197,9 +186,10 @@ def _output(tracker: SimTracker, out: Any) -> tuple[dict[int, int], tuple, Any, 
 
 
 def _codes(entries: list[dict], slots: dict[int, int], cached: bool
-           ) -> tuple[tuple, tuple, list]:
-    """A call's allocator entries as codes and alloc sizes (see :class:`_Pass`), and the
-    keys it keeps; ``cached``: autocast may keep weight casts (to its exit)."""
+           ) -> tuple[tuple, tuple, list, list]:
+    """A call's allocator entries as codes and alloc sizes (see :class:`_Pass`), the keys of
+    its transient buffers (by number) and the keys it keeps; ``cached``: autocast may keep
+    weight casts (to its exit)."""
     freed = {e["key"] for e in entries if e["action"] == "free_completed"}
     transient: dict[Any, int] = {}
     codes, sizes, kept = [], [], []
@@ -225,7 +215,7 @@ def _codes(entries: list[dict], slots: dict[int, int], cached: bool
             raise _NotRepeatable("it ran out of memory")
     if sum(c[0] == "o" for c in codes) != len(slots):
         raise _NotRepeatable("its output holds a tensor made before it")
-    return tuple(codes), tuple(sizes), kept
+    return tuple(codes), tuple(sizes), list(transient), kept
 
 
 def _rise(codes: tuple, sizes: tuple) -> tuple[int, int]:
@@ -297,7 +287,7 @@ class _Repeats:
         self.checks: list[tuple[str, bool]] = []
         # autocast's weight casts an evaluated call made: freed when autocast exits; and the
         # casts calls that ran kept, which must be freed then too
-        self.pending: list[Any] = []
+        self.pending: dict[Any, Any] = {}
         self.unconfirmed: list[tuple[_Kind, list]] = []
 
     def call(self, original: Callable, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -356,8 +346,9 @@ class _Repeats:
             if not _unchanged(before):
                 raise _NotRepeatable("it changes an attribute of its modules")
             slots, outs, spec, leaves = _output(tracker, out)
-            codes, sizes, kept = _codes(a.log_since(start), slots, _cast_cache_on())
-            done = _Pass(codes, sizes, outs, spec, leaves, *_rise(codes, sizes), host)
+            codes, sizes, transient, kept = _codes(a.log_since(start), slots, _cast_cache_on())
+            made = tuple((tracker.roles.get(k), tracker.frames.get(k)) for k in transient + kept)
+            done = _Pass(codes, sizes, made, outs, spec, leaves, *_rise(codes, sizes), host)
         except _NotRepeatable as e:
             self.reasons.setdefault(kind.name, str(e))
             kind.last = kind.line = None
@@ -396,34 +387,33 @@ class _Repeats:
             return _RUN  # it does not fit: the out of memory is the op's own
         if self.pending or self.unconfirmed:
             return _RUN  # autocast still holds casts of a call before
-        self.calls += 1
         kind.left -= 1
         kind.evaluated += 1
         made: dict[int, torch.Tensor] = {}
-        todo: list[tuple[Any, int | None]] = []
-        live: set = set()
+        todo: list[tuple[Any, int | None, Any]] = []
+        live: dict = {}
+        buffers = sum(code == "a" for code, _ in line.codes)  # (the casts follow them in made)
         it = iter(line.sizes)
         try:
             for code, x in line.codes:
                 if code == "o":
-                    tracker.replay_transients(todo, live)
+                    tracker.replay_storages(todo, live)
                     todo = []
                     next(it)
                     shape, dtype, device = line.outs[x]
                     made[x] = _EMPTY(shape, dtype=dtype, device=device)
-                elif code == "k":
-                    key = _Transient(self.calls, -1 - x, kind.name)
-                    tracker.replay_transients(todo + [(key, next(it))], live)
-                    todo = []
-                    live.discard(key)
-                    self.pending.append(key)
+                elif code == "f":
+                    todo.append((("a", x), None, None))
                 else:
-                    n = next(it) if code == "a" else None
-                    todo.append((_Transient(self.calls, x, kind.name), n))
-            tracker.replay_transients(todo, live)
+                    like = line.made[x if code == "a" else buffers + x]
+                    todo.append(((code, x), next(it), like))
+            tracker.replay_storages(todo, live)
+            for x in [k for k in live if k[0] == "k"]:
+                self.pending[(self.calls, x)] = live.pop(x)
         finally:
             if live:  # an interrupt or an error: the call's buffers are freed, as on a GPU
-                tracker.replay_transients([(k, None) for k in list(live)], live)
+                tracker.replay_storages([(k, None, None) for k in list(live)], live)
+        self.calls += 1
         leaves = [made[v] if code == "o" else v for code, v in line.leaves]
         return _priv.tree_unflatten(leaves, line.spec)
 
@@ -431,8 +421,8 @@ class _Repeats:
         """Autocast exited and freed its weight casts: those of evaluated calls are freed
         too; a call that ran and kept memory autocast did not free is no repeat."""
         if self.pending:
-            self.tracker.replay_transients([(k, None) for k in self.pending], set())
-            self.pending = []
+            self.tracker.replay_storages([(k, None, None) for k in list(self.pending)],
+                                         self.pending)
         a = self.tracker.allocator
         for kind, kept in self.unconfirmed:
             if a is not None and any(a.size_of(k) for k in kept):

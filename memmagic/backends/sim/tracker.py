@@ -326,6 +326,31 @@ class SimTracker(StorageTracker):
             live.add(key)
             self._follow_peaks(a)
 
+    def replay_storages(self, steps: list[tuple[Any, int | None, Any]], live: dict) -> None:
+        """Allocate (``bytes``) or free (None) each key of ``steps`` (key, bytes, (role,
+        frames) or None) in turn as a device storage of its own with no tensor: the
+        tracker's events, current bytes and peaks and the allocator model move as a run's
+        storage of that size would move them (a call that was evaluated, not run); ``live``:
+        key -> the entry of each one allocated and not freed yet. Raises the out-of-memory
+        error where a request does not fit."""
+        for key, n, made_like in steps:
+            if n is None:
+                entry = live.pop(key)
+                self._add(entry, -entry.nbytes)
+                continue
+            self._serial += 1
+            entry = Entry(self._serial, round_request(n), "device")
+            self.pool_of[entry.serial] = "device"
+            if made_like is not None:
+                role, frames = made_like
+                if role is not None:
+                    self.roles[entry.serial] = role
+                if frames is not None and self.record_frames:
+                    self.frames[entry.serial] = frames
+            self._requested = n
+            self._add(entry, entry.nbytes)
+            live[key] = entry
+
     @property
     def context_bytes(self) -> int:
         """The CUDA context's bytes on the card (0: none counted)."""
