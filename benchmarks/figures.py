@@ -827,7 +827,7 @@ DOCTOR_CASES = {
         "--max_iters=4", "--compile=False", "--eval_iters=2", "--dropout=0.2"],
     # nanoGPT's own default: estimate_loss evaluates 200 batches of each split before the
     # first step, in every run (the doctor's re-runs too)
-    "nanoGPT-style GPT-2-124M, T4, 12 x 1024 fp16, 2 x 200 evaluation batches": [
+    "nanoGPT-style with 2 x 200 evaluation batches, GPT-2-124M, T4, 12 x 1024 fp16": [
         "--gpu", "T4", "--steps", "2", str(DOCTOR_SCRIPT), "--batch_size=12",
         "--block_size=1024", "--vocab_size=50304", "--n_layer=12", "--n_head=12",
         "--n_embd=768", "--max_iters=4", "--compile=False", "--gradient_accumulation_steps=5",
