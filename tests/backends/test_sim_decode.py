@@ -288,3 +288,11 @@ def test_a_line_is_drawn_only_through_steps_that_agree():
                          dict, {})
     with pytest.raises(decode._Unsupported, match="did different things"):
         decode._Line([at(10, 1024), at(11, 1536), other])
+
+
+def test_generate_under_inference_mode_stops_at_its_length_and_is_read_off():
+    src = cell("gpt2", tokens=24).replace("out = model.generate(", "with torch.inference_mode():\n    out = model.generate(")
+    evaluated, ran = both(src)
+    assert evaluated.error is None and ran.error is None, (evaluated.error, ran.error)
+    assert_same(evaluated, ran)
+    assert "18 of its 23 decode steps were evaluated" in decode_note(evaluated.report)

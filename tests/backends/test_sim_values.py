@@ -382,3 +382,24 @@ def test_views_of_constants_in_inference_mode_are_what_torch_makes():
     assert out.error is None, out.error
     assert seen["normal"] == (False, True)
     assert seen["inference"] == (True, True, [4, 5, 6, 7])
+
+
+def test_inference_mode_keeps_the_values_a_gpu_run_decides_on():
+    """In inference mode ``|``, ``&`` and ``bool()`` reach the dispatch level as their own
+    composite ops (``__or__``, ``__and__``, ``is_nonzero``): a known operand still decides
+    ``x | True``, and ``bool()`` of a tensor without values reads a placeholder instead of
+    failing (transformers' stopping criteria under ``torch.inference_mode()``)."""
+    seen = {}
+    out, _ = run("""
+        import torch
+        with torch.inference_mode():
+            unfinished = torch.ones(2, dtype=torch.long, device="cuda")
+            tokens = torch.randn(2, 50, device="cuda").argmax(-1)       # no values
+            done = torch.full((2,), True, dtype=torch.bool, device="cuda")
+            eos = torch.isin(tokens, torch.tensor([0], device="cuda"))
+            unfinished = unfinished & ~(done | eos)
+            seen["stop"] = bool(unfinished.max() == 0)
+            seen["unknown"] = bool(eos.any())
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen == {"stop": True, "unknown": False}

@@ -53,6 +53,9 @@ _LOCAL_SCALAR = _aten._local_scalar_dense.default
 # under inference_mode, t.item() reaches the dispatch level as aten.item itself (it is
 # decomposed into _local_scalar_dense only below it): the same read
 _ITEM = _aten.item.default
+# bool(t): with autograd's keys on, it reaches the modes as _local_scalar_dense; in inference
+# mode it arrives whole, and FakeTensorMode would read the value itself (and raise)
+_IS_NONZERO = _aten.is_nonzero.default
 _PRIM_DEVICE = torch.ops.prim.device.default
 # tensor.record_stream(s) reached from C++ or a hook (DeepSpeed's ZeRO-3): the simulated GPU
 # runs one stream, so there is nothing to wait for (Python calls stop at the rewrite mode)
@@ -423,6 +426,8 @@ class SimTracker(StorageTracker):
                 raise self._over_budget(n)
             if func is _LOCAL_SCALAR or func is _ITEM:
                 return self._read_scalar(_LOCAL_SCALAR, args[0])
+            if func is _IS_NONZERO:
+                return bool(self._read_scalar(_LOCAL_SCALAR, args[0]))
             if forced is not None:
                 pool = forced if s.cuda else "device"
                 self._out_unsure = False
