@@ -403,3 +403,35 @@ def test_inference_mode_keeps_the_values_a_gpu_run_decides_on():
     """, {"seen": Recorder(seen)})
     assert out.error is None, out.error
     assert seen == {"stop": True, "unknown": False}
+
+
+def test_inference_mode_simulates_what_no_grad_does():
+    """In inference mode the autograd keys are off, so composite ops (linear, matmul,
+    scaled_dot_product_attention, dropout) reach the simulation whole: they run as their
+    parts and through the run's CUDA kernels, as under no_grad (same memory on a GPU)."""
+    from memmagic.backends.sim import SimBackend
+
+    reports = {}
+    for ctx in ("torch.no_grad()", "torch.inference_mode()"):
+        src = f"""
+import torch, torch.nn as nn, torch.nn.functional as F
+m = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Dropout(0.1), nn.Linear(2048, 512)).cuda()
+x = torch.randn(64, 128, 512, device="cuda")
+with {ctx}:
+    y = m(x)
+    q = x.view(64, 8, 128, 64)
+    a = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    z = (y @ y.transpose(1, 2)).softmax(-1).sum()
+"""
+        out = SimBackend(gpu="T4").execute(lambda n: exec(src, n), {})
+        assert out.error is None, out.error
+        reports[ctx] = out.report
+    a, b = reports.values()
+    for field in ("peak", "reserved_peak", "after", "breakdown"):
+        assert getattr(a, field) == getattr(b, field), field
+    # (matmul's composite kernel reshapes with _unsafe_view where autograd is on)
+    assert [op[0].replace("_unsafe_view", "view") for op in a.trace.ops] == \
+        [op[0] for op in b.trace.ops]
+    assert a.breakdown["workspaces"] > 0  # cuBLAS's, at the first matmul: in both
+    assert [str(n) for n in a.notes if "scaled_dot" in str(n)] == \
+        [str(n) for n in b.notes if "scaled_dot" in str(n)] != []

@@ -118,8 +118,10 @@ class _Installs:
         self.policy = None
         self.sdpa = None  # the SDPA kernel's counter of the backends it picked
 
-    def install_kernels(self, capability: tuple[int, int]) -> None:
-        self.sdpa = install_cuda_kernels(self.patches, capability)["sdpa"]
+    def install_kernels(self, capability: tuple[int, int], tracker: SimTracker) -> None:
+        installed = install_cuda_kernels(self.patches, capability)
+        self.sdpa = installed["sdpa"]
+        self.patches.set(tracker, "own_kernels", installed["kernels"])
 
     def install_policy(self) -> None:
         if self.cuda and self.policy is None and self.running:
@@ -358,7 +360,7 @@ class SimBackend(Backend):
         try:
             _install(patches, state, tracker, self.target, autocast, notes, self.decode)
             if installs.cuda:
-                installs.install_kernels(card.capability)
+                installs.install_kernels(card.capability, tracker)
                 if torch.is_autocast_enabled("cpu"):  # autocast already on: now
                     installs.install_policy()
             patches.call_on_restore(sandbox.exit)

@@ -73,15 +73,13 @@ _DRAW_NUMEL = 1
 _VALUE_FACTORIES = _VALUE_FACTORIES | set(_RANDOM_DRAWS)
 _GPU_DRAWS = torch.Generator().manual_seed(0)
 # ops whose result a known operand decides alone: x | True, x & False, x * 0 (a GPU's
-# stopping criteria: ``unfinished & ~(max_len_done | eos_hit)``); in inference mode the
-# operators' own composite ops reach the modes whole (``__or__``, not ``bitwise_or``)
-_OR_OPS = {_aten.bitwise_or.Tensor, _aten.logical_or.default, _aten.__or__.Tensor}
+# stopping criteria: ``unfinished & ~(max_len_done | eos_hit)``)
+_OR_OPS = {_aten.bitwise_or.Tensor, _aten.logical_or.default}
 # ops whose outputs hold no values (uninitialized memory): never constants
 _UNINITIALIZED = {_aten.empty.memory_format, _aten.empty_like.default, _aten.new_empty.default,
                   _aten.new_empty_strided.default, _aten.empty_strided.default,
                   _aten.empty_permuted.default}
-_AND_OPS = {_aten.bitwise_and.Tensor, _aten.logical_and.default, _aten.mul.Tensor,
-            _aten.__and__.Tensor}
+_AND_OPS = {_aten.bitwise_and.Tensor, _aten.logical_and.default, _aten.mul.Tensor}
 
 
 def propagate(func, args: tuple, kwargs: dict, out, on_gpu: bool = False):

@@ -243,7 +243,8 @@ class _FusedAttention(torch.autograd.Function):
     the same outputs, saved tensors and backward temporaries, with no values."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, backend: str):
+    def outputs(q, v, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's output and its logsumexp (which backward takes)."""
         *batch, L, _ = q.shape
         heads = q.shape[1] if q.dim() == 4 else 1
         bsz = q.shape[0]
@@ -254,7 +255,11 @@ class _FusedAttention(torch.autograd.Function):
         else:
             out = q.new_empty((*batch, L, v.shape[-1]))
         lse_len = L if backend in ("flash", "cudnn") else _round_up(L, 32)
-        lse = q.new_empty((bsz, heads, lse_len), dtype=torch.float32)
+        return out, q.new_empty((bsz, heads, lse_len), dtype=torch.float32)
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, backend: str):
+        out, lse = _FusedAttention.outputs(q, v, backend)
         ctx.backend = backend
         ctx.mask_needs_grad = mask is not None and mask.requires_grad
         ctx.save_for_backward(q, k, v, out, lse, mask)
@@ -305,6 +310,8 @@ class _SDPAKernel:
             rep = query.shape[-3] // key.shape[-3]
             key = key.repeat_interleave(rep, -3)
             value = value.repeat_interleave(rep, -3)
+        if not torch.is_grad_enabled():  # no backward (and, in inference mode, no Function)
+            return _FusedAttention.outputs(query, value, backend)[0]
         return _FusedAttention.apply(query, key, value, attn_mask, backend)
 
 
@@ -335,7 +342,9 @@ def _cuda_default_to_fused_or_foreach(params: list[torch.Tensor], differentiable
 
 
 def install_cuda_kernels(patches: Patches, capability: tuple[int, int]) -> dict[str, Any]:
-    """Register the CUDA-behaviour kernels; returns {"library": lib, "sdpa": counter}.
+    """Register the CUDA-behaviour kernels; returns {"library": lib, "sdpa": counter,
+    "kernels": {op: kernel}} (what inference mode, which skips the autograd key they are
+    registered for, runs through :attr:`SimTracker.own_kernels`).
     ``patches.restore()`` destroys the library and undoes the rest (also when this
     function fails part way)."""
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
@@ -347,7 +356,7 @@ def install_cuda_kernels(patches: Patches, capability: tuple[int, int]) -> dict[
         lib.impl("scaled_dot_product_attention", sdpa, "AutogradCPU")
     for mod, attr in _priv.default_foreach_slots():
         patches.set(mod, attr, _cuda_default_to_fused_or_foreach)
-    return {"library": lib, "sdpa": sdpa}
+    return {"library": lib, "sdpa": sdpa, "kernels": {_DROPOUT: _dropout, _SDPA: sdpa}}
 
 
 # -- oneDNN LSTM workspace ------------------------------------------------------------------

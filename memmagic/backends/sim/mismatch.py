@@ -26,7 +26,10 @@ _ANY_DEVICE = {"copy_", "copy", "_copy_from", "_copy_from_and_resize", "_to_copy
                "_has_same_storage_numel", "expand_as", "view_as", "reshape_as",
                "broadcast_tensors", "empty_like", "resize_as_", "_foreach_copy_", "_foreach_copy",
                "ctc_loss", "_ctc_loss", "_ctc_loss_backward", "_cudnn_ctc_loss",
-               "_use_cudnn_ctc_loss", "record_stream", "_resize_output_"}
+               "_use_cudnn_ctc_loss", "record_stream", "_resize_output_",
+               # a metadata question (module.cuda() asks it; in inference mode it reaches
+               # the modes)
+               "_has_compatible_shallow_copy_type"}
 _INDEX_OPS = {"index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_",
               "_unsafe_index_put"}
 

@@ -627,10 +627,12 @@ def _fake_view(mode: FakeTensorMode, base: FakeTensor, meta, template: dict | No
     """A FakeTensor viewing ``base``'s storage with ``meta``'s geometry (what
     FakeTensorMode's cache does for a view op)."""
     shape, stride, offset, dtype, device = meta
-    with _priv.no_dispatch():
+    # an inference tensor where the base is one (in inference mode a view of a normal
+    # tensor is a normal tensor: autograd then shares the base's version counter with it)
+    with _priv.no_dispatch(), torch.inference_mode(base.is_inference()):
         empty = torch.empty((0,), dtype=dtype, device="meta")
         empty.set_(base.untyped_storage(), offset, shape, stride)
-    return _priv.fake_from_template(mode, empty, device, template)
+        return _priv.fake_from_template(mode, empty, device, template)
 
 
 def _fake_template(mode: FakeTensorMode) -> dict | None:

@@ -53,9 +53,8 @@ _LOCAL_SCALAR = _aten._local_scalar_dense.default
 # under inference_mode, t.item() reaches the dispatch level as aten.item itself (it is
 # decomposed into _local_scalar_dense only below it): the same read
 _ITEM = _aten.item.default
-# bool(t): with autograd's keys on, it reaches the modes as _local_scalar_dense; in inference
-# mode it arrives whole, and FakeTensorMode would read the value itself (and raise)
-_IS_NONZERO = _aten.is_nonzero.default
+_INFERENCE = torch.is_inference_mode_enabled
+_WHOLE: set = set()  # ops with no composite kernel to decompose (in inference mode)
 _PRIM_DEVICE = torch.ops.prim.device.default
 # tensor.record_stream(s) reached from C++ or a hook (DeepSpeed's ZeRO-3): the simulated GPU
 # runs one stream, so there is nothing to wait for (Python calls stop at the rewrite mode)
@@ -87,6 +86,10 @@ def _op_info(func) -> tuple[bool, str, bool]:
 @atomic
 class SimTracker(StorageTracker):
     """The StorageTracker of a simulated run (see the module docstring)."""
+
+    # op -> the run's CUDA kernel registered for it on the autograd key (dropout, SDPA): what
+    # inference mode, which skips that key, runs in place of the op's composite kernel
+    own_kernels: dict = {}
 
     def __init__(self, state: SimState, *, allocator: CachingAllocatorModel | None,
                  max_ops: int, max_seconds: float, gpu_name: str | None = None) -> None:
@@ -426,8 +429,16 @@ class SimTracker(StorageTracker):
                 raise self._over_budget(n)
             if func is _LOCAL_SCALAR or func is _ITEM:
                 return self._read_scalar(_LOCAL_SCALAR, args[0])
-            if func is _IS_NONZERO:
-                return bool(self._read_scalar(_LOCAL_SCALAR, args[0]))
+            if _INFERENCE() and func not in _WHOLE:
+                # in inference mode a composite op (linear, matmul, scaled_dot_product_attention,
+                # |) reaches the modes whole: its parts, as autograd's key sends them outside
+                # it (through the CUDA kernels the run registered on that key, own_kernels)
+                own = self.own_kernels.get(func)
+                with self:
+                    out = func.decompose(*args, **kwargs) if own is None else own(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+                _WHOLE.add(func)
             if forced is not None:
                 pool = forced if s.cuda else "device"
                 self._out_unsure = False
