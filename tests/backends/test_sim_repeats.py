@@ -249,3 +249,18 @@ def test_an_evaluation_loop_that_runs_out_of_memory_fails_as_its_own():
     assert "out of memory" in str(ran.error)
     assert str(evaluated.error) == str(ran.error)
     assert log_of(evaluated.report) == log_of(ran.report)
+
+
+def test_autocast_around_the_whole_loop_caches_its_casts_once():
+    """Autocast entered once around the loop: the first call casts the weights (kept in
+    autocast's cache until it exits), the next ones reuse them and repeat each other."""
+    src = cell(n=30, loop="""\
+model.eval()
+with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float16):
+    for k in range(30):
+        x = torch.randint(0, 100, (8, 32), device="cuda")
+        logits, loss = model(x, x)
+""")
+    a, _ = both(src)
+    note = note_of(a)
+    assert note is not None and int(note.split()[0]) >= 24, note

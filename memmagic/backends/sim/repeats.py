@@ -385,8 +385,8 @@ class _Repeats:
             return _RUN  # it would raise the run's peak: run, so the peak has its op
         if not _fits(a, line):
             return _RUN  # it does not fit: the out of memory is the op's own
-        if self.pending or self.unconfirmed:
-            return _RUN  # autocast still holds casts of a call before
+        if (self.pending or self.unconfirmed) and any(c == "k" for c, _ in line.codes):
+            return _RUN  # autocast still holds the casts of a call before: this one's differ
         kind.left -= 1
         kind.evaluated += 1
         made: dict[int, torch.Tensor] = {}
