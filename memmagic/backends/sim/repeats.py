@@ -19,14 +19,18 @@ time; this module runs calls op by op until two in a row did the same things, th
 * a call runs op by op as a check after 16 evaluated ones, then after 32, 64, ...; it must do
   what the two before did (a note says whether it did), else that kind is run again until
   two calls agree;
+* an evaluated call's buffers are storages the tracker counts (its events, the categories and
+  the snapshot stacks of the call that ran), so the trace, the what-if planes and the
+  doctor's lines read the run as if every call ran;
 * a call that would raise the run's peak, or might not fit the card, runs op by op (the
   peak keeps its op and module; an out of memory is the op's own).
 
 A call is never evaluated where it could do something else than the calls that ran: one
 that reads a tensor's values into Python (``.item()``, ``if mask.any():``, ``tolist``) or
 runs an op whose output's shape depends on values (``nonzero``); one that keeps memory past
-its call (a cache in the model, a first matmul's cuBLAS workspace), frees memory made
-before it, or allocates on the host; one whose modules change an attribute or carry hooks;
+its call (a cache in the model, a first matmul's cuBLAS workspace; autocast's cached weight
+casts are kept to its exit and freed there), frees memory made before it, or keeps host
+memory; one whose modules change an attribute or carry hooks;
 one whose output holds anything but new tensors of their own and plain values (a
 transformers cache object, a view, a tensor carrying values); one with gradients on. What an
 evaluated call leaves out: its ops (the op count, the trace and the timeline show the

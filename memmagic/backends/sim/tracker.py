@@ -405,10 +405,9 @@ class SimTracker(StorageTracker):
         if func is _PRIM_DEVICE:
             # C++ asking a fake tensor its device (FakeTensor.__torch_dispatch__'s answer,
             # without FakeTensorMode's dispatch): not an op, not counted
-            t = args[0]
-            mode = getattr(t, "fake_mode", None)
+            mode = getattr(args[0], "fake_mode", None)
             if mode is not None:
-                return META if mode.in_kernel_invocation else t.fake_device
+                return META if mode.in_kernel_invocation else args[0].fake_device
         if func is _RECORD_STREAM:
             return None
         s = self.s
@@ -416,6 +415,9 @@ class SimTracker(StorageTracker):
         try:
             if self.quiet:  # memmagic's own op (the saved-tensor hook's detach)
                 return func(*args, **(kwargs or {}))
+            if _INFERENCE() and func not in _WHOLE and (
+                    out := self._in_parts(func, args, kwargs or {})) is not NotImplemented:
+                return out
             forced = s.target
             if kwargs:
                 dev = kwargs.get("device")
@@ -429,16 +431,6 @@ class SimTracker(StorageTracker):
                 raise self._over_budget(n)
             if func is _LOCAL_SCALAR or func is _ITEM:
                 return self._read_scalar(_LOCAL_SCALAR, args[0])
-            if _INFERENCE() and func not in _WHOLE:
-                # in inference mode a composite op (linear, matmul, scaled_dot_product_attention,
-                # |) reaches the modes whole: its parts, as autograd's key sends them outside
-                # it (through the CUDA kernels the run registered on that key, own_kernels)
-                own = self.own_kernels.get(func)
-                with self:
-                    out = func.decompose(*args, **kwargs) if own is None else own(*args, **kwargs)
-                if out is not NotImplemented:
-                    return out
-                _WHOLE.add(func)
             if forced is not None:
                 pool = forced if s.cuda else "device"
                 self._out_unsure = False
@@ -468,6 +460,18 @@ class SimTracker(StorageTracker):
             return out
         finally:
             s.in_dispatch -= 1
+
+    def _in_parts(self, func, args, kwargs):
+        """In inference mode a composite op (linear, matmul, scaled_dot_product_attention, |,
+        bool()) reaches the modes whole: its parts, as autograd's key sends them outside it
+        (through the CUDA kernel the run registered on that key, :attr:`own_kernels`);
+        NotImplemented for an op with no composite kernel."""
+        own = self.own_kernels.get(func)
+        with self:
+            out = func.decompose(*args, **kwargs) if own is None else own(*args, **kwargs)
+        if out is NotImplemented:
+            _WHOLE.add(func)
+        return out
 
     def _note_kernel(self, func) -> None:
         """Remember the library kernels (quantized weights) and flex_attention calls that
