@@ -43,7 +43,7 @@ from __future__ import annotations
 import bisect
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ...core.interrupts import atomic
 
@@ -626,6 +626,23 @@ class CachingAllocatorModel:
         self.reserved_peak = self.reserved
         self.allocated_peak = self.allocated
         self._log_restart = len(self._log or ())
+
+    def would_fit(self, steps: Iterable[tuple[object, int | None]], most: int) -> bool:
+        """Whether ``steps`` (key, bytes to allocate or None to free, in turn) fit the
+        capacity: surely where ``most`` more bytes of segments do; else by doing them on a
+        copy (``steps`` is only read then)."""
+        if self._capacity is None or self.reserved + most <= self._capacity:
+            return True
+        model = self.clone()
+        try:
+            for key, n in steps:
+                if n is None:
+                    model.free(key)
+                else:
+                    model.malloc(key, n)
+        except AllocatorFull:
+            return False
+        return True
 
     def clone(self) -> "CachingAllocatorModel":
         """A copy with every block held by the same key (no log)."""

@@ -45,12 +45,12 @@ import torch
 
 from ...core.interrupts import atomic
 from ...core.patching import Patches
-from .allocator import AllocatorFull, round_request, segment_size
+from .allocator import round_request, segment_size
 
 if TYPE_CHECKING:
     from .tracker import SimTracker
 
-__all__ = ["decode_targets"]
+__all__ = ["decode_targets", "whole"]
 
 _CHECKED = 3  # real steps in a row before the line is used: drawn through two, checked by the third
 _FIRST_CHECK = 16  # evaluated steps before the first that runs as a check (then 32, 64, ...)
@@ -187,7 +187,7 @@ def _left(tracker: SimTracker, out: Any, cache: Any, given: dict[int, tuple]
             fields[name] = ("given", given[id(value)])
         elif isinstance(value, torch.Tensor):
             serial = tracker.serial_of(value)
-            if serial is None or not _whole(value):
+            if serial is None or not whole(value):
                 raise _Unsupported(f"the output's {name} is not a tensor of its own")
             serials[serial] = fields[name] = ("out", name)
         elif isinstance(value, (tuple, list, dict)):
@@ -196,7 +196,7 @@ def _left(tracker: SimTracker, out: Any, cache: Any, given: dict[int, tuple]
             fields[name] = ("value", value)
     tensors = {("cache", p): v for p, v in _walk(cache) if isinstance(v, torch.Tensor)}
     for t in tensors.values():
-        if not _whole(t):
+        if not whole(t):
             raise _Unsupported("the cache keeps views of larger tensors (a sliding window)")
     tensors.update({("out", n): out[n] for n, f in fields.items() if f[0] == "out"})
     shapes = {slot: tuple(t.shape) for slot, t in tensors.items()}
@@ -215,8 +215,9 @@ def _field(field: tuple, cache: Any, made: dict, kwargs: dict) -> Any:
     return _given(kwargs, field[1]) if kind == "given" else field[1]
 
 
-def _whole(t: torch.Tensor) -> bool:
-    """Whether ``t`` is its storage, all of it, in order (what a step's new tensor is)."""
+def whole(t: torch.Tensor) -> bool:
+    """Whether ``t`` is its storage, all of it, in order (what a step's or an evaluated
+    call's new tensor is)."""
     return (t.is_contiguous() and not t.storage_offset()
             and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
@@ -465,23 +466,17 @@ class _Steps:
         return made
 
     def _fits(self, cache: Any, sizes: list[int]) -> bool:
-        """Whether the step fits the card: surely, where the segments it could add at most
-        fit; else by doing it on a copy of the allocator model."""
-        a = self.tracker.allocator
-        if a.capacity is None or a.reserved + self.bound <= a.capacity:
-            return True
-        model = a.clone()
-        slots = {slot: serial for serial, slot in _serials(self.tracker, cache)[0].items()}
-        it = iter(sizes)
-        try:
+        """Whether the step fits the card (:meth:`CachingAllocatorModel.would_fit`)."""
+        def steps():
+            slots = {slot: serial for serial, slot in _serials(self.tracker, cache)[0].items()}
+            it = iter(sizes)
             for kind, x in self.line.codes:
                 if kind in "as":
-                    model.malloc((kind, x), next(it))
+                    yield (kind, x), next(it)
                 else:
-                    model.free(("a", x) if kind == "f" else slots.get(x))
-        except AllocatorFull:
-            return False
-        return True
+                    yield ("a", x) if kind == "f" else slots.get(x), None
+
+        return self.tracker.allocator.would_fit(steps(), self.bound)
 
 
 # -- the run's generate() calls ------------------------------------------------------------------

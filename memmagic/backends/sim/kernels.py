@@ -243,8 +243,7 @@ class _FusedAttention(torch.autograd.Function):
     the same outputs, saved tensors and backward temporaries, with no values."""
 
     @staticmethod
-    def outputs(q, v, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernel's output and its logsumexp (which backward takes)."""
+    def forward(ctx, q, k, v, mask, backend: str):
         *batch, L, _ = q.shape
         heads = q.shape[1] if q.dim() == 4 else 1
         bsz = q.shape[0]
@@ -255,11 +254,7 @@ class _FusedAttention(torch.autograd.Function):
         else:
             out = q.new_empty((*batch, L, v.shape[-1]))
         lse_len = L if backend in ("flash", "cudnn") else _round_up(L, 32)
-        return out, q.new_empty((bsz, heads, lse_len), dtype=torch.float32)
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask, backend: str):
-        out, lse = _FusedAttention.outputs(q, v, backend)
+        lse = q.new_empty((bsz, heads, lse_len), dtype=torch.float32)
         ctx.backend = backend
         ctx.mask_needs_grad = mask is not None and mask.requires_grad
         ctx.save_for_backward(q, k, v, out, lse, mask)
@@ -310,8 +305,6 @@ class _SDPAKernel:
             rep = query.shape[-3] // key.shape[-3]
             key = key.repeat_interleave(rep, -3)
             value = value.repeat_interleave(rep, -3)
-        if not torch.is_grad_enabled():  # no backward (and, in inference mode, no Function)
-            return _FusedAttention.outputs(query, value, backend)[0]
         return _FusedAttention.apply(query, key, value, attn_mask, backend)
 
 

@@ -50,7 +50,8 @@ import torch
 from ...core import _torch_private as _priv
 from ...core.interrupts import atomic
 from ...core.patching import Patches
-from .allocator import AllocatorFull, round_request, segment_size
+from .allocator import round_request, segment_size
+from .decode import whole
 
 if TYPE_CHECKING:
     from .state import SimState
@@ -159,12 +160,6 @@ def _unchanged(before: list[tuple[Any, dict]]) -> bool:
 
 
 # -- what a call did --------------------------------------------------------------------------------
-def _whole(t: torch.Tensor) -> bool:
-    """Whether ``t`` is its storage, all of it, in order (what a call's new tensor is)."""
-    return (t.is_contiguous() and not t.storage_offset()
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
-
-
 def _output(tracker: SimTracker, out: Any) -> tuple[dict[int, int], tuple, Any, tuple]:
     """serial -> output slot, each slot's (shape, dtype, device), the output's pytree spec
     and its leaves as ``("o", slot)`` / ``("v", value)``."""
@@ -175,7 +170,7 @@ def _output(tracker: SimTracker, out: Any) -> tuple[dict[int, int], tuple, Any, 
         if isinstance(leaf, torch.Tensor):
             serial = tracker.serial_of(leaf)
             if (type(leaf) is not _priv.FakeTensor or serial is None or serial in slots
-                    or not _whole(leaf) or leaf.requires_grad):
+                    or not whole(leaf) or leaf.requires_grad):
                 raise _NotRepeatable("its output holds a tensor that is not a new one of its own")
             if _priv.fake_constant(leaf) is not None:
                 raise _NotRepeatable("its output carries values")
@@ -241,22 +236,11 @@ def _rise(codes: tuple, sizes: tuple) -> tuple[int, int]:
     return rise, bound
 
 
-def _fits(a: Any, line: _Pass) -> bool:
-    """Whether a call of ``line`` fits the card: surely, where the segments it could add at
-    most fit; else by doing it on a copy of the allocator model."""
-    if a.capacity is None or a.reserved + line.bound <= a.capacity:
-        return True
-    model = a.clone()
+def _steps(line: _Pass):
+    """A call's allocs and frees as :meth:`CachingAllocatorModel.would_fit` takes them."""
     it = iter(line.sizes)
-    try:
-        for code, x in line.codes:
-            if code == "f":
-                model.free(("a", x))
-            else:
-                model.malloc((code, x), next(it))
-    except AllocatorFull:
-        return False
-    return True
+    for code, x in line.codes:
+        yield ((code, x), next(it)) if code != "f" else (("a", x), None)
 
 
 def _cast_cache_on() -> bool:
@@ -387,7 +371,7 @@ class _Repeats:
         if (tracker.current["device"] + line.rise > tracker.peak["device"]
                 or tracker.current["host"] + line.host > tracker.peak["host"]):
             return _RUN  # it would raise the run's peak: run, so the peak has its op
-        if not _fits(a, line):
+        if not a.would_fit(_steps(line), line.bound):
             return _RUN  # it does not fit: the out of memory is the op's own
         if (self.pending or self.unconfirmed) and any(c == "k" for c, _ in line.codes):
             return _RUN  # autocast still holds the casts of a call before: this one's differ

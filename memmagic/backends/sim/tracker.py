@@ -50,8 +50,8 @@ __all__ = ["SimTracker"]
 
 _aten = torch.ops.aten
 _LOCAL_SCALAR = _aten._local_scalar_dense.default
-# under inference_mode, t.item() reaches the dispatch level as aten.item itself (it is
-# decomposed into _local_scalar_dense only below it): the same read
+# an inference tensor has no autograd keys: t.item() of one reaches the dispatch level as
+# aten.item itself, in inference mode or out of it (decomposed only below it): the same read
 _ITEM = _aten.item.default
 _INFERENCE = torch.is_inference_mode_enabled
 _WHOLE: set = set()  # ops with no composite kernel to decompose (in inference mode)
