@@ -78,7 +78,7 @@ def _row(label: str, knobs: Mapping[str, Any], r: Any) -> Strategy:
     peak, verdict, error and, after an out of memory, what was live, the failed request
     and where it ran out."""
     if r.error and r.failed_request is None:
-        return Strategy(label, dict(knobs), None, reason=f"the cell failed: {r.error}")
+        return Strategy(label, dict(knobs), None, reason=f"failed: {r.error}")
     if r.failed_request is not None:  # ran out of memory: it needs more than what was live
         # and the request the card could not give (its peak so far says less)
         least = (r.live_at_failure if r.live_at_failure is not None else r.peak) + r.failed_request

@@ -278,6 +278,10 @@ def _run_notes(runner: Any, args: argparse.Namespace, error: BaseException | Non
                      "calls before it exactly (the others are evaluated, as a note says), and "
                      "each re-run of the doctor repeats them; fewer evaluation batches in the "
                      "script's own options shorten every run")
+    for var, (flag, value) in runner.found.items():
+        notes.append(f"the script takes {var} on its command line ({flag}=N; it ran with "
+                     f"{value}, its own default): the doctor's re-runs pass it smaller ones "
+                     "there")
     changes = runner.changes.note()
     if changes:
         notes.append(changes)

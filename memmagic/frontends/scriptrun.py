@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from ..core.patching import Patches
 from .scratchdisk import ChangeSummary, ScratchDisk
+from .scriptflags import FlagWatch, flag_value, given_flags, with_flag_value
 
 __all__ = ["ScriptRun", "ScriptError", "RunProgress", "StepsDone", "load_script", "find_module"]
 
@@ -291,9 +292,13 @@ class ScriptRun:
         self.progress = RunProgress()
         self.changes = ChangeSummary()
         # knob variables the script takes from its command line (``--batch_size 16``): the
-        # what-if engine and the doctor set them in the namespace, the run puts them in argv
-        self.flags = _knob_flags(argv)
+        # what-if engine and the doctor set them in the namespace, the run puts them in argv;
+        # ``found``: those its first run showed it takes though argv gives none (variable ->
+        # (option, the value it ran with))
+        self.flags = given_flags(argv)
+        self.found: dict[str, tuple[str, int]] = {}
         self.knob_reads = frozenset(self.flags)
+        self._runs = 0
         self.base: dict[str, Any] = {"__name__": "__main__", "__file__": str(path),
                                      "__builtins__": __builtins__}
         if module is not None:  # its relative imports resolve in its package
@@ -301,14 +306,19 @@ class ScriptRun:
 
     def initial_values(self) -> dict[str, int]:
         """The knob variables' values as the command line gives them."""
-        return {var: int(_flag_value(self.argv, flag)) for var, flag in self.flags.items()}
+        given = {var: int(flag_value(self.argv, flag)) for var, flag in self.flags.items()
+                 if var not in self.found}
+        return {**given, **{var: value for var, (_, value) in self.found.items()}}
 
-    def _argv(self, ns: dict) -> list[str]:
+    def _passed(self, ns: dict) -> dict[str, int]:
+        """The knob values this run passes the script (those ``ns`` sets)."""
+        return {var: ns[var] for var in self.flags
+                if isinstance(ns.get(var), int) and not isinstance(ns.get(var), bool)}
+
+    def _argv(self, passed: dict[str, int]) -> list[str]:
         argv = list(self.argv)
-        for var, flag in self.flags.items():
-            value = ns.get(var)
-            if isinstance(value, int) and not isinstance(value, bool):
-                argv = _with_flag_value(argv, flag, str(value))
+        for var, value in passed.items():
+            argv = with_flag_value(argv, self.flags[var], str(value))
         return argv
 
     def __call__(self, ns: dict) -> None:
@@ -323,8 +333,10 @@ class ScriptRun:
         how = f"python -m {self.module.name}" if self.module is not None else f"python {self.path}"
         disk = ScratchDisk(for_real=how)
         patches = Patches()
+        flags = FlagWatch(ns)
+        passed = self._passed(ns)
         try:
-            patches.set(sys, "argv", [str(self.path), *self._argv(ns)])
+            flags.install(patches, [str(self.path), *self._argv(passed)])
             saved_path = list(sys.path)
             patches.call_on_restore(lambda: sys.path.__setitem__(slice(None), saved_path))
             # python script.py puts the script's folder first; python -m, the current one
@@ -336,41 +348,36 @@ class ScriptRun:
             pass
         except SystemExit as exc:  # the script's own sys.exit() / argparse's
             if exc.code not in (None, 0):
+                self._flags_after(flags, passed, exc)
                 raise
+        except BaseException as exc:
+            self._flags_after(flags, passed, exc)
+            raise
         finally:
             patches.restore()
             self.progress = watch.progress
             self.changes = self.changes | disk.summary
+        self._flags_after(flags, passed, None)
 
-
-def _knob_flags(argv: Sequence[str]) -> dict[str, str]:
-    """knob variable -> the option of ``argv`` that gives it a whole number (a script's
-    own options that carry a knob's value: ``Knob.script_flags``)."""
-    from ..whatif.knobs import KNOBS
-
-    out = {}
-    for knob in KNOBS.values():
-        for flag in knob.script_flags:
-            value = _flag_value(argv, flag)
-            if value is not None and value.isdigit():
-                out[knob.var] = flag
-    return out
-
-
-def _flag_value(argv: Sequence[str], flag: str) -> str | None:
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a[len(flag) + 1:]
-    return None
-
-
-def _with_flag_value(argv: list[str], flag: str, value: str) -> list[str]:
-    out = list(argv)
-    for i, a in enumerate(out):
-        if a == flag and i + 1 < len(out):
-            out[i + 1] = value
-        elif a.startswith(flag + "="):
-            out[i] = f"{flag}={value}"
-    return out
+    def _flags_after(self, flags: FlagWatch, passed: dict[str, int],
+                     error: BaseException | None) -> None:
+        """After a run (``error``: what it raised): the first one tells which knob options
+        the script takes though its command line gives none; a later one that did not take
+        a value it passed to one of those raises :class:`ScriptError` in place of its own
+        outcome (a Ctrl-C stays a Ctrl-C)."""
+        self._runs += 1
+        if self._runs == 1:
+            self.found = flags.found(self.flags)
+            self.flags.update({var: flag for var, (flag, _) in self.found.items()})
+            self.knob_reads = frozenset(self.flags)
+            flags.ns.update({var: value for var, (_, value) in self.found.items()
+                             if var not in flags.ns})
+            return
+        if isinstance(error, KeyboardInterrupt):
+            return
+        for var, value in passed.items():
+            if var in self.found and not flags.honoured(var, value):
+                raise ScriptError(
+                    f"the script did not take {self.flags[var]}={value} (memmagic read "
+                    f"{self.flags[var]} as its option for {var}, from its first run): give "
+                    f"the script its {var} on its own command line") from error

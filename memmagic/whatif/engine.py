@@ -286,9 +286,12 @@ class Cell:
             return base
         given = base.changed()
         own = {}
+        # a compiled run may say the values it starts from (a script: its command line's)
+        start = getattr(self._run, "initial_values", None)
+        values = {**self.namespace, **(start() if start is not None else {})}
         for knob in KNOBS.values():
-            if knob.var in self.reads and knob.name not in given and knob.var in self.namespace:
-                value = setting_of(knob.name, self.namespace[knob.var])
+            if knob.var in self.reads and knob.name not in given and knob.var in values:
+                value = setting_of(knob.name, values[knob.var])
                 if value is not None:
                     own[knob.name] = value
         return base.replace(**own) if own else base

@@ -170,19 +170,52 @@ with torch.no_grad():
 
 @pytest.mark.parametrize("extra_init,extra_forward,why", [
     ("", "        if x.sum() > 0:\n            x = x * 2\n", "reads tensor values"),
-    ("", "        self.last = x\n", "changes an attribute"),
+    # the attribute held the only reference to the last call's tensor: each call frees it
+    ("", "        self.last = x\n", "frees memory made before it"),
+    ("        self.seen = 0\n",
+     "        if 'seen' in vars(self):\n            del self.seen\n        else:\n"
+     "            self.seen = 0\n", "removes an attribute"),
     ("        self.seen = []\n", "        self.seen.append(x)\n", "keeps memory past its call"),
 ])
 def test_calls_that_may_differ_all_run(extra_init, extra_forward, why, monkeypatch):
     from memmagic.backends.sim import repeats
 
-    reasons: list[dict] = []
-    note = repeats._Repeats.note
+    said: list[str] = []  # why each call that could not repeat could not
+
+    class Recorded(repeats._NotRepeatable):
+        def __init__(self, reason: str) -> None:
+            said.append(reason)
+            super().__init__(reason)
+    monkeypatch.setattr(repeats, "_NotRepeatable", Recorded)
+    note = repeats._Repeats.note  # (and the reason autocast's exit finds: a kept cast)
     monkeypatch.setattr(repeats._Repeats, "note",
-                        lambda self: reasons.append(dict(self.reasons)) or note(self))
+                        lambda self: said.extend(self.reasons.values()) or note(self))
     a, _ = both(cell(n=8, extra_init=extra_init, extra_forward=extra_forward))
     assert note_of(a) is None
-    assert why in reasons[0]["Net"]
+    assert any(why in reason for reason in said), said
+
+
+def test_an_attribute_set_to_a_new_tensor_is_set_by_an_evaluated_call_too():
+    """llama2.c's forward keeps its loss in ``self.last_loss`` and returns the logits; the
+    loop reads the attribute and holds it until the next call's: an evaluated call makes
+    the new tensor and sets the attribute, as the calls that ran did."""
+    src = cell(n=24, extra_forward="""\
+        self.last_loss = x.float().mean() if targets is not None else None
+""", loop="""\
+model.eval()
+with torch.no_grad():
+    for k in range(24):
+        x = torch.randint(0, 100, (8, 32), device="cuda")
+        logits, _ = model(x, x)
+        loss = model.last_loss
+        assert loss.shape == () and loss.dtype == torch.float32 and loss.device.type == "cuda"
+        assert logits.shape == (8, 32, 100)
+    model(x)
+    assert model.last_loss is None
+""")
+    a, _ = both(src)
+    note = note_of(a)
+    assert note is not None and int(note.split()[0]) >= 16, note
 
 
 def test_hooks_and_gradients_run_every_call():

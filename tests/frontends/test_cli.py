@@ -369,3 +369,62 @@ def test_a_script_that_declares_its_encoding_runs(tmp_path, monkeypatch, capsys,
     (tmp_path / "latin.py").write_bytes(b"# -*- coding: latin-1 -*-\nprint('caf\xe9')\n")
     assert cli.main(["run", "--gpu", "T4", "latin.py"]) == 0
     assert "caf\u00e9" in capsys.readouterr().out
+
+
+# a script that takes its batch size from its command line in nanoGPT's configurator's way
+# (code run with the script's globals sets a global from --name=value), written here
+CONFIGURED = textwrap.dedent('''
+    import sys
+    import torch
+    from memmagic import zoo
+
+    batch_size = 64
+    for arg in sys.argv[1:]:
+        key, _, value = arg.lstrip("-").partition("=")
+        if key in globals() and value:
+            globals()[key] = int(value)
+    model, _ = zoo.build("nanogpt", device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    for it in range(1000):
+        xb = torch.randint(0, 1000, (batch_size, 128), device="cuda")
+        model.loss(xb, xb).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+''')
+
+
+@pytest.mark.parametrize("source", [TRAIN.replace("default=8", "default=64"), CONFIGURED],
+                         ids=["argparse", "configurator"])
+def test_the_doctor_finds_the_batch_option_a_script_was_not_given(source, tmp_path, capsys,
+                                                                   clean_state):
+    """A script run with no --batch_size that takes one (argparse's default, or a global its
+    own argument loop sets) gets the doctor's smaller batches all the same, passed on its
+    command line; argv is put back after every run."""
+    path = tmp_path / "train.py"
+    path.write_text(source)
+    argv = list(sys.argv)
+    rc = cli.main(["run", "--gpu-memory", "256MiB", "--steps", "1", str(path)])
+    out = capsys.readouterr()
+    assert rc == 1 and "out of memory" in out.err
+    assert ("note: the script takes batch_size on its command line (--batch_size=N; it ran "
+            "with 64, its own default)") in out.out
+    rows = [line for line in out.out.splitlines() if "(from 64)" in line]
+    assert rows and any(line.rstrip().endswith("fits") for line in rows), out.out
+    assert "no smaller batch was tried" not in out.out
+    assert sys.argv == argv
+
+
+def test_a_batch_option_the_script_does_not_take_is_said_not_measured(tmp_path, capsys,
+                                                                      clean_state):
+    """A script that reads its arguments and has a batch_size global, but ignores
+    --batch_size=N: each re-run that passed it says so, and no row claims that batch."""
+    path = tmp_path / "train.py"
+    path.write_text(CONFIGURED.replace("if key in globals() and value:",
+                                       "if key == 'lr' and value:"))
+    rc = cli.main(["run", "--gpu-memory", "256MiB", "--steps", "1", str(path)])
+    out = capsys.readouterr()
+    assert rc == 1
+    rows = [line for line in out.out.splitlines() if "(from 64)" in line]
+    assert rows and not any(line.rstrip().endswith("fits") for line in rows), out.out
+    assert "failed: ScriptError: the script did not take --batch_size=" in out.out, out.out
+    assert "cell" not in out.out.lower()

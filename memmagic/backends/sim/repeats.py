@@ -30,7 +30,10 @@ that reads a tensor's values into Python (``.item()``, ``if mask.any():``, ``tol
 runs an op whose output's shape depends on values (``nonzero``); one that keeps memory past
 its call (a cache in the model, a first matmul's cuBLAS workspace; autocast's cached weight
 casts are kept to its exit and freed there), frees memory made before it, or keeps host
-memory; one whose modules change an attribute or carry hooks;
+memory; one whose modules carry hooks, or remove an attribute, or set one to anything but a
+new tensor of its own or a plain value (llama2.c's ``self.last_loss = loss`` is such a new
+tensor: an evaluated call sets it, after its buffers, where the tensor it replaces is held
+elsewhere too; else the call runs, as it would free that tensor inside the call);
 one whose output holds anything but new tensors of their own and plain values (a
 transformers cache object, a view, a tensor carrying values); one with gradients on. What an
 evaluated call leaves out: its ops (the op count, the trace and the timeline show the
@@ -42,6 +45,7 @@ any Python side effect of its code (a print, a counter kept outside its modules)
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -79,7 +83,10 @@ class _Pass:
     autocast's cast of a weight, cached until autocast exits), each alloc's requested
     bytes, per buffer and per cast the (role, frames) the tracker kept for it (its category,
     the stack a memory snapshot shows), each output tensor's (shape, dtype, device), the
-    output's structure (its pytree spec, and per leaf ``("o", j)`` or ``("v", value)``), the most
+    output's structure (its pytree spec, and per leaf ``("o", j)`` or ``("v", value)``; the
+    output is the call's return value and the new values of the attributes it set, in
+    ``attrs``: (the module's place in ``model.modules()``, the name); ``starts``: what those
+    held before it, :func:`_describe`), the most
     bytes it holds at once above what it began with, the bytes of segments it could add at
     most, and the most host bytes it holds at once (buffers torch's kernels make on the
     host, all freed before it returns)."""
@@ -93,11 +100,14 @@ class _Pass:
     rise: int
     bound: int
     host: int
+    attrs: tuple = ()
+    starts: tuple = ()
 
     def same(self, other: "_Pass | None") -> bool:
         return other is not None and (self.codes, self.sizes, self.outs, self.spec,
-                                      self.leaves) == (other.codes, other.sizes, other.outs,
-                                                       other.spec, other.leaves)
+                                      self.leaves, self.attrs, self.starts) == (
+            other.codes, other.sizes, other.outs, other.spec, other.leaves, other.attrs,
+            other.starts)
 
 
 @dataclass
@@ -145,18 +155,59 @@ def _call_key(model: tuple, args: tuple, kwargs: dict) -> tuple:
             torch.is_inference_mode_enabled())
 
 
+def _describe(value: Any) -> tuple:
+    """What a call starts from in an attribute it sets: a tensor's shape and dtype, a plain
+    value, else its type."""
+    if isinstance(value, torch.Tensor):
+        return "t", tuple(value.shape), value.dtype
+    if isinstance(value, _PLAIN):
+        return "v", type(value), value
+    return "x", type(value)
+
+
 def _attributes(module: torch.nn.Module) -> list[tuple[Any, dict]]:
-    """Each module's attributes as they are now, by identity (no reference to the values:
-    holding one would keep a tensor the call replaces alive past its place)."""
-    return [(m, {k: id(v) for k, v in vars(m).items()}) for m in module.modules()]
+    """Each module's attributes as they are now: name -> (identity, :func:`_describe`) (no
+    reference to the values: holding one would keep a tensor the call replaces alive past
+    its place)."""
+    return [(m, {k: (id(v), _describe(v)) for k, v in vars(m).items()})
+            for m in module.modules()]
 
 
-def _unchanged(before: list[tuple[Any, dict]]) -> bool:
-    for m, attrs in before:
+def _starts(module: torch.nn.Module, attrs: tuple) -> tuple:
+    """What the attributes ``attrs`` hold now (:func:`_describe`; ``None``: absent)."""
+    modules = list(module.modules())
+    return tuple(_describe(vars(modules[i])[k]) if k in vars(modules[i]) else None
+                 for i, k in attrs)
+
+
+def _set_attributes(before: list[tuple[Any, dict]]) -> tuple[tuple, list, tuple]:
+    """The attributes a call set, as (module's place, name), their new values, and what
+    they held before it (:func:`_starts`); a call that removed one is no repeat."""
+    places, values, starts = [], [], []
+    for i, (m, attrs) in enumerate(before):
         now = vars(m)
-        if len(now) != len(attrs) or any(id(now.get(k, attrs)) != v for k, v in attrs.items()):
-            return False
-    return True
+        if any(k not in now for k in attrs):
+            raise _NotRepeatable("it removes an attribute of its modules")
+        for k, v in now.items():
+            old = attrs.get(k)
+            if old is None or id(v) != old[0]:
+                places.append((i, k))
+                values.append(v)
+                starts.append(None if old is None else old[1])
+    return tuple(places), values, tuple(starts)
+
+
+def _sole_holder(module: torch.nn.Module, attrs: tuple) -> bool:
+    """Whether an attribute a call of this kind sets holds the only reference to its tensor
+    now: the call that ran freed it where it set the attribute (inside the call), which an
+    evaluated call, setting it once its buffers are done, would not."""
+    modules = list(module.modules())
+    for i, k in attrs:
+        old = vars(modules[i]).get(k)
+        # the module's __dict__, ``old`` and getrefcount's argument
+        if isinstance(old, torch.Tensor) and sys.getrefcount(old) <= 3:
+            return True
+    return False
 
 
 # -- what a call did --------------------------------------------------------------------------------
@@ -307,7 +358,7 @@ class _Repeats:
         if kind is None:
             kind = self.kinds[key] = _Kind(name)
         if kind.line is not None and kind.left > 0:
-            out = self._evaluate(kind)
+            out = self._evaluate(kind, module)
             if out is not _RUN:
                 return out
         return self._run(kind, module, forward, args, kwargs)
@@ -331,12 +382,12 @@ class _Repeats:
                 raise _NotRepeatable(f"it runs {min(shaped)}, whose output's shape follows "
                                      "from tensor values")
             host = _host_rise(tracker, tracker.events[events:])
-            if not _unchanged(before):
-                raise _NotRepeatable("it changes an attribute of its modules")
-            slots, outs, spec, leaves = _output(tracker, out)
+            attrs, values, starts = _set_attributes(before)
+            slots, outs, spec, leaves = _output(tracker, (out, values))
             codes, sizes, transient, kept = _codes(a.log_since(start), slots, _cast_cache_on())
             made = tuple((tracker.roles.get(k), tracker.frames.get(k)) for k in transient + kept)
-            done = _Pass(codes, sizes, made, outs, spec, leaves, *_rise(codes, sizes), host)
+            done = _Pass(codes, sizes, made, outs, spec, leaves, *_rise(codes, sizes), host,
+                         attrs, starts)
         except _NotRepeatable as e:
             self.reasons.setdefault(kind.name, str(e))
             kind.last = kind.line = None
@@ -364,10 +415,15 @@ class _Repeats:
             kind.line, kind.left = done, kind.gap
         kind.last = done
 
-    def _evaluate(self, kind: _Kind) -> Any:
+    def _evaluate(self, kind: _Kind, module: torch.nn.Module) -> Any:
         """A call of ``kind`` evaluated (see the module's docstring); _RUN: it must run."""
         line, tracker = kind.line, self.tracker
         a = tracker.allocator
+        if line.attrs and (_starts(module, line.attrs) != line.starts
+                           or _sole_holder(module, line.attrs)):
+            # it starts from other attributes (code outside the calls set them), or frees
+            # what its attribute held inside the call
+            return _RUN
         if (tracker.current["device"] + line.rise > tracker.peak["device"]
                 or tracker.current["host"] + line.host > tracker.peak["host"]):
             return _RUN  # it would raise the run's peak: run, so the peak has its op
@@ -403,7 +459,11 @@ class _Repeats:
                 tracker.replay_storages([(k, None, None) for k in list(live)], live)
         self.calls += 1
         leaves = [made[v] if code == "o" else v for code, v in line.leaves]
-        return _priv.tree_unflatten(leaves, line.spec)
+        out, values = _priv.tree_unflatten(leaves, line.spec)
+        modules = list(module.modules()) if line.attrs else []
+        for (i, name), value in zip(line.attrs, values):
+            setattr(modules[i], name, value)
+        return out
 
     def autocast_cleared(self) -> None:
         """Autocast exited and freed its weight casts: those of evaluated calls are freed

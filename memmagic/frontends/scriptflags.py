@@ -1,0 +1,144 @@
+"""The knob options a script takes on its own command line (``--batch_size 16``): those its
+command line gives, and those it takes but was not given, found while it runs.
+
+A script given ``--batch_size 64`` takes the batch knob there (:func:`given_flags`). One
+given none may still take one, at a default of its own; :class:`FlagWatch` finds it in the
+script's first run, two ways:
+
+- an ``argparse`` parser the script builds defines the option (``--batch-size``, or any
+  option whose ``dest`` is ``batch_size``): the value it parsed is the script's;
+- code run with the script's own globals reads its arguments, and the script ends that run
+  with an ``int`` global of the knob's name: nanoGPT's and llama2.c's configurator
+  (``exec(open("configurator.py").read())``), which sets a global from ``--batch_size=N``.
+
+A value passed to a found option is checked after each run (:meth:`FlagWatch.honoured`):
+the script's own value must be the one passed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+from ..core.patching import Patches
+
+__all__ = ["FlagWatch", "given_flags", "flag_value", "with_flag_value"]
+
+
+def given_flags(argv: Sequence[str]) -> dict[str, str]:
+    """knob variable -> the option of ``argv`` that gives it a whole number (a script's
+    own options that carry a knob's value: ``Knob.script_flags``)."""
+    out = {}
+    for knob in _sized_knobs():
+        for flag in knob.script_flags:
+            value = flag_value(argv, flag)
+            if value is not None and value.isdigit():
+                out[knob.var] = flag
+    return out
+
+
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value ``argv`` gives ``flag`` (``--f V`` or ``--f=V``), or None."""
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a[len(flag) + 1:]
+    return None
+
+
+def with_flag_value(argv: list[str], flag: str, value: str) -> list[str]:
+    """``argv`` with ``flag`` at ``value``: where it is given, in its place; else added at
+    the end as ``--f=V`` (the form argparse and a configurator both take)."""
+    out = list(argv)
+    found = False
+    for i, a in enumerate(out):
+        if a == flag and i + 1 < len(out):
+            out[i + 1], found = value, True
+        elif a.startswith(flag + "="):
+            out[i], found = f"{flag}={value}", True
+    return out if found else [*out, f"{flag}={value}"]
+
+
+def _sized_knobs() -> list[Any]:
+    from ..whatif.knobs import KNOBS
+
+    return [knob for knob in KNOBS.values() if knob.script_flags]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _Argv(list):
+    """``sys.argv`` for a run: a list that notes when code run with the script's globals
+    reads its arguments (a slice or a loop over it)."""
+
+    watch: "FlagWatch"
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            self.watch.read_from(sys._getframe(1))
+        return list.__getitem__(self, i)
+
+    def __iter__(self) -> Any:
+        self.watch.read_from(sys._getframe(1))
+        return list.__iter__(self)
+
+
+class FlagWatch:
+    """One run of a script (its globals ``ns``): the knob options its argparse parsers
+    parsed (knob variable -> (option, value)) and whether code run with its globals read
+    its arguments. ``install(patches, argv)`` sets ``sys.argv`` and watches argparse until
+    ``patches`` are restored."""
+
+    def __init__(self, ns: dict) -> None:
+        self.ns = ns
+        self.parsed: dict[str, tuple[str, Any]] = {}
+        self.argv_read = False
+
+    def install(self, patches: Patches, argv: list[str]) -> None:
+        watched = _Argv(argv)
+        watched.watch = self
+        patches.set(sys, "argv", watched)
+        parse = argparse.ArgumentParser.parse_known_args
+        watch = self
+
+        def parse_known_args(parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+            result = parse(parser, *args, **kwargs)
+            watch.parsed_by(parser, result[0])
+            return result
+        patches.set(argparse.ArgumentParser, "parse_known_args", parse_known_args)
+
+    def read_from(self, frame: Any) -> None:
+        if frame is not None and frame.f_globals is self.ns:
+            self.argv_read = True
+
+    def parsed_by(self, parser: argparse.ArgumentParser, namespace: Any) -> None:
+        """Note the knob options ``parser`` defines and the values it parsed."""
+        for knob in _sized_knobs():
+            for action in getattr(parser, "_actions", ()):
+                names = [s for s in action.option_strings if s.startswith("--")]
+                if not names or not (action.dest == knob.var or set(names) & set(knob.script_flags)):
+                    continue
+                value = getattr(namespace, action.dest, None)
+                if _is_int(value):
+                    flag = next((s for s in knob.script_flags if s in names), max(names, key=len))
+                    self.parsed[knob.var] = (flag, value)
+
+    def found(self, given: dict[str, str]) -> dict[str, tuple[str, int]]:
+        """The knob options the script takes that ``given`` (its command line's) lacks:
+        knob variable -> (option, the value the run had)."""
+        out = {var: fv for var, fv in self.parsed.items() if var not in given}
+        if self.argv_read:
+            for knob in _sized_knobs():
+                value = self.ns.get(knob.var)
+                if knob.var not in given and knob.var not in out and _is_int(value):
+                    out[knob.var] = ("--" + knob.var, value)
+        return out
+
+    def honoured(self, var: str, value: int) -> bool:
+        """Whether the run took ``value`` for ``var`` (the script's own value is it)."""
+        if var in self.parsed:
+            return self.parsed[var][1] == value
+        return self.ns.get(var) == value
