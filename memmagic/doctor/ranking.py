@@ -126,7 +126,8 @@ def rank(engine: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = 
     known = Fixes(c.baseline.effective_batch, optimizer,
                   getattr(c.baseline, resizing(SEQ_DIM).name))
     applicable = _worth_running(applicable, baseline, info, unit, notes)
-    rows = [_measure(c, label, knobs, ran) for label, knobs in _candidates(applicable, known)
+    candidates = _not_done(_candidates(applicable, known), info, unit, notes)
+    rows = [_measure(c, label, knobs, ran) for label, knobs in candidates
             if any(getattr(c.baseline, k) != v for k, v in knobs.items())]  # not what ran
     rows = _without_repeats(rows, baseline, unit, notes) + _read_off(c, ran, unit, notes)
     targeted = baseline.fits is not None or any(s.fits is not None for s in rows)
@@ -212,6 +213,23 @@ def _worth_running(applicable: list[str], baseline: Strategy, info: Any, unit: s
                      "first optimizer step began (where an optimizer makes its state), so it "
                      "would run out at the same place")
     return [k for k in applicable if k not in late]
+
+
+def _not_done(candidates: list[tuple[str, dict[str, Any]]], info: Any, unit: str,
+              notes: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """``candidates`` less the fixes the run already makes by its own code (each knob's
+    ``Doctor.already``): a note instead of a re-run that would give the same figures."""
+    if info is None:
+        return candidates
+    out = []
+    for label, knobs in candidates:
+        words = [w for name, value in knobs.items() if KNOBS[name].doctor.already is not None
+                 and (w := KNOBS[name].doctor.already(info, value))]
+        if words and len(words) == len(knobs):
+            notes.append(f"{label}: not re-run, the {unit} {'; '.join(words)}")
+        else:
+            out.append((label, knobs))
+    return out
 
 
 def _without_repeats(rows: list[Strategy], baseline: Strategy, unit: str,

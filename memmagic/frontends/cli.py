@@ -260,6 +260,8 @@ EVALUATION_NOTE_AT = 50
 def _run_notes(runner: Any, args: argparse.Namespace, error: BaseException | None) -> list[str]:
     """What cut the run (or that it ended early), and what the script changed on its
     scratch disk."""
+    from .scriptflags import flag_value
+
     p, notes = runner.progress, []
     if p.cut == "steps":
         notes.append(f"stopped after {p.steps} optimizer step(s) (--steps {args.steps})")
@@ -279,9 +281,10 @@ def _run_notes(runner: Any, args: argparse.Namespace, error: BaseException | Non
                      "each re-run of the doctor repeats them; fewer evaluation batches in the "
                      "script's own options shorten every run")
     for var, (flag, value) in runner.found.items():
+        given = flag_value(runner.argv, flag) is not None
         notes.append(f"the script takes {var} on its command line ({flag}=N; it ran with "
-                     f"{value}, its own default): the doctor's re-runs pass it smaller ones "
-                     "there")
+                     f"{value}, {'as given' if given else 'its own default'}): the doctor's "
+                     "re-runs pass it smaller ones there")
     changes = runner.changes.note()
     if changes:
         notes.append(changes)

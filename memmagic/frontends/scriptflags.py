@@ -6,7 +6,9 @@ given none may still take one, at a default of its own; :class:`FlagWatch` finds
 script's first run, two ways:
 
 - an ``argparse`` parser the script builds defines the option (``--batch-size``, or any
-  option whose ``dest`` is ``batch_size``): the value it parsed is the script's;
+  option whose ``dest`` is ``batch_size``, or transformers' ``per_device_train_batch_size``
+  that ``HfArgumentParser`` makes of ``TrainingArguments``): the value it parsed is the
+  script's;
 - code run with the script's own globals reads its arguments, and the script ends that run
   with an ``int`` global of the knob's name: nanoGPT's and llama2.c's configurator
   (``exec(open("configurator.py").read())``), which sets a global from ``--batch_size=N``.
@@ -119,7 +121,8 @@ class FlagWatch:
         for knob in _sized_knobs():
             for action in getattr(parser, "_actions", ()):
                 names = [s for s in action.option_strings if s.startswith("--")]
-                if not names or not (action.dest == knob.var or set(names) & set(knob.script_flags)):
+                if not names or not (action.dest in knob.script_dests
+                                     or set(names) & set(knob.script_flags)):
                     continue
                 value = getattr(namespace, action.dest, None)
                 if _is_int(value):

@@ -67,6 +67,9 @@ class Applier:
         self.optimizers_built: list[str] = []
         self.backward_calls = 0
         self.generate_calls = 0              # transformers generate() calls
+        # (enabled, dtype) of autocast on the device at each outermost model call, as the
+        # cell's own code left it (before the knobs' hooks)
+        self.autocast_at_calls: set[tuple[bool, Any]] = set()
         self.steps_run = 0
         self.steps_begun = 0  # steps that passed the gates (one that fails counts here)
         self.steps_skipped = 0
@@ -235,6 +238,13 @@ class Applier:
             raise errors[0]
 
     # -- hooks ----------------------------------------------------------------------------------
+    def _note_autocast(self) -> None:
+        import torch
+
+        dev = self.device_type
+        on = torch.is_autocast_enabled(dev)
+        self.autocast_at_calls.add((on, torch.get_autocast_dtype(dev) if on else None))
+
     def _pre(self, module, args):
         from ..core import _torch_private as priv
 
@@ -254,6 +264,7 @@ class Applier:
             self.inplace_modules += sum(1 for m in module.modules()
                                         if isinstance(getattr(m, "inplace", None), bool))
             self.quantized_models += any(_quantized(p) for p in module.parameters())
+        self._note_autocast()
         for fn, every in self._at_call:
             if first or every:
                 out = fn(module, args)

@@ -61,6 +61,8 @@ class RunInfo:
     backward_calls: int = 0
     steps_begun: int = 0                                 # optimizer steps that started
     generate_calls: int = 0                              # transformers generate() calls
+    # (enabled, dtype) of autocast at the models' outermost calls, by the cell's own code
+    autocast_at_calls: frozenset = frozenset()
     built: list[str] = field(default_factory=list)       # names bound to models/optimizers it made
     batch_names: tuple[str, ...] = ()                    # namespace batch tensors it resized
     seq_names: tuple[str, ...] = ()                      # namespace token tensors it resized
@@ -543,6 +545,7 @@ class Cell:
                 info.backward_calls = applier.backward_calls
                 info.steps_begun = applier.steps_begun
                 info.generate_calls = applier.generate_calls
+                info.autocast_at_calls = frozenset(applier.autocast_at_calls)
                 try:
                     applier.close()
                 finally:

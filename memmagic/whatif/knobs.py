@@ -149,13 +149,16 @@ class Doctor:
     magic), "script" (the command line). ``from_first_step``: the knob changes nothing
     before the first optimizer step begins (an optimizer makes its state there), so its
     fixes are not re-run for a run that ran out of memory before one began: they would
-    run out at the same place."""
+    run out at the same place. ``already(info, value)``: the run (its
+    :class:`~memmagic.whatif.engine.RunInfo`) does what the fix would, by the cell's own
+    code, so the fix is not re-run (the words say how, or None: it does not)."""
 
     fixes: Callable[[Fixes], list[Fix]] | None = field(default=None, repr=False)
     family: str | None = None
     excluded_by: tuple[str, ...] = ()
     untried: Mapping[str, str] | None = None
     from_first_step: bool = False
+    already: Callable[[Any, Any], str | None] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -171,12 +174,16 @@ class Sizes:
     error when there is nothing to size (no tensor to resize, no batch to split). A script
     run by ``python -m memmagic run`` takes such a knob only on its own command line
     (:attr:`Knob.script_flags`): a fresh ``__main__`` holds no batch to resize, and a
-    whole script is not repeated per micro-step."""
+    whole script is not repeated per micro-step. ``script_dests``: argparse destinations
+    other than the knob's variable that carry its value in a script (transformers'
+    ``per_device_train_batch_size``, which ``HfArgumentParser`` makes of
+    ``TrainingArguments``: the batch each device takes)."""
 
     resize: int | None = None
     splits_batch: bool = False
     noun: str = ""
     missing: str = ""
+    script_dests: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -268,6 +275,15 @@ class Knob:
         if self.sizes is None:
             return ()
         return "--" + self.var, "--" + self.var.replace("_", "-")
+
+    @property
+    def script_dests(self) -> tuple[str, ...]:
+        """The argparse destinations that carry this knob's value in a script (its
+        variable, and :attr:`Sizes.script_dests`); none but for the knobs that size the
+        data."""
+        if self.sizes is None:
+            return ()
+        return (self.var, *self.sizes.script_dests)
 
     def applies(self, info: Any) -> bool:
         """Whether memmagic can apply this knob to a run that did what ``info`` says."""
@@ -395,6 +411,13 @@ def _optimizer_fixes(f: Fixes) -> list[tuple[str, dict[str, Any]]]:
             if name != f.optimizer]
 
 
+def _amp_already(info: Any, value: str) -> str | None:
+    """Every model call ran under the cell's own autocast of ``value``'s dtype."""
+    if value == "off" or info.autocast_at_calls != {(True, torch_dtype(value))}:
+        return None
+    return f"runs every model call under autocast {value} already"
+
+
 _OPTION_ON = ("on", "true", "yes", "1")
 _OPTION_OFF = ("off", "false", "no", "0")
 
@@ -440,11 +463,12 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
                        "a GradScaler), unless the cell reads the variable amp itself.",
                        metavar="{off,fp16,bf16}"),
          doctor=Doctor(lambda f: [("AMP fp16", {"amp": "fp16"}), ("AMP bf16", {"amp": "bf16"})],
-                       excluded_by=("weights_dtype",)),
+                       excluded_by=("weights_dtype",), already=_amp_already),
          strategy=("fp32", "amp bf16", "bf16")),
     Knob("batch_size", "batch size", "int", None, "the namespace's batch tensors the cell "
          "names, resized along their first dimension", low=1, high=1 << 20, needs="batch",
-         sizes=Sizes(resize=BATCH_DIM, noun="batch", missing=_NO_BATCH),
+         sizes=Sizes(resize=BATCH_DIM, noun="batch", missing=_NO_BATCH,
+                     script_dests=("per_device_train_batch_size",)),
          panel=Control("slider", range=(1, 512), grow=True, sweep=True),
          option=Option("What-if knob: the (effective) batch size; the cell reads batch_size, "
                        "or memmagic resizes the batch tensors of the namespace the cell names.",

@@ -75,11 +75,27 @@ def test_a_fix_the_cell_already_makes_gets_no_row_but_a_note():
                     "    y = model(torch.randn(256, 2048, device='cuda'))\n"
                     "y.float().sum().backward()\n")
     _, rows, notes = doctor.rank(ranking_engine(own_autocast, gpu="T4"), knobs=("amp",))
-    # the cell's own bf16 autocast: AMP bf16 changes nothing (AMP fp16, another dtype and
+    # the cell's own bf16 autocast: AMP bf16 is not re-run (AMP fp16, another dtype and
     # a GradScaler, keeps its row)
     assert [s.label for s in rows] == ["AMP fp16"]
-    assert 'AMP bf16: the same figures as the "as written" row (the cell already does this, ' \
-           'or it changes nothing here)' in notes
+    assert ("AMP bf16: not re-run, the cell runs every model call under autocast bf16 "
+            "already") in notes
+    # a model call outside its autocast: AMP bf16 changes that one, and is re-run
+    _, rows, notes = doctor.rank(ranking_engine(own_autocast + "model(torch.randn(8, 2048, "
+                                                "device='cuda'))\n", gpu="T4"), knobs=("amp",))
+    assert sorted(s.label for s in rows) == ["AMP bf16", "AMP fp16"]
+
+
+def test_a_row_with_the_baselines_own_figures_becomes_a_note():
+    from memmagic.doctor.ranking import Strategy, _without_repeats
+
+    base = Strategy("as written", {}, 100, 128, True)
+    same, other = Strategy("AMP bf16", {"amp": "bf16"}, 100, 128, True), \
+        Strategy("batch 4", {"batch_size": 4}, 60, 64, True)
+    notes: list[str] = []
+    assert _without_repeats([same, other], base, "cell", notes) == [other]
+    assert notes == ['AMP bf16: the same figures as the "as written" row (the cell already '
+                     'does this, or it changes nothing here)']
 
 
 def test_the_command_line_speaks_of_the_script_and_ranks_what_ran(tmp_path, capsys, clean_state):

@@ -393,21 +393,32 @@ CONFIGURED = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("source", [TRAIN.replace("default=8", "default=64"), CONFIGURED],
-                         ids=["argparse", "configurator"])
-def test_the_doctor_finds_the_batch_option_a_script_was_not_given(source, tmp_path, capsys,
-                                                                   clean_state):
-    """A script run with no --batch_size that takes one (argparse's default, or a global its
-    own argument loop sets) gets the doctor's smaller batches all the same, passed on its
-    command line; argv is put back after every run."""
+# transformers' HfArgumentParser makes --per_device_train_batch_size of TrainingArguments
+TRAINER_STYLE = (TRAIN.replace('p.add_argument("--batch_size", type=int, default=8)',
+                               'p.add_argument("--per_device_train_batch_size", type=int, '
+                               'default=8)')
+                 .replace("args.batch_size", "args.per_device_train_batch_size"))
+
+
+@pytest.mark.parametrize("source,given,took", [
+    (TRAIN.replace("default=8", "default=64"), [], "--batch_size=N; it ran with 64, its own default"),
+    (CONFIGURED, [], "--batch_size=N; it ran with 64, its own default"),
+    (TRAINER_STYLE, ["--per_device_train_batch_size", "64"],
+     "--per_device_train_batch_size=N; it ran with 64, as given"),
+], ids=["argparse", "configurator", "trainer"])
+def test_the_doctor_finds_the_batch_option_a_script_was_not_given(source, given, took, tmp_path,
+                                                                   capsys, clean_state):
+    """A script that takes its batch size on its command line under a name memmagic was not
+    given (argparse's default, a global its own argument loop sets, a Trainer's per-device
+    batch) gets the doctor's smaller batches all the same, passed on its command line;
+    argv is put back after every run."""
     path = tmp_path / "train.py"
     path.write_text(source)
     argv = list(sys.argv)
-    rc = cli.main(["run", "--gpu-memory", "256MiB", "--steps", "1", str(path)])
+    rc = cli.main(["run", "--gpu-memory", "256MiB", "--steps", "1", str(path), *given])
     out = capsys.readouterr()
     assert rc == 1 and "out of memory" in out.err
-    assert ("note: the script takes batch_size on its command line (--batch_size=N; it ran "
-            "with 64, its own default)") in out.out
+    assert f"note: the script takes batch_size on its command line ({took})" in out.out
     rows = [line for line in out.out.splitlines() if "(from 64)" in line]
     assert rows and any(line.rstrip().endswith("fits") for line in rows), out.out
     assert "no smaller batch was tried" not in out.out
@@ -428,3 +439,4 @@ def test_a_batch_option_the_script_does_not_take_is_said_not_measured(tmp_path, 
     assert rows and not any(line.rstrip().endswith("fits") for line in rows), out.out
     assert "failed: ScriptError: the script did not take --batch_size=" in out.out, out.out
     assert "cell" not in out.out.lower()
+

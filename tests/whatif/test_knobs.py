@@ -115,6 +115,9 @@ def test_a_script_takes_the_knobs_that_size_its_data_on_its_command_line():
     assert KNOBS["accum_steps"].script_flags == ("--accum_steps", "--accum-steps")
     assert [k.name for k in KNOBS.values() if k.script_flags] == \
         ["batch_size", "seq_len", "accum_steps"]
+    # argparse destinations that carry the value (a transformers Trainer's per-device batch)
+    assert KNOBS["batch_size"].script_dests == ("batch_size", "per_device_train_batch_size")
+    assert KNOBS["seq_len"].script_dests == ("seq_len",) and KNOBS["amp"].script_dests == ()
 
 
 def test_the_doctors_families_and_exclusions_are_in_the_entries():
