@@ -87,6 +87,11 @@ class _Argv(list):
         self.watch.read_from(sys._getframe(1))
         return list.__iter__(self)
 
+    def __reduce__(self) -> Any:
+        # a plain list where it is pickled or copied (multiprocessing's spawn sends its
+        # children sys.argv): never the watch and the script's globals it holds
+        return list, (list(self),)
+
 
 class FlagWatch:
     """One run of a script (its globals ``ns``): the knob options its argparse parsers

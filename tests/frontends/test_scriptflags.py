@@ -1,0 +1,50 @@
+"""The knob options a script takes on its own command line, given or found in its first run
+(:mod:`memmagic.frontends.scriptflags`); the doctor's use of them: tests/frontends/test_cli.py."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import pickle
+import sys
+import threading
+
+from memmagic.core.patching import Patches
+from memmagic.frontends.scriptflags import FlagWatch, flag_value, given_flags, with_flag_value
+
+
+def test_a_flag_is_set_where_given_and_added_where_not():
+    assert given_flags(["--batch-size", "16", "--lr", "3"]) == {"batch_size": "--batch-size"}
+    assert given_flags(["--batch_size=big"]) == {}
+    assert flag_value(["a", "--seq_len=128"], "--seq_len") == "128"
+    assert with_flag_value(["--batch_size", "8", "x"], "--batch_size", "4") == \
+        ["--batch_size", "4", "x"]
+    assert with_flag_value(["10", "5"], "--batch_size", "4") == ["10", "5", "--batch_size=4"]
+
+
+def test_the_watch_sees_argparse_and_a_loop_over_the_arguments_and_puts_both_back():
+    ns: dict = {"lock": threading.Lock()}  # (a global that cannot be pickled)
+    watch, patches = FlagWatch(ns), Patches()
+    argv, parse = list(sys.argv), argparse.ArgumentParser.parse_known_args
+    watch.install(patches, ["train.py", "7"])
+    try:
+        p = argparse.ArgumentParser()
+        p.add_argument("epochs", type=int)
+        p.add_argument("--per_device_train_batch_size", type=int, default=32)
+        p.parse_args()
+        assert not watch.argv_read  # argparse read them, not code with the script's globals
+        exec("import sys\nfor a in sys.argv[1:]: pass", {})  # code of other globals
+        assert not watch.argv_read
+        exec("import sys\nbatch_size = 64\nfor a in sys.argv[1:]: pass", ns)
+        # multiprocessing's spawn pickles sys.argv for its children: a plain list
+        assert type(pickle.loads(pickle.dumps(sys.argv))) is list
+        assert type(copy.copy(sys.argv)) is list
+    finally:
+        patches.restore()
+    assert sys.argv == argv and argparse.ArgumentParser.parse_known_args is parse
+    assert watch.argv_read
+    assert watch.found({}) == {"batch_size": ("--per_device_train_batch_size", 32)}
+    del watch.parsed["batch_size"]
+    assert watch.found({}) == {"batch_size": ("--batch_size", 64)}
+    assert watch.found({"batch_size": "--batch_size"}) == {}
+    assert watch.honoured("batch_size", 64) and not watch.honoured("batch_size", 16)
