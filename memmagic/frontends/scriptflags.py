@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 from ..core.patching import Patches
 
-__all__ = ["FlagWatch", "given_flags", "flag_value", "with_flag_value"]
+__all__ = ["FlagWatch", "given_flags", "flag_value", "with_flag_value", "passed_values"]
 
 
 def given_flags(argv: Sequence[str]) -> dict[str, str]:
@@ -60,6 +60,11 @@ def with_flag_value(argv: list[str], flag: str, value: str) -> list[str]:
         elif a.startswith(flag + "="):
             out[i], found = f"{flag}={value}", True
     return out if found else [*out, f"{flag}={value}"]
+
+
+def passed_values(ns: dict, variables: Any) -> dict[str, int]:
+    """The whole numbers ``ns`` holds for ``variables`` (the knob values a run passes)."""
+    return {var: ns[var] for var in variables if _is_int(ns.get(var))}
 
 
 def _sized_knobs() -> list[Any]:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from ..core.patching import Patches
 from .scratchdisk import ChangeSummary, ScratchDisk
-from .scriptflags import FlagWatch, flag_value, given_flags, with_flag_value
+from .scriptflags import FlagWatch, flag_value, given_flags, passed_values, with_flag_value
 
 __all__ = ["ScriptRun", "ScriptError", "RunProgress", "StepsDone", "load_script", "find_module"]
 
@@ -310,11 +310,6 @@ class ScriptRun:
                  if var not in self.found}
         return {**given, **{var: value for var, (_, value) in self.found.items()}}
 
-    def _passed(self, ns: dict) -> dict[str, int]:
-        """The knob values this run passes the script (those ``ns`` sets)."""
-        return {var: ns[var] for var in self.flags
-                if isinstance(ns.get(var), int) and not isinstance(ns.get(var), bool)}
-
     def _argv(self, passed: dict[str, int]) -> list[str]:
         argv = list(self.argv)
         for var, value in passed.items():
@@ -334,7 +329,7 @@ class ScriptRun:
         disk = ScratchDisk(for_real=how)
         patches = Patches()
         flags = FlagWatch(ns)
-        passed = self._passed(ns)
+        passed = passed_values(ns, self.flags)
         try:
             flags.install(patches, [str(self.path), *self._argv(passed)])
             saved_path = list(sys.path)
@@ -370,8 +365,6 @@ class ScriptRun:
             self.found = flags.found(self.flags)
             self.flags.update({var: flag for var, (flag, _) in self.found.items()})
             self.knob_reads = frozenset(self.flags)
-            flags.ns.update({var: value for var, (_, value) in self.found.items()
-                             if var not in flags.ns})
             return
         if isinstance(error, KeyboardInterrupt):
             return

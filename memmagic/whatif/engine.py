@@ -288,12 +288,16 @@ class Cell:
             return base
         given = base.changed()
         own = {}
-        # a compiled run may say the values it starts from (a script: its command line's)
+        # a compiled run may say the values it starts from (a script: its command line's),
+        # which come before the namespace's
         start = getattr(self._run, "initial_values", None)
-        values = {**self.namespace, **(start() if start is not None else {})}
+        values = start() if start is not None else {}
         for knob in KNOBS.values():
-            if knob.var in self.reads and knob.name not in given and knob.var in values:
-                value = setting_of(knob.name, values[knob.var])
+            var = knob.var
+            if var in self.reads and knob.name not in given and (var in values
+                                                                 or var in self.namespace):
+                value = setting_of(knob.name, values[var] if var in values
+                                   else self.namespace[var])
                 if value is not None:
                     own[knob.name] = value
         return base.replace(**own) if own else base

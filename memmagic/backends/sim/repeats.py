@@ -173,11 +173,14 @@ def _attributes(module: torch.nn.Module) -> list[tuple[Any, dict]]:
             for m in module.modules()]
 
 
-def _starts(module: torch.nn.Module, attrs: tuple) -> tuple:
-    """What the attributes ``attrs`` hold now (:func:`_describe`; ``None``: absent)."""
-    modules = list(module.modules())
-    return tuple(_describe(vars(modules[i])[k]) if k in vars(modules[i]) else None
-                 for i, k in attrs)
+def _starts(modules: list[torch.nn.Module], attrs: tuple) -> tuple:
+    """What the attributes ``attrs`` of ``modules`` (the model's, in order) hold now
+    (:func:`_describe`; ``None``: absent)."""
+    out = []
+    for i, k in attrs:
+        now = vars(modules[i])
+        out.append(_describe(now[k]) if k in now else None)
+    return tuple(out)
 
 
 def _set_attributes(before: list[tuple[Any, dict]]) -> tuple[tuple, list, tuple]:
@@ -197,11 +200,11 @@ def _set_attributes(before: list[tuple[Any, dict]]) -> tuple[tuple, list, tuple]
     return tuple(places), values, tuple(starts)
 
 
-def _sole_holder(module: torch.nn.Module, attrs: tuple) -> bool:
-    """Whether an attribute a call of this kind sets holds the only reference to its tensor
-    now: the call that ran freed it where it set the attribute (inside the call), which an
-    evaluated call, setting it once its buffers are done, would not."""
-    modules = list(module.modules())
+def _sole_holder(modules: list[torch.nn.Module], attrs: tuple) -> bool:
+    """Whether an attribute a call of this kind sets (of ``modules``, the model's in order)
+    holds the only reference to its tensor now: the call that ran freed it where it set the
+    attribute (inside the call), which an evaluated call, setting it once its buffers are
+    done, would not."""
     for i, k in attrs:
         old = vars(modules[i]).get(k)
         # the module's __dict__, ``old`` and getrefcount's argument
@@ -419,8 +422,9 @@ class _Repeats:
         """A call of ``kind`` evaluated (see the module's docstring); _RUN: it must run."""
         line, tracker = kind.line, self.tracker
         a = tracker.allocator
-        if line.attrs and (_starts(module, line.attrs) != line.starts
-                           or _sole_holder(module, line.attrs)):
+        modules = list(module.modules()) if line.attrs else []
+        if line.attrs and (_starts(modules, line.attrs) != line.starts
+                           or _sole_holder(modules, line.attrs)):
             # it starts from other attributes (code outside the calls set them), or frees
             # what its attribute held inside the call
             return _RUN
@@ -460,7 +464,6 @@ class _Repeats:
         self.calls += 1
         leaves = [made[v] if code == "o" else v for code, v in line.leaves]
         out, values = _priv.tree_unflatten(leaves, line.spec)
-        modules = list(module.modules()) if line.attrs else []
         for (i, name), value in zip(line.attrs, values):
             setattr(modules[i], name, value)
         return out
