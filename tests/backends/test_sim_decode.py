@@ -10,11 +10,13 @@ downloaded.
 
 from __future__ import annotations
 
+import gc
 import textwrap
 
 import pytest
 
 from memmagic.backends.sim import SimBackend, SimSession
+from memmagic.core.snapshot import key_frames
 
 transformers = pytest.importorskip("transformers")
 
@@ -195,6 +197,15 @@ def test_a_snapshot_names_the_evaluated_steps_buffers():
     assert not any("cache length 12," in n for n in names)  # 10-12 ran: their ops' frames
 
 
+def test_evaluated_buffers_leave_nothing_the_garbage_collector_tracks():
+    """An evaluated step's buffers are keyed by plain ints, so the allocator log's entries
+    for them (three a buffer, millions over 512 steps) stay out of the collector's passes."""
+    out = simulate(cell("gpt2", tokens=24))
+    entries = [e for e in out.report.trace.allocator_log.entries if key_frames(e.get("key"))]
+    assert len(entries) > 100
+    assert not any(gc.is_tracked(e) or gc.is_tracked(e["key"]) for e in entries)
+
+
 def test_a_few_tokens_run_every_step():
     evaluated, ran = both(cell("gpt2", tokens=5))
     assert_same(evaluated, ran)
@@ -253,7 +264,7 @@ def test_an_interrupt_in_an_evaluated_step_frees_its_buffers(monkeypatch):
     out = simulate(cell("llama", tokens=16), session=session)
     assert isinstance(out.error, KeyboardInterrupt)
     allocator = session.card.tracker.allocator
-    assert not [k for k in allocator._live if isinstance(k, decode._Buffer)]
+    assert not [k for k in allocator._live if key_frames(k) is not None]
     live = session.card.tracker.live_device_bytes()
     assert allocator.allocated >= live  # what is held is the storages' (their blocks round up)
 

@@ -262,3 +262,19 @@ def test_each_cell_on_a_lasting_simulated_gpu_gets_its_own_history(ip):
     held = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
     assert sorted(b["size"] for b in held) == [12 * MiB, 12 * MiB]
     assert max(replay(snap, blocks=True)) == second.peak - second.before
+
+
+def test_an_evaluated_key_says_where_it_comes_from():
+    from memmagic.core.snapshot import evaluated_keys, key_frames
+
+    keys = evaluated_keys("<a step, evaluated>", 70, "step at length", 13)
+    assert all(type(k) is int and k < 0 for k in keys)  # a storage's key is its serial: 0 up
+    others = (evaluated_keys("<a step, evaluated>", 71, "step at length", 13)
+              + evaluated_keys("<another, evaluated>", 70, "step at length", 13))
+    assert len(set(keys + others)) == 39
+    assert key_frames(keys[12]) == [{"filename": "<a step, evaluated>", "line": 70,
+                                     "name": "step at length 70, evaluated, not run: buffer 12"}]
+    assert key_frames(others[0])[0]["line"] == 71
+    assert key_frames(0) is None and key_frames(41) is None and key_frames("x") is None
+    with pytest.raises(ValueError, match="out of range"):
+        evaluated_keys("<a step, evaluated>", 70, "step at length", (1 << 24) + 1)

@@ -39,12 +39,13 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from ...core.interrupts import atomic
 from ...core.patching import Patches
+from ...core.snapshot import evaluated_keys
 from .allocator import round_request, segment_size
 
 if TYPE_CHECKING:
@@ -64,19 +65,11 @@ _EMPTY = torch.ops.aten.empty.memory_format  # a tensor a step leaves (its value
 _DEPTH = 3  # how deep the cache's attributes are searched for tensors
 
 
-class _Buffer(NamedTuple):
-    """The allocator model's key of an evaluated step's transient buffer: the step's cache
-    length and the buffer's number in it. ``frames``: what a memory snapshot shows for it
-    (``memmagic.core.snapshot`` takes a key's own frames)."""
-
-    length: int
-    index: int
-
-    @property
-    def frames(self) -> list[dict]:
-        return [{"filename": "<generate() decode step, evaluated>", "line": self.length,
-                 "name": f"decode step at cache length {self.length}, evaluated, not run: "
-                         f"buffer {self.index}"}]
+def _buffers(length: int, count: int) -> list[int]:
+    """The allocator model's keys of an evaluated step's ``count`` transient buffers at cache
+    length ``length``, with the frames a memory snapshot shows for them."""
+    return evaluated_keys("<generate() decode step, evaluated>", length,
+                          "decode step at cache length", count)
 
 
 class _Unsupported(Exception):
@@ -296,6 +289,7 @@ class _Line:
                 raise _Unsupported("a step frees a cache tensor before it makes the new one")
         x = s1.length
         self.codes, self.kinds = s1.codes, s1.kinds
+        self.buffers = sum(kind == "a" for kind, _ in s1.codes)  # transient buffers a step
         self.out_type, self.fields = s1.out_type, s1.fields
         self.sizes = _line(s1.sizes, s2.sizes, s3.sizes, x)
         self.shapes = {slot: _line(s1.shapes[slot], s2.shapes[slot], s3.shapes[slot], x)
@@ -443,12 +437,13 @@ class _Steps:
         todo: list[tuple[Any, int | None]] = []
         live: set = set()
         it = iter(sizes)
+        keys = _buffers(length, line.buffers)
         try:
             for kind, x in line.codes:
                 if kind == "a":
-                    todo.append((_Buffer(length, x), next(it)))
+                    todo.append((keys[x], next(it)))
                 elif kind == "f":
-                    todo.append((_Buffer(length, x), None))
+                    todo.append((keys[x], None))
                 else:
                     tracker.replay_transients(todo, live)
                     todo = []
