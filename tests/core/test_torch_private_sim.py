@@ -392,6 +392,35 @@ def test_op_cache_derives_new_sizes_from_meta_kernels_once_a_class_agreed():
     assert cache.derived == 4 * len(ops) - 2
 
 
+def test_op_cache_derives_views_at_new_places_from_meta_kernels():
+    """A data loader's ``data[i:i + block]`` at a random start per sample: a view's ints
+    (where it starts and ends, a dim, an index) are keyed in its class by -1/0/1/other, so
+    once a class agreed, each new start's view comes from the Meta kernel, as FakeTensorMode
+    makes it (negative, clamped and stepped slices too), and out-of-range indices still
+    raise FakeTensorMode's own error."""
+    mode = priv.new_fake_mode()
+    cache = FakeOutputCache(mode, {})
+    with mode:
+        data = torch.empty(1000, dtype=torch.long)
+        rows = torch.empty(50, 8)
+    calls = [(s, e, st) for s in (3, 17, 400, -30, 990) for e in (s + 64, 2000, -1)
+             for st in (1, 3)]
+    for s, e, st in calls:
+        _compared(mode, cache, lambda: aten.slice.Tensor(data, 0, s, e, st), data)
+    for i in (2, 9, 31, -7):
+        _compared(mode, cache, lambda: aten.select.int(rows, 0, i), rows)
+        _compared(mode, cache, lambda: aten.select.int(rows, 1, i % 8), rows)
+    # FakeTensorMode ran the first call of each class alone: slice's start is "other"
+    # throughout, its end "other" or -1, its step 1 or "other"; select's dim and index
+    assert cache.misses == 4 + 3
+    assert cache.derived == len(calls) + 8 - cache.misses - 1  # (rows[:, 1] again: a hit)
+    with pytest.raises(IndexError) as alone, mode:
+        aten.select.int(rows, 0, 77)
+    with pytest.raises(IndexError) as cached, mode, _Front(cache):
+        aten.select.int(rows, 0, 77)
+    assert str(cached.value) == str(alone.value)
+
+
 def test_op_cache_never_derives_a_class_whose_meta_kernel_disagreed(monkeypatch):
     mode = priv.new_fake_mode()
     cache = FakeOutputCache(mode, {})

@@ -91,18 +91,20 @@ class FakeOutputCache:
             return out
         key = _cache_key(func, args, kwargs)
         if key is None:
-            key = _cache_key(func, args, kwargs, loose=True)
-            if key is None:
-                out = _on_constants(self.mode, rule, func, args, kwargs, self.template)
-                if out is None:
-                    self.passes += 1
-                    return func(*args, **kwargs)
+            # every input carrying a constant (``i + block_size``): computed on them; else
+            # (inputs of unknown values too) keyed by metadata
+            out = _on_constants(self.mode, rule, func, args, kwargs, self.template)
+            if out is not None:
                 self.hits += 1
                 return out
+            key = _cache_key(func, args, kwargs, loose=True)
+            if key is None:
+                self.passes += 1
+                return func(*args, **kwargs)
         entries = self.entries
         entry = entries.get(key)
         if entry is None:
-            cls = _class_key(func, args, kwargs)
+            cls = _class_key(func, args, kwargs, rule == "view")
             verdict = None if cls is None else entries.get(cls)
             if verdict:
                 entry = _meta_entry(rule, self.mode, func, args, kwargs, verdict)
@@ -287,15 +289,18 @@ def _cache_part(a, unknown: list | None):
     it is keyed by its metadata, and ``unknown`` gets True for each fake tensor without
     one (see :func:`_cache_key`)."""
     if isinstance(a, FakeTensor):
+        constant = a.constant
+        if constant is not None and unknown is None:
+            return None  # its values matter
         dtype = a.dtype
         if dtype.is_complex or a.layout is not torch.strided:
             return None  # conj/neg bits: not keyed
         meta = (dtype, a.shape, a.stride(), a.storage_offset(), a.fake_device)
-        if a.constant is None:
+        if constant is None:
             if unknown is not None:
                 unknown.append(True)
             return meta
-        return None if unknown is None else meta + ("constant",)
+        return meta + ("constant",)
     cls = a.__class__
     if cls is int or cls is float or cls is bool or cls is str or a is None:
         return (cls, a)  # 1, 1.0 and True hash alike but promote differently
@@ -552,14 +557,20 @@ def _class_part(a, in_list: bool = False):
     return _cache_part(a, None)  # other values as the op key has them (None: real tensors...)
 
 
-def _class_key(func, args, kwargs):
+def _class_key(func, args, kwargs, view: bool = False):
     """The class of a call whose outputs a Meta kernel may derive, or None (no fake tensor
-    argument, or an argument _class_part does not know). Never equal to an op key."""
+    argument, or an argument _class_part does not know). Never equal to an op key.
+    ``view``: a view of the first argument, whose ints (where a slice starts and ends, a
+    dim, an index) place the view and shape it but choose no kernel: each is keyed by
+    -1/0/1/other, as in a list. (A data loader slices a token tensor at a random start
+    per sample, ``data[i:i + block_size]``: each start is a new key, and the class's Meta
+    kernel gives its view without FakeTensorMode's dispatch.)"""
     parts = ["class", func, torch.get_default_dtype(), torch.is_inference_mode_enabled()]
     fake = False
     numbers = _numbers_of(func)
     for k, a in (*enumerate(args), *kwargs.items()):
-        p = _number_part(a, _class_part, False, True) if k in numbers else _class_part(a)
+        p = (_number_part(a, _class_part, False, True) if k in numbers
+             else _class_part(a, view and a.__class__ is int))
         if p is None:
             return None
         fake = fake or isinstance(a, FakeTensor) or (isinstance(a, (list, tuple)) and any(
