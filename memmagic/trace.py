@@ -247,7 +247,9 @@ class Trace:
         op_now, start_total, high_total, high = 0, None, -1, None
         prev_total = 0
         last_cats: dict[str, int] = {}
-        for i, op, cats, _, _, _ in self._replay():
+        for i, op, cats, _, _, changed in self._replay():
+            if not changed and i >= 0:  # a host storage's event: no device bytes moved
+                continue
             total = sum(cats.values())
             if i == -1:
                 points.append((0, dict(cats)))

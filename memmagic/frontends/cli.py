@@ -117,8 +117,9 @@ def run_script(args: argparse.Namespace) -> int:
             problem = str(exc)
     if problem is not None:
         return _fail(problem)
-    runner = ScriptRun(code, args.script, script_args, args.steps, args.time_limit, module=spec)
-    problem = _knob_not_taken(knobs, runner.flags)
+    runner = ScriptRun(code, args.script, script_args, args.steps, args.time_limit, module=spec,
+                       source=source)
+    problem = _knob_not_taken(knobs, {**runner.assigned, **runner.flags})
     if problem is not None:
         return _fail(problem)
     request = CellRequest(source, {}, backend=args.backend, gpu=args.gpu,
@@ -160,16 +161,18 @@ def _told(world_size: int, row: Any) -> None:
     print(f"memmagic: rank {row.rank} of {world_size}: {row.line}", file=sys.stderr, flush=True)
 
 
-def _knob_not_taken(knobs: dict[str, Any], flags: dict[str, str]) -> str | None:
+def _knob_not_taken(knobs: dict[str, Any], takes: dict[str, Any]) -> str | None:
     """Why a ``--whatif`` knob cannot apply to the script (None: they all can): a knob a
     script is given only on its own command line (``Knob.script_flags``) needs a script
-    that takes it there."""
+    that takes it there, or sets it as a number at its top level (``takes``: the knob
+    variables it takes either way)."""
     from ..whatif.knobs import KNOBS
 
     for knob in KNOBS.values():
-        if knob.script_flags and knob.name in knobs and knob.var not in flags:
+        if knob.script_flags and knob.name in knobs and knob.var not in takes:
             return (f"--whatif {knob.name} needs a script that takes its {knob.label} on its "
-                    f"command line (--{knob.name} N, which memmagic then sets for each run)")
+                    f"command line (--{knob.name} N, which memmagic then sets for each run) "
+                    f"or sets it as a number at its top level ({knob.var} = 64)")
     return None
 
 
@@ -280,6 +283,9 @@ def _run_notes(runner: Any, args: argparse.Namespace, error: BaseException | Non
                      "calls before it exactly (the others are evaluated, as a note says), and "
                      "each re-run of the doctor repeats them; fewer evaluation batches in the "
                      "script's own options shorten every run")
+    for var, (line, value) in runner.assigned_only().items():
+        notes.append(f"the script sets {var} = {value} at line {line}: the doctor's re-runs "
+                     "set smaller ones there (in memory; the file is not changed)")
     for var, (flag, value) in runner.found.items():
         given = flag_value(runner.argv, flag) is not None
         notes.append(f"the script takes {var} on its command line ({flag}=N; it ran with "

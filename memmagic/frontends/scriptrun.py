@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from ..core.patching import Patches
 from .scratchdisk import ChangeSummary, ScratchDisk
-from .scriptflags import FlagWatch, flag_value, given_flags, passed_values, with_flag_value
+from .scriptflags import (FlagWatch, assigned_constants, flag_value, given_flags, passed_values,
+                          with_assignments, with_flag_value)
 
 __all__ = ["ScriptRun", "ScriptError", "RunProgress", "StepsDone", "load_script", "find_module"]
 
@@ -285,7 +286,8 @@ class ScriptRun:
     progress_every_s = 10.0
 
     def __init__(self, code: types.CodeType, path: Path, argv: list[str], steps: int | None = None,
-                 time_limit_s: float | None = None, module: Any = None) -> None:
+                 time_limit_s: float | None = None, module: Any = None,
+                 source: str | None = None) -> None:
         self.code, self.path, self.argv = code, path, argv
         self.module = module  # the spec of a module run as ``python -m`` runs it, or None
         self.steps, self.time_limit_s = steps, time_limit_s
@@ -297,7 +299,13 @@ class ScriptRun:
         # (option, the value it ran with))
         self.flags = given_flags(argv)
         self.found: dict[str, tuple[str, int]] = {}
-        self.knob_reads = frozenset(self.flags)
+        # knob variables the script's top level sets to a number (``batch_size = 64``) and
+        # takes on no command-line option: (line, value); a run given another value runs
+        # the script's code with that number replaced (``source``: its text)
+        self.source = source
+        self.assigned = assigned_constants(source) if source is not None else {}
+        self._codes: dict[tuple, types.CodeType] = {}
+        self.knob_reads = frozenset(self.flags) | frozenset(self.assigned)
         self._runs = 0
         self.base: dict[str, Any] = {"__name__": "__main__", "__file__": str(path),
                                      "__builtins__": __builtins__}
@@ -305,10 +313,30 @@ class ScriptRun:
             self.base.update(__spec__=module, __package__=module.parent)
 
     def initial_values(self) -> dict[str, int]:
-        """The knob variables' values as the command line gives them."""
+        """The knob variables' values as the command line gives them (or the script's top
+        level sets them: :meth:`assigned_only`)."""
         given = {var: int(flag_value(self.argv, flag)) for var, flag in self.flags.items()
                  if var not in self.found}
-        return {**given, **{var: value for var, (_, value) in self.found.items()}}
+        return {**{var: value for var, (_, value) in self.assigned_only().items()}, **given,
+                **{var: value for var, (_, value) in self.found.items()}}
+
+    def assigned_only(self) -> dict[str, tuple[int, int]]:
+        """The variables of :attr:`assigned` that no command-line option gives (an option
+        the script takes wins: it may set the variable after that line)."""
+        return {var: lv for var, lv in self.assigned.items() if var not in self.flags}
+
+    def _code_for(self, passed: dict[str, int]) -> types.CodeType:
+        """The script's code with the values passed to its top-level numbers."""
+        values = {var: value for var, value in passed.items()
+                  if var in self.assigned_only() and value != self.assigned[var][1]}
+        if not values:
+            return self.code
+        key = tuple(sorted(values.items()))
+        code = self._codes.get(key)
+        if code is None:
+            code = self._codes[key] = with_assignments(self.source, self.code.co_filename,
+                                                       values)
+        return code
 
     def _argv(self, passed: dict[str, int]) -> list[str]:
         argv = list(self.argv)
@@ -330,6 +358,9 @@ class ScriptRun:
         patches = Patches()
         flags = FlagWatch(ns)
         passed = passed_values(ns, self.flags)
+        set_at = {var: v for var, v in passed_values(ns, self.assigned).items()
+                  if var in self.assigned_only()}
+        code = self._code_for(set_at)
         try:
             flags.install(patches, [str(self.path), *self._argv(passed)])
             saved_path = list(sys.path)
@@ -338,33 +369,34 @@ class ScriptRun:
             sys.path.insert(0, os.getcwd() if self.module is not None else str(self.path.parent))
             patches.set_item(sys.modules, "__main__", _ScriptModule(ns))
             with watch.watching(), disk.installed():
-                exec(self.code, ns)
+                exec(code, ns)
         except StepsDone:
             pass
         except SystemExit as exc:  # the script's own sys.exit() / argparse's
             if exc.code not in (None, 0):
-                self._flags_after(flags, passed, exc)
+                self._flags_after(flags, passed, set_at, exc)
                 raise
         except BaseException as exc:
-            self._flags_after(flags, passed, exc)
+            self._flags_after(flags, passed, set_at, exc)
             raise
         finally:
             patches.restore()
             self.progress = watch.progress
             self.changes = self.changes | disk.summary
-        self._flags_after(flags, passed, None)
+        self._flags_after(flags, passed, set_at, None)
 
-    def _flags_after(self, flags: FlagWatch, passed: dict[str, int],
+    def _flags_after(self, flags: FlagWatch, passed: dict[str, int], set_at: dict[str, int],
                      error: BaseException | None) -> None:
         """After a run (``error``: what it raised): the first one tells which knob options
         the script takes though its command line gives none; a later one that did not take
-        a value it passed to one of those raises :class:`ScriptError` in place of its own
-        outcome (a Ctrl-C stays a Ctrl-C)."""
+        a value it passed to one of those, or that changed a top-level number it set
+        (``set_at``), raises :class:`ScriptError` in place of its own outcome (a Ctrl-C
+        stays a Ctrl-C)."""
         self._runs += 1
         if self._runs == 1:
             self.found = flags.found(self.flags)
             self.flags.update({var: flag for var, (flag, _) in self.found.items()})
-            self.knob_reads = frozenset(self.flags)
+            self.knob_reads = frozenset(self.flags) | frozenset(self.assigned)
             return
         if isinstance(error, KeyboardInterrupt):
             return
@@ -374,3 +406,9 @@ class ScriptRun:
                     f"the script did not take {self.flags[var]}={value} (memmagic read "
                     f"{self.flags[var]} as its option for {var}, from its first run): give "
                     f"the script its {var} on its own command line") from error
+        for var, value in set_at.items():
+            if flags.ns.get(var) != value:
+                line = self.assigned[var][0]
+                raise ScriptError(
+                    f"the script changed {var} after line {line} (memmagic set {var} = "
+                    f"{value} there): give the script its {var} on its own command line") from error

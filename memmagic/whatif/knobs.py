@@ -442,7 +442,8 @@ BATCH_HINT = ("no smaller batch was tried: the cell makes its batch with a fixed
 SCRIPT_BATCH_HINT = ("no smaller batch was tried: the script does not take its batch size on "
                      "its command line. Pass it one (--batch_size N or --batch_size=N, or "
                      "--batch-size; a script without such an option needs one, e.g. argparse's "
-                     "add_argument('--batch_size', type=int)), and the doctor re-runs it with "
+                     "add_argument('--batch_size', type=int)), or set it as a number at the "
+                     "script's top level (batch_size = 64), and the doctor re-runs it with "
                      "smaller batches")
 
 _NO_BATCH = ("batch_size: the cell does not read batch_size and names no batch tensor of the "

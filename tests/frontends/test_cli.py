@@ -425,6 +425,51 @@ def test_the_doctor_finds_the_batch_option_a_script_was_not_given(source, given,
     assert sys.argv == argv
 
 
+# a script whose hyperparameters are plain numbers at its top level (a lecture's train
+# script), with no command-line options at all
+ASSIGNED = CONFIGURED.replace("""for arg in sys.argv[1:]:
+    key, _, value = arg.lstrip("-").partition("=")
+    if key in globals() and value:
+        globals()[key] = int(value)
+""", "")
+
+
+def test_the_doctor_sets_a_batch_size_the_script_sets_at_its_top_level(tmp_path, capsys,
+                                                                        clean_state):
+    """``batch_size = 64`` at the script's top level and no option: the doctor's re-runs
+    set smaller numbers at that line, in memory (the file stays as it is), and --whatif
+    takes it too."""
+    path = tmp_path / "train.py"
+    path.write_text(ASSIGNED)
+    rc = cli.main(["run", "--gpu-memory", "256MiB", "--steps", "1", str(path)])
+    out = capsys.readouterr()
+    assert rc == 1 and "out of memory" in out.err
+    assert ("note: the script sets batch_size = 64 at line 6: the doctor's re-runs set smaller "
+            "ones there (in memory; the file is not changed)") in out.out
+    rows = [line for line in out.out.splitlines() if "(from 64)" in line]
+    assert rows and any(line.rstrip().endswith("fits") for line in rows), out.out
+    assert "no smaller batch was tried" not in out.out
+    assert path.read_text() == ASSIGNED
+    peaks = {}
+    for whatif in (["--whatif", "batch_size=8"], []):
+        assert cli.main(["run", "--gpu", "T4", "--steps", "1", "--json", str(tmp_path / "r.json"),
+                         *whatif, str(path)]) == 0
+        capsys.readouterr()
+        peaks[bool(whatif)] = json.loads((tmp_path / "r.json").read_text())["peak"]
+    assert peaks[True] < peaks[False]
+
+
+def test_a_top_level_number_the_script_changes_later_is_said_not_measured(tmp_path, capsys,
+                                                                          clean_state):
+    path = tmp_path / "train.py"
+    path.write_text(ASSIGNED.replace("model, _ =", "def fix():\n    global batch_size\n"
+                                     "    batch_size = 64\nfix()\nmodel, _ ="))
+    assert cli.main(["run", "--gpu-memory", "256MiB", "--steps", "1", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert ("failed: ScriptError: the script changed batch_size after line 6 (memmagic set "
+            "batch_size = 32 there)") in out, out
+
+
 def test_a_batch_option_the_script_does_not_take_is_said_not_measured(tmp_path, capsys,
                                                                       clean_state):
     """A script that reads its arguments and has a batch_size global, but ignores
