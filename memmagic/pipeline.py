@@ -238,8 +238,20 @@ def make_cell(request: CellRequest, *, isolated: bool = True, leave_out: tuple[s
 
 
 def _compiled(request: CellRequest) -> Callable[[str], Callable[[dict], Any]] | None:
+    """How the engine compiles the request's source: to its run, and other text (the cell
+    with a number set, :mod:`memmagic.whatif.literals`) as that run was compiled (the
+    magic's: IPython's transforms, its ``recompile``); ``fixed`` where the run is not the
+    source's to recompile (a script's, which sets its knobs itself)."""
     run = request.run
-    return None if run is None else (lambda _source: run)
+    if run is None:
+        return None
+    again = getattr(run, "recompile", None)
+
+    def compiled(source: str) -> Callable[[dict], Any]:
+        return run if again is None or source == request.source else again(source)
+
+    compiled.fixed = again is None  # type: ignore[attr-defined]
+    return compiled
 
 
 # -- one run --------------------------------------------------------------------------------

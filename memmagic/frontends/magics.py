@@ -157,8 +157,7 @@ class MemMagics(Magics):
                            gpus_per_node=args.gpus_per_node, decode_steps=args.decode_steps)
 
     def _compile(self, source: str):
-        """The cell as a function of the namespace, with IPython's transforms; a syntax
-        error is shown as IPython shows one and fails the cell (Run All stops)."""
+        """``run(ns)`` of the cell, IPython's transforms on; a syntax error fails it as in IPython."""
         from ..whatif.engine import compile_cell
         from .simmode import suspended
 
@@ -169,7 +168,8 @@ class MemMagics(Magics):
         filename = shell.compile.cache(transformed, max(shell.execution_count - 1, 0))
         try:
             return compile_cell(transformed, filename=filename, parse=shell.compile.ast_parse,
-                                transform=shell.transform_ast, compiler=shell.compile)
+                                transform=shell.transform_ast, compiler=shell.compile,
+                                recompile=self._compile)
         except SyntaxError as exc:
             shell.showsyntaxerror()
             result = getattr(shell.displayhook, "exec_result", None)  # the running cell's

@@ -24,12 +24,12 @@ A script with no option for a knob may set it as a plain number at its top level
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 import types
 from typing import Any, Sequence
 
 from ..core.patching import Patches
+from ..whatif import literals
 
 __all__ = ["FlagWatch", "given_flags", "flag_value", "with_flag_value", "passed_values",
            "assigned_constants", "with_assignments"]
@@ -77,58 +77,15 @@ def passed_values(ns: dict, variables: Any) -> dict[str, int]:
 
 def assigned_constants(source: str) -> dict[str, tuple[int, int]]:
     """knob variable -> (line, value) where the script's top level sets it, once, to a whole
-    number written out (``batch_size = 64``, ``batch_size: int = 64``); a variable its top
-    level sets twice, or to anything else (``batch_size = 16 * 4``, ``batch_size += 8``),
-    is not one. Functions' and classes' bodies are not the top level."""
-    names = {knob.var for knob in _sized_knobs()}
-    found: dict[str, tuple[int, int]] = {}
-    seen: dict[str, int] = {}
-    for node in _top_level(ast.parse(source)):
-        for target, value in _stores(node):
-            if target in names:
-                seen[target] = seen.get(target, 0) + 1
-                if isinstance(value, ast.Constant) and _is_int(value.value):
-                    found[target] = (value.lineno, value.value)
-    return {var: lv for var, lv in found.items() if seen[var] == 1}
+    number written out (:func:`memmagic.whatif.literals.assigned_constants`)."""
+    return literals.assigned_constants(source, (knob.var for knob in _sized_knobs()))
 
 
 def with_assignments(source: str, filename: str, values: dict[str, int]) -> types.CodeType:
     """The script's code with each variable of ``values`` set to its value where its top
     level sets it (:func:`assigned_constants`); its lines stay where they are."""
-    tree = ast.parse(source)
-    for node in _top_level(tree):
-        for target, value in _stores(node):
-            if target in values and isinstance(value, ast.Constant):
-                value.value = values[target]
-    return compile(tree, filename, "exec", dont_inherit=True)
-
-
-def _top_level(tree: ast.Module):
-    """The statements run at a module's top level (in its ifs, loops, withs and trys too)."""
-    todo = list(tree.body)
-    while todo:
-        node = todo.pop(0)
-        yield node
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            todo += [c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt)]
-
-
-def _stores(node: ast.stmt):
-    """(name, value node or None) for each plain name statement ``node`` sets."""
-    if isinstance(node, ast.Assign):
-        for t in node.targets:
-            for n in ast.walk(t):
-                if isinstance(n, ast.Name):
-                    yield n.id, (node.value if t is n else None)
-    elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and isinstance(node.target, ast.Name):
-        yield node.target.id, (node.value if isinstance(node, ast.AnnAssign) else None)
-    elif isinstance(node, (ast.For, ast.AsyncFor, ast.With, ast.AsyncWith)):
-        targets = ([node.target] if isinstance(node, (ast.For, ast.AsyncFor))
-                   else [i.optional_vars for i in node.items if i.optional_vars is not None])
-        for t in targets:
-            for n in ast.walk(t):
-                if isinstance(n, ast.Name):
-                    yield n.id, None
+    return compile(literals.with_assignments(source, values), filename, "exec",
+                   dont_inherit=True)
 
 
 def _sized_knobs() -> list[Any]:

@@ -36,6 +36,7 @@ from ..core.failures import release_own_frames, strip_own_frames
 from ..core.interrupts import guarded, is_interrupt
 from ..core.patching import output_captured
 from .apply import Applier
+from .literals import assigned_constants, module_scope, with_assignments
 from .knobs import (BATCH_DIM, KNOBS, SEQ_DIM, Knob, KnobError, Setting, accumulating,
                     knob_value, resizing, setting_of)
 from ..report import MemoryReport, Note
@@ -77,12 +78,14 @@ class RunInfo:
 def compile_cell(source: str, *, filename: str = "<what-if cell>",
                  parse: Callable[..., ast.Module] | None = None,
                  transform: Callable[[ast.Module], ast.Module] | None = None,
-                 compiler: Callable[..., Any] = compile) -> Callable[[dict], Any]:
+                 compiler: Callable[..., Any] = compile,
+                 recompile: Callable[[str], Any] | None = None) -> Callable[[dict], Any]:
     """``run(ns)`` for a cell's source: exec it in ``ns``; the last expression is the value.
 
     Raises SyntaxError before running any of it. ``parse``, ``transform`` and ``compiler``
     default to plain Python; the magic passes IPython's (its AST transformers, its cache
-    of cell sources for tracebacks)."""
+    of cell sources for tracebacks), and ``recompile``, kept as ``run.recompile``: how
+    other text is compiled the same way (the cell with a number set, for a what-if)."""
     tree = parse(source, filename=filename) if parse is not None else ast.parse(source, filename)
     if transform is not None:
         tree = transform(tree)
@@ -97,6 +100,8 @@ def compile_cell(source: str, *, filename: str = "<what-if cell>",
         exec(body, ns)
         return eval(tail, ns) if tail is not None else None
 
+    if recompile is not None:
+        run.recompile = recompile  # type: ignore[attr-defined]
     return run
 
 
@@ -128,17 +133,11 @@ def assigned_names(source: str) -> set[str]:
     except SyntaxError:
         return source_names(source)[1]
     out: set[str] = set()
-    todo: list[ast.AST] = list(tree.body)
-    while todo:
-        node = todo.pop()
+    for node in module_scope(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             out.add(node.name)
-            continue
-        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
-            continue
-        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+        elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
             out.add(node.id)
-        todo.extend(ast.iter_child_nodes(node))
     return out
 
 
@@ -237,7 +236,8 @@ class Cell:
                 raise ValueError("a Cell needs code to run")
             self.source: str | None = code
             self.function: Callable[..., Any] | None = None
-            self._run = (compile or compile_cell)(code)
+            self._compile = compile or compile_cell
+            self._run = self._compile(code)
             loads, stores = source_names(code)
             self.names = loads
             self.namespace = namespace if namespace is not None else {}
@@ -260,7 +260,10 @@ class Cell:
         # a variable the cell assigns itself is the cell's, not a knob; a compiled run may
         # name the variables it takes in other ways (a script: from its command line)
         extra = set(getattr(self._run, "knob_reads", ()))
-        self.reads: frozenset[str] = frozenset(((loads - stores) | extra) & variables)
+        self.assigned = self._assigned_sizes()
+        self._runs_at: dict[tuple, Callable[[dict], Any]] = {}
+        self.reads: frozenset[str] = frozenset(
+            ((loads - stores) | extra | set(self.assigned)) & variables)
         self.backend_name = backend
         self.backend_options = dict(backend_options or {})
         self.isolated = bool(isolated)
@@ -280,6 +283,15 @@ class Cell:
         self.last_output = ""  # what the last run printed (a re-run's output is kept here)
         self.fallback_note: Note | None = None
 
+    def _assigned_sizes(self) -> dict[str, tuple[int, int]]:
+        """The sizes the cell sets once to a number written out (``batch_size = 64``):
+        variable -> (line, value). Each is a knob the cell takes there: a run at another
+        value runs the cell with that number replaced (:meth:`_run_at`); none where
+        ``compile`` is ``fixed`` (a run of its own, a script's, which sets its own)."""
+        if self.source is None or getattr(self._compile, "fixed", False):
+            return {}
+        return assigned_constants(self.source, {k.var for k in KNOBS.values() if k.script_flags})
+
     def _own_settings(self, base: Setting) -> Setting:
         """``base`` with the knobs the cell handles itself at what its own variables say
         (``amp = True`` in the namespace: the cell as written runs with AMP), where the
@@ -291,7 +303,8 @@ class Cell:
         # a compiled run may say the values it starts from (a script: its command line's),
         # which come before the namespace's
         start = getattr(self._run, "initial_values", None)
-        values = start() if start is not None else {}
+        values = {var: value for var, (_, value) in self.assigned.items()}
+        values.update(start() if start is not None else {})
         for knob in KNOBS.values():
             var = knob.var
             if var in self.reads and knob.name not in given and (var in values
@@ -567,6 +580,10 @@ class Cell:
         batch = setting.micro_batch if engine_accum else setting.effective_batch
         applier.install()
         values = self._variables(setting, batch)
+        for var, (line, number) in self.assigned.items():
+            if isinstance(values.get(var), int) and values[var] != number:
+                applier.note(f"{var} {values[var]}: set where the cell sets it (line {line}: "
+                             f"{var} = {number} as written)")
         if self.function is None:
             for name, v in values.items():
                 changed.setdefault(name, ns.get(name, _MISSING))
@@ -652,7 +669,20 @@ class Cell:
         if self.function is not None:
             return self.function(**values)
         assert self._run is not None
-        return self._run(ns)
+        return self._run_at(values)(ns)
+
+    def _run_at(self, values: dict[str, Any]) -> Callable[[dict], Any]:
+        """The cell's run with ``values`` where it sets those variables to numbers
+        (:attr:`assigned`), compiled once for each set of values."""
+        new = {var: values[var] for var, (_, number) in self.assigned.items()
+               if isinstance(values.get(var), int) and values[var] != number}
+        if not new:
+            return self._run
+        key = tuple(sorted(new.items()))
+        run = self._runs_at.get(key)
+        if run is None:
+            run = self._runs_at[key] = self._compile(with_assignments(self.source, new))
+        return run
 
 
 def _existing(ns: dict) -> set[int]:

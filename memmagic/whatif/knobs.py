@@ -436,9 +436,9 @@ def _checkpointing_option(text: str) -> tuple[bool, dict[str, Any]]:
 
 # why the doctor tried no smaller batch, and how to let it try them
 BATCH_HINT = ("no smaller batch was tried: the cell makes its batch with a fixed size. Write "
-              "the size as a variable the cell reads (batch_size = 4096 in an earlier cell, "
-              "then torch.randn(batch_size, ...) in this one), or make the batch in an earlier "
-              "cell, and the doctor re-runs the cell with smaller batches")
+              "the size as a variable (batch_size = 4096, once, at the top of this cell or "
+              "in an earlier one, then torch.randn(batch_size, ...)), or make the batch in an "
+              "earlier cell, and the doctor re-runs the cell with smaller batches")
 SCRIPT_BATCH_HINT = ("no smaller batch was tried: the script does not take its batch size on "
                      "its command line. Pass it one (--batch_size N or --batch_size=N, or "
                      "--batch-size; a script without such an option needs one, e.g. argparse's "

@@ -204,3 +204,30 @@ def test_assigned_names_are_the_module_scope_bindings_only():
            "def f(a):\n    z = a\nwith open('f') as fh:\n    pass\na, (b, c) = 1, (2, 3)\n")
     assert assigned_names(src) == {"x", "i", "y", "ps", "f", "fh", "a", "b", "c"}
     assert assigned_names("x = (") == {"x"}  # a regex guess where it does not parse
+
+
+def test_a_batch_size_the_cell_sets_once_is_a_knob_set_where_it_stands(clean_state):
+    """``batch_size = 64`` written once in the cell itself: the cell takes the batch knob
+    there (a run at another size runs the cell with that number replaced, its other lines
+    as they are), and the doctor tries smaller batches."""
+    from memmagic.doctor.ranking import rank
+
+    src = ("import torch\n"
+           "batch_size = 64  # set here, once\n"
+           "x = torch.randn(batch_size, 1 << 20, device='cuda', requires_grad=True)\n"
+           "(x * 2).sum().backward()\n")
+    ns: dict = {}
+    c = Cell(src, ns, backend_options={"gpu_memory": "400MiB"})
+    assert c.reads == {"batch_size"} and c.baseline == Setting(batch_size=64)
+    full, small = c.run(), c.run(batch_size=16)
+    assert full.failed_request is not None and small.fits  # 64 x 4 MiB does not fit
+    assert any("batch_size 16: set where the cell sets it (line 2: batch_size = 64 as written)"
+               in str(n) for n in small.notes)
+    assert ns.keys() <= {"__builtins__"}  # the namespace as it was
+    _, rows, notes = rank(c)
+    assert any(r.label.startswith("batch ") and r.fits for r in rows), rows
+    assert not any("no smaller batch was tried" in n for n in notes)
+    # set twice, or computed: the cell's own value, not a knob
+    for src2 in (src.replace("# set here, once", "\nbatch_size = 32"),
+                 src.replace("batch_size = 64", "batch_size = 8 * 8")):
+        assert "batch_size" not in Cell(src2, {}).reads

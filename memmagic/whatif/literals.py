@@ -1,0 +1,78 @@
+"""Knob sizes written out as numbers: ``batch_size = 64`` at the top level of a cell or a
+script, set once.
+
+A cell or a script that sets a knob's variable (``batch_size``, ``seq_len``,
+``accum_steps``) once, at its top level, to a whole number written out takes that knob
+there: :func:`assigned_constants` finds the line, and a run at another value runs the
+source with the number replaced (:func:`with_assignments`: the same text, only that number
+changed, so every line stays where it is and the user's file or cell is not touched).
+A variable set twice, or to anything else (``16 * 4``, ``+= 8``, a loop's target), is
+not one: its value is the code's to compute. Functions' and classes' bodies are not the
+top level. Knows nothing of IPython or of scripts."""
+
+from __future__ import annotations
+
+import ast
+from typing import Iterable, Iterator
+
+__all__ = ["assigned_constants", "with_assignments", "module_scope"]
+
+
+def assigned_constants(source: str, names: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """variable of ``names`` -> (line, value) where ``source``'s top level sets it, once, to a
+    whole number written out; {} where ``source`` is not Python (a cell of IPython syntax)."""
+    return {var: (node.lineno, node.value) for var, node in _literals(source, names).items()}
+
+
+def with_assignments(source: str, values: dict[str, int]) -> str:
+    """``source`` with the number each variable of ``values`` is set to (see
+    :func:`assigned_constants`) replaced by its value there, the rest of the text as it is."""
+    nodes = _literals(source, values)
+    lines = source.splitlines(keepends=True)
+    # from the last line and column back, so that earlier positions stay valid
+    for var, node in sorted(nodes.items(), key=lambda kv: (kv[1].lineno, kv[1].col_offset),
+                            reverse=True):
+        if node.lineno != node.end_lineno:
+            continue
+        raw = lines[node.lineno - 1].encode("utf-8")  # ast's columns count UTF-8 bytes
+        raw = raw[:node.col_offset] + str(int(values[var])).encode() + raw[node.end_col_offset:]
+        lines[node.lineno - 1] = raw.decode("utf-8")
+    return "".join(lines)
+
+
+def _literals(source: str, names: Iterable[str]) -> dict[str, ast.Constant]:
+    """variable of ``names`` -> the whole-number literal ``source``'s top level sets it to,
+    once (no other binding of it in the module's scope: a loop's, a ``with``'s, a walrus's,
+    an unpacking's, an augmented assignment's)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return {}
+    names = set(names)
+    found: dict[str, ast.Constant] = {}
+    bound: dict[str, int] = {}
+    for node in module_scope(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) and node.id in names:
+            bound[node.id] = bound.get(node.id, 0) + 1
+        target = (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1
+                  else node.target if isinstance(node, ast.AnnAssign) else None)
+        value = getattr(node, "value", None)
+        if (isinstance(target, ast.Name) and target.id in names
+                and isinstance(value, ast.Constant) and isinstance(value.value, int)
+                and not isinstance(value.value, bool)):
+            found[target.id] = value
+    return {var: node for var, node in found.items() if bound.get(var) == 1}
+
+
+def module_scope(tree: ast.Module) -> Iterator[ast.AST]:
+    """Every node of a module that runs in its own scope: not the bodies of its functions
+    and classes (their ``def`` and ``class`` statements are), nor lambdas and
+    comprehensions, whose variables are their own."""
+    todo: list[ast.AST] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda,
+                             ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            continue
+        todo.extend(ast.iter_child_nodes(node))
