@@ -18,21 +18,19 @@ the script's own value must be the one passed.
 
 A script with no option for a knob may set it as a plain number at its top level, once
 (``batch_size = 64`` among the hyperparameters of karpathy's ng-video-lecture ``gpt.py``):
-:func:`assigned_constants` finds it in the source, and a run given another value runs
-:func:`with_assignments`' code, the number at that line replaced (the file is not changed)."""
+:class:`memmagic.whatif.literals.Numbers` finds it in the source, and a run given another
+value runs the script's code with the number at that line replaced (the file is not
+changed)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-import types
 from typing import Any, Sequence
 
 from ..core.patching import Patches
-from ..whatif import literals
 
-__all__ = ["FlagWatch", "given_flags", "flag_value", "with_flag_value", "passed_values",
-           "assigned_constants", "with_assignments"]
+__all__ = ["FlagWatch", "given_flags", "flag_value", "with_flag_value", "passed_values"]
 
 
 def given_flags(argv: Sequence[str]) -> dict[str, str]:
@@ -73,19 +71,6 @@ def with_flag_value(argv: list[str], flag: str, value: str) -> list[str]:
 def passed_values(ns: dict, variables: Any) -> dict[str, int]:
     """The whole numbers ``ns`` holds for ``variables`` (the knob values a run passes)."""
     return {var: ns[var] for var in variables if _is_int(ns.get(var))}
-
-
-def assigned_constants(source: str) -> dict[str, tuple[int, int]]:
-    """knob variable -> (line, value) where the script's top level sets it, once, to a whole
-    number written out (:func:`memmagic.whatif.literals.assigned_constants`)."""
-    return literals.assigned_constants(source, (knob.var for knob in _sized_knobs()))
-
-
-def with_assignments(source: str, filename: str, values: dict[str, int]) -> types.CodeType:
-    """The script's code with each variable of ``values`` set to its value where its top
-    level sets it (:func:`assigned_constants`); its lines stay where they are."""
-    return compile(literals.with_assignments(source, values), filename, "exec",
-                   dont_inherit=True)
 
 
 def _sized_knobs() -> list[Any]:

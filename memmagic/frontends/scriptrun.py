@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from ..core.patching import Patches
 from .scratchdisk import ChangeSummary, ScratchDisk
-from .scriptflags import (FlagWatch, assigned_constants, flag_value, given_flags, passed_values,
-                          with_assignments, with_flag_value)
+from ..whatif.literals import Numbers
+from .scriptflags import FlagWatch, flag_value, given_flags, passed_values, with_flag_value
 
 __all__ = ["ScriptRun", "ScriptError", "RunProgress", "StepsDone", "load_script", "find_module"]
 
@@ -302,9 +302,9 @@ class ScriptRun:
         # knob variables the script's top level sets to a number (``batch_size = 64``) and
         # takes on no command-line option: (line, value); a run given another value runs
         # the script's code with that number replaced (``source``: its text)
-        self.source = source
-        self.assigned = assigned_constants(source) if source is not None else {}
-        self._codes: dict[tuple, types.CodeType] = {}
+        self.numbers = Numbers(source, lambda text: compile(text, code.co_filename, "exec",
+                                                             dont_inherit=True))
+        self.assigned = self.numbers.at
         self.knob_reads = frozenset(self.flags) | frozenset(self.assigned)
         self._runs = 0
         self.base: dict[str, Any] = {"__name__": "__main__", "__file__": str(path),
@@ -324,19 +324,6 @@ class ScriptRun:
         """The variables of :attr:`assigned` that no command-line option gives (an option
         the script takes wins: it may set the variable after that line)."""
         return {var: lv for var, lv in self.assigned.items() if var not in self.flags}
-
-    def _code_for(self, passed: dict[str, int]) -> types.CodeType:
-        """The script's code with the values passed to its top-level numbers."""
-        values = {var: value for var, value in passed.items()
-                  if var in self.assigned_only() and value != self.assigned[var][1]}
-        if not values:
-            return self.code
-        key = tuple(sorted(values.items()))
-        code = self._codes.get(key)
-        if code is None:
-            code = self._codes[key] = with_assignments(self.source, self.code.co_filename,
-                                                       values)
-        return code
 
     def _argv(self, passed: dict[str, int]) -> list[str]:
         argv = list(self.argv)
@@ -358,9 +345,8 @@ class ScriptRun:
         patches = Patches()
         flags = FlagWatch(ns)
         passed = passed_values(ns, self.flags)
-        set_at = {var: v for var, v in passed_values(ns, self.assigned).items()
-                  if var in self.assigned_only()}
-        code = self._code_for(set_at)
+        set_at = passed_values(ns, self.assigned_only())
+        code = self.numbers.compiled(set_at) or self.code
         try:
             flags.install(patches, [str(self.path), *self._argv(passed)])
             saved_path = list(sys.path)

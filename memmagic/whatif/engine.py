@@ -36,7 +36,7 @@ from ..core.failures import release_own_frames, strip_own_frames
 from ..core.interrupts import guarded, is_interrupt
 from ..core.patching import output_captured
 from .apply import Applier
-from .literals import assigned_constants, module_scope, with_assignments
+from .literals import Numbers, module_scope
 from .knobs import (BATCH_DIM, KNOBS, SEQ_DIM, Knob, KnobError, Setting, accumulating,
                     knob_value, resizing, setting_of)
 from ..report import MemoryReport, Note
@@ -243,7 +243,7 @@ class Cell:
             self.namespace = namespace if namespace is not None else {}
         elif callable(code):
             self.source, self.function = None, code
-            self._run = None
+            self._run = self._compile = None
             try:
                 params = set(inspect.signature(code).parameters)
             except (TypeError, ValueError):
@@ -260,8 +260,12 @@ class Cell:
         # a variable the cell assigns itself is the cell's, not a knob; a compiled run may
         # name the variables it takes in other ways (a script: from its command line)
         extra = set(getattr(self._run, "knob_reads", ()))
-        self.assigned = self._assigned_sizes()
-        self._runs_at: dict[tuple, Callable[[dict], Any]] = {}
+        # a size the cell sets once to a number written out (batch_size = 64) is a knob it
+        # takes there: a run at another value runs the cell with that number replaced; not
+        # where ``compile`` is ``fixed`` (a run of its own, a script's, sets its own)
+        fixed = self.source is None or getattr(self._compile, "fixed", False)
+        self.numbers = Numbers(None if fixed else self.source, self._compile)
+        self.assigned = self.numbers.at
         self.reads: frozenset[str] = frozenset(
             ((loads - stores) | extra | set(self.assigned)) & variables)
         self.backend_name = backend
@@ -282,15 +286,6 @@ class Cell:
         self.last_info: RunInfo | None = None
         self.last_output = ""  # what the last run printed (a re-run's output is kept here)
         self.fallback_note: Note | None = None
-
-    def _assigned_sizes(self) -> dict[str, tuple[int, int]]:
-        """The sizes the cell sets once to a number written out (``batch_size = 64``):
-        variable -> (line, value). Each is a knob the cell takes there: a run at another
-        value runs the cell with that number replaced (:meth:`_run_at`); none where
-        ``compile`` is ``fixed`` (a run of its own, a script's, which sets its own)."""
-        if self.source is None or getattr(self._compile, "fixed", False):
-            return {}
-        return assigned_constants(self.source, {k.var for k in KNOBS.values() if k.script_flags})
 
     def _own_settings(self, base: Setting) -> Setting:
         """``base`` with the knobs the cell handles itself at what its own variables say
@@ -580,10 +575,10 @@ class Cell:
         batch = setting.micro_batch if engine_accum else setting.effective_batch
         applier.install()
         values = self._variables(setting, batch)
-        for var, (line, number) in self.assigned.items():
-            if isinstance(values.get(var), int) and values[var] != number:
-                applier.note(f"{var} {values[var]}: set where the cell sets it (line {line}: "
-                             f"{var} = {number} as written)")
+        for var, value in self.numbers.changed(values).items():
+            line, number = self.assigned[var]
+            applier.note(f"{var} {value}: set where the cell sets it (line {line}: "
+                         f"{var} = {number} as written)")
         if self.function is None:
             for name, v in values.items():
                 changed.setdefault(name, ns.get(name, _MISSING))
@@ -669,20 +664,7 @@ class Cell:
         if self.function is not None:
             return self.function(**values)
         assert self._run is not None
-        return self._run_at(values)(ns)
-
-    def _run_at(self, values: dict[str, Any]) -> Callable[[dict], Any]:
-        """The cell's run with ``values`` where it sets those variables to numbers
-        (:attr:`assigned`), compiled once for each set of values."""
-        new = {var: values[var] for var, (_, number) in self.assigned.items()
-               if isinstance(values.get(var), int) and values[var] != number}
-        if not new:
-            return self._run
-        key = tuple(sorted(new.items()))
-        run = self._runs_at.get(key)
-        if run is None:
-            run = self._runs_at[key] = self._compile(with_assignments(self.source, new))
-        return run
+        return (self.numbers.compiled(values) or self._run)(ns)
 
 
 def _existing(ns: dict) -> set[int]:

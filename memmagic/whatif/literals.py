@@ -13,9 +13,42 @@ top level. Knows nothing of IPython or of scripts."""
 from __future__ import annotations
 
 import ast
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["assigned_constants", "with_assignments", "module_scope"]
+__all__ = ["Numbers", "assigned_constants", "with_assignments", "module_scope"]
+
+
+class Numbers:
+    """The sizes ``source`` sets once to a number written out (:attr:`at`: variable ->
+    (line, value), for the knobs a script may take on its command line: ``batch_size``,
+    ``seq_len``, ``accum_steps``) and its text compiled with other values there, once for
+    each set of values (``compile``: text -> what runs it). None: no source, no numbers."""
+
+    def __init__(self, source: str | None, compile: Callable[[str], Any]) -> None:
+        from .knobs import KNOBS
+
+        self.source, self._compile = source, compile
+        sized = {k.var for k in KNOBS.values() if k.script_flags}
+        self.at = assigned_constants(source, sized) if source is not None else {}
+        self._compiled: dict[tuple, Any] = {}
+
+    def changed(self, values: dict[str, Any]) -> dict[str, int]:
+        """The whole numbers of ``values`` that differ from the ones written at :attr:`at`."""
+        return {var: values[var] for var, (_, number) in self.at.items()
+                if isinstance(values.get(var), int) and not isinstance(values[var], bool)
+                and values[var] != number}
+
+    def compiled(self, values: dict[str, Any]) -> Any | None:
+        """``source`` compiled with :meth:`changed`'s values in place of its numbers; None
+        where none changes (the source as written runs)."""
+        new = self.changed(values)
+        if not new:
+            return None
+        key = tuple(sorted(new.items()))
+        if key not in self._compiled:
+            assert self.source is not None
+            self._compiled[key] = self._compile(with_assignments(self.source, new))
+        return self._compiled[key]
 
 
 def assigned_constants(source: str, names: Iterable[str]) -> dict[str, tuple[int, int]]:

@@ -10,8 +10,8 @@ import sys
 import threading
 
 from memmagic.core.patching import Patches
-from memmagic.frontends.scriptflags import (FlagWatch, assigned_constants, flag_value, given_flags,
-                                            with_assignments, with_flag_value)
+from memmagic.frontends.scriptflags import FlagWatch, flag_value, given_flags, with_flag_value
+from memmagic.whatif.literals import Numbers
 
 
 def test_a_flag_is_set_where_given_and_added_where_not():
@@ -60,13 +60,15 @@ def test_a_number_set_once_at_the_top_level_is_found_and_set_where_it_stands():
               "    batch_size = 3\n"
               "    return batch_size\n"
               "line = __import__('sys')._getframe().f_lineno\n")
-    assert assigned_constants(source) == {"batch_size": (2, 64), "seq_len": (4, 256)}
+    assert Numbers(source, compile).at == {"batch_size": (2, 64), "seq_len": (4, 256)}
     for not_one in ("batch_size = 4\nbatch_size = 8\n", "batch_size = 4\nbatch_size += 1\n",
                     "batch_size = 2 * 32\n", "batch_size = True\n", "batch_size = 6.0\n",
                     "for batch_size in (1, 2): pass\nbatch_size = 4\n",
                     "batch_size, n = 4, 5\n", "lr = 64\n"):
-        assert "batch_size" not in assigned_constants(not_one), not_one
+        assert "batch_size" not in Numbers(not_one, compile).at, not_one
     ns: dict = {}
-    exec(with_assignments(source, "train.py", {"batch_size": 16, "seq_len": 32}), ns)
+    numbers = Numbers(source, lambda text: compile(text, "train.py", "exec"))
+    exec(numbers.compiled({"batch_size": 16, "seq_len": 32}), ns)
     assert (ns["batch_size"], ns["seq_len"], ns["f"](), ns["line"]) == (16, 32, 3, 8)
     assert ns["f"].__code__.co_filename == "train.py"
+    assert numbers.compiled({"batch_size": 64, "seq_len": 256}) is None  # as written
