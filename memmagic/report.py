@@ -310,6 +310,19 @@ class MemoryReport:
         object.__setattr__(self, "timeline", tuple(tuple(p) for p in self.timeline))
         object.__setattr__(self, "modules", tuple(self.modules))
 
+    def __getstate__(self) -> dict[str, Any]:
+        # pickled (a re-run in a forked child sends its report back): the breakdowns as
+        # plain dicts, frozen again on the way in
+        state = dict(self.__dict__)
+        state["breakdown"], state["breakdown_before"] = (dict(self.breakdown),
+                                                         dict(self.breakdown_before))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        for name in ("breakdown", "breakdown_before"):
+            object.__setattr__(self, name, _frozen_breakdown(state[name]))
+
     # -- derived numbers ---------------------------------------------------------------
     @property
     def increment(self) -> int:

@@ -7,6 +7,7 @@ import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
+from ..core.forked import run_all
 from ..report import format_bytes, needed
 from ..trace import PHASES
 from .oom import failure_words
@@ -64,13 +65,27 @@ def _measure(cell: Any, label: str, knobs: Mapping[str, Any],
              ran: dict[Setting, Any] | None = None) -> Strategy:
     """The row of a re-run of ``cell`` with ``knobs`` (its report kept in ``ran``, by
     its setting)."""
-    try:
-        r = cell.run(**knobs)
-    except (KnobError, ValueError, TypeError) as exc:
-        return Strategy(label, dict(knobs), None, reason=str(exc))
-    if ran is not None:
-        ran[cell.setting(**knobs)] = r
-    return _row(label, knobs, r)
+    return _measure_all(cell, [(label, knobs)], ran)[0]
+
+
+def _measure_all(cell: Any, fixes: Sequence[tuple[str, Mapping[str, Any]]],
+                 ran: dict[Setting, Any] | None) -> list[Strategy]:
+    """The rows of re-runs of ``cell``, one per (label, knobs) of ``fixes``, as
+    :func:`_measure` makes them; side by side in forked children where the machine has
+    the cores (:func:`memmagic.core.forked.run_all`: each re-run starts from the cell as
+    it is here, so they do not depend on each other)."""
+    done = run_all(lambda knobs: cell.run(**knobs), [knobs for _, knobs in fixes])
+    rows = []
+    for (label, knobs), (ok, r) in zip(fixes, done):
+        if not ok:
+            if not isinstance(r, (KnobError, ValueError, TypeError)):
+                raise r
+            rows.append(Strategy(label, dict(knobs), None, reason=str(r)))
+            continue
+        if ran is not None:
+            ran[cell.setting(**knobs)] = r
+        rows.append(_row(label, knobs, r))
+    return rows
 
 
 def _row(label: str, knobs: Mapping[str, Any], r: Any) -> Strategy:
@@ -127,8 +142,8 @@ def rank(engine: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = 
                   getattr(c.baseline, resizing(SEQ_DIM).name))
     applicable = _worth_running(applicable, baseline, info, unit, notes)
     candidates = _not_done(_candidates(applicable, known), info, unit, notes)
-    rows = [_measure(c, label, knobs, ran) for label, knobs in candidates
-            if any(getattr(c.baseline, k) != v for k, v in knobs.items())]  # not what ran
+    rows = _measure_all(c, [(label, knobs) for label, knobs in candidates  # not what ran
+                            if any(getattr(c.baseline, k) != v for k, v in knobs.items())], ran)
     rows = _without_repeats(rows, baseline, unit, notes) + _read_off(c, ran, unit, notes)
     targeted = baseline.fits is not None or any(s.fits is not None for s in rows)
     if combine and targeted and not baseline.fits and not any(s.fits for s in rows):

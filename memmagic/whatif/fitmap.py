@@ -221,9 +221,23 @@ class _Mapper:
         self.plane: SizePlane | Any = None
 
     def run(self, engine: "Cell", b: int, s: int) -> "MemoryReport":
-        self.runs += 1
-        return engine.run(self.base.replace(**{resizing(BATCH_DIM).name: b,
-                                               resizing(SEQ_DIM).name: s}), strict=True)
+        return self.run_all(engine, [(b, s)])[b, s]
+
+    def run_all(self, engine: "Cell", pairs: Sequence[tuple[int, int]], warm: int = 0
+                ) -> dict[tuple[int, int], "MemoryReport"]:
+        """Runs of ``engine`` at each (batch, context) of ``pairs``, side by side where the
+        machine has the cores, the first ``warm`` here first
+        (:func:`memmagic.core.forked.run_all`)."""
+        from ..core.forked import run_all
+
+        self.runs += len(pairs)
+        b_name, s_name = resizing(BATCH_DIM).name, resizing(SEQ_DIM).name
+        done = run_all(lambda p: engine.run(self.base.replace(**{b_name: p[0], s_name: p[1]}),
+                                            strict=True), pairs, warm)
+        for ok, out in done:
+            if not ok:
+                raise out
+        return {p: out for p, (_, out) in zip(pairs, done)}
 
     def read_plane(self, blo: int, bhi: int, seqs: Sequence[int], step: int) -> None:
         """The plane through the lattice's runs, checked byte for byte at the far corner: the
@@ -244,17 +258,15 @@ class _Mapper:
         runs: dict[tuple[int, int], "MemoryReport"] = {}
         for basis, contexts in ((BILINEAR, ss[1:]), (BASIS, ss)):
             self.lattice = tuple((b, s) for b in bs for s in contexts)
-            for p in self.lattice:
-                if p not in runs:
-                    runs[p] = self.run(self.roomy, *p)
+            # the far corner beside the lattice: it checks whichever plane they give
+            runs.update(self.run_all(self.roomy, [p for p in (*self.lattice, (bhi, far))
+                                                  if p not in runs], warm=not runs))
             plane = self.plane = SizePlane({p: runs[p] for p in self.lattice}, bs, contexts,
                                            basis)
             if not plane.ok:
                 why = (f"the runs at {_pairs(self.lattice)} cannot be read as one plane "
                        f"({plane.reason})")
                 continue
-            if (bhi, far) not in runs:
-                runs[bhi, far] = self.run(self.roomy, bhi, far)
             if plane.checked_by(bhi, far, runs[bhi, far]):
                 self.checks.append((bhi, far, _verdict(plane, bhi, far, self.room) is True))
                 return
@@ -278,22 +290,23 @@ class _Mapper:
         largest batch found to fit (its sizes the plane's, byte for byte), and the one above
         it, unless the plane's sizes alone hold more at once than the card (no allocator
         could fit them: that needs no run)."""
-        plane, beyond = self.plane, []
+        plane, beyond, tried = self.plane, [], []
         for s in (seqs[0], seqs[len(seqs) // 2], seqs[-1]):
             top = largest[s]
-            tried = ([top] if top is not None else []) + ([(top or blo - 1) + 1]
-                                                          if (top or 0) < bhi else [])
-            for b in tried:
+            for b in ([top] if top is not None else []) + ([(top or blo - 1) + 1]
+                                                           if (top or 0) < bhi else []):
                 if b != top and plane.overflows(b, s, self.room):
                     beyond.append((b, s))
-                    continue
-                run = self.run(self.real, b, s)
-                ok = bool(run.fits)
-                self.checks.append((b, s, ok))
-                if ok != self.fits(b, s) or ok and not plane.sizes_checked_by(b, s, run):
-                    self.notes.append(f"the run at batch {b}, context {s} disagrees with the plane")
-                    plane.ok = False
-                    return
+                else:
+                    tried.append((b, s))
+        runs = self.run_all(self.real, tried, warm=1)  # side by side; judged in order
+        for b, s in tried:
+            ok = bool(runs[b, s].fits)
+            self.checks.append((b, s, ok))
+            if ok != self.fits(b, s) or ok and not plane.sizes_checked_by(b, s, runs[b, s]):
+                self.notes.append(f"the run at batch {b}, context {s} disagrees with the plane")
+                plane.ok = False
+                return
         if beyond:
             self.notes.append(f"not run: {_pairs(beyond)}, above the boundary, whose sizes on "
                               "the plane hold more at once than the card, whatever the allocator "

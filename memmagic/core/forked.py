@@ -1,0 +1,189 @@
+"""Independent simulated runs side by side: :func:`run_all` calls a function on each item
+in forked children, several at once, and brings each result back pickled.
+
+The doctor's re-runs (one per fix) differ only in a knob and share nothing: each is the
+cell run again from its start. On a machine with more than one core they can run at the
+same time, each in a child forked from this process, which sees the cell, its namespace
+and the warm caches as they are here, runs, sends its report back through a pipe and
+ends without running any of this process's exit code. Whatever the run changes in its
+child (the simulation's caches, a script's scratch disk, torch's global state) ends with
+the child: this process is left as it was.
+
+Forks only where it is safe and worth it: on Linux, from the main thread, with no CUDA
+context made (a forked child cannot use the parent's), outside a forked child, for two
+items or more, with more than one core available to this process. ``MEMMAGIC_WORKERS``
+sets how many children at once (``1``: everything in this process). Elsewhere, and for an
+item whose child ended without a result (killed, out of host memory, a result that does
+not pickle), the call runs here, as it would have without children.
+
+Ctrl-C (or any exception) while children run stops them: each is asked to stop (SIGINT:
+its run then undoes what it installed and removes its scratch disk, as an interrupted run
+does), and killed if it has not ended within :data:`STOP_GRACE_S`; all are reaped before
+the exception goes on.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import selectors
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+__all__ = ["run_all", "workers"]
+
+# seconds a child asked to stop (SIGINT) has before it is killed
+STOP_GRACE_S = 3.0
+# set in a forked child: it forks no children of its own
+_IN_CHILD = False
+
+
+def workers(items: int) -> int:
+    """How many children :func:`run_all` would run at once for ``items`` items (1: none,
+    everything here). See the module docstring."""
+    if items < 2 or _IN_CHILD or sys.platform != "linux" or not hasattr(os, "fork"):
+        return 1
+    if threading.current_thread() is not threading.main_thread():
+        return 1
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return 1
+    asked = os.environ.get("MEMMAGIC_WORKERS", "").strip()
+    if asked:
+        try:
+            n = int(asked)
+        except ValueError:
+            raise ValueError(f"MEMMAGIC_WORKERS={asked!r}: give a whole number of children "
+                             "(1 runs everything in this process)") from None
+    else:
+        n = len(os.sched_getaffinity(0))
+    return max(1, min(n, items))
+
+
+def run_all(fn: Callable[[Any], Any], items: Sequence[Any], warm: int = 0
+            ) -> list[tuple[bool, Any]]:
+    """``fn(item)`` for each item, in order: ``(True, value)``, or ``(False, exception)``
+    where it raised an Exception (a KeyboardInterrupt, SystemExit... goes on). In forked
+    children, :func:`workers` at once, where that is possible; else here. ``warm``: the
+    first items that run here before any child is forked (what a first run fills, the
+    simulation's caches and the imports of the cell, the children then find filled)."""
+    results: list[tuple[bool, Any] | None] = [None] * len(items)
+    n = workers(len(items) - warm)
+    if n > 1:
+        results[:warm] = [_called(fn, item) for item in items[:warm]]
+        _forked(fn, items, n, results)
+    return [r if r is not None else _called(fn, item) for r, item in zip(results, items)]
+
+
+def _called(fn: Callable[[Any], Any], item: Any) -> tuple[bool, Any]:
+    try:
+        return True, fn(item)
+    except Exception as exc:  # noqa: BLE001 - handed back to the caller, as a child does
+        return False, exc
+
+
+def _forked(fn: Callable[[Any], Any], items: Sequence[Any], n: int,
+            results: list) -> None:
+    """Fill ``results`` from children, ``n`` at once; an item whose child gave no result
+    stays None (the caller runs it here)."""
+    todo = [i for i in range(len(items)) if results[i] is None][::-1]
+    live: dict[int, tuple[int, int, list[bytes]]] = {}  # read end -> (item, pid, data)
+    sel = selectors.DefaultSelector()
+    try:
+        while todo or live:
+            while todo and len(live) < n:
+                i = todo.pop()
+                fd, pid = _spawn(fn, items[i])
+                live[fd] = (i, pid, [])
+                sel.register(fd, selectors.EVENT_READ)
+            for key, _ in sel.select():
+                fd = key.fd
+                chunk = os.read(fd, 1 << 20)
+                if chunk:
+                    live[fd][2].append(chunk)
+                    continue
+                sel.unregister(fd)
+                os.close(fd)
+                i, pid, data = live.pop(fd)
+                _, status = os.waitpid(pid, 0)
+                results[i] = _decoded(b"".join(data), status)
+    except BaseException:
+        _stop(live)
+        raise
+    finally:
+        sel.close()
+
+
+def _spawn(fn: Callable[[Any], Any], item: Any) -> tuple[int, int]:
+    """A child running ``fn(item)``: (the read end of its pipe, its pid)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        os.close(r)
+        _child(fn, item, w)
+    os.close(w)
+    return r, pid
+
+
+def _child(fn: Callable[[Any], Any], item: Any, w: int) -> None:
+    """In a forked child: run, write the pickled result to ``w``, end without this
+    process's exit code (its atexit handlers, its buffers, the kernel's sockets)."""
+    global _IN_CHILD
+    code = 1
+    try:
+        _IN_CHILD = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)  # what the run prints goes nowhere (the parent's output is the
+        os.dup2(devnull, 2)  # user's: a notebook's, a terminal's)
+        sys.stdout = sys.stderr = io.StringIO()
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.set_num_threads(1)  # one core each (the parent's thread pool is not here)
+        out = _called(fn, item)
+        try:
+            data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - no result: the parent runs the item itself
+            data = b""
+        with os.fdopen(w, "wb") as f:
+            f.write(data)
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def _decoded(data: bytes, status: int) -> tuple[bool, Any] | None:
+    if not data or not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
+        return None
+    try:
+        return pickle.loads(data)
+    except Exception:  # noqa: BLE001 - no result: the parent runs the item itself
+        return None
+
+
+def _stop(live: dict[int, tuple[int, int, list[bytes]]]) -> None:
+    """Ask every running child to stop, kill those that do not in time, reap all."""
+    pids = [pid for _, pid, _ in live.values()]
+    for fd in live:
+        os.close(fd)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + STOP_GRACE_S
+    for pid in pids:
+        while True:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        if not done:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
