@@ -72,9 +72,12 @@ def _measure_all(cell: Any, fixes: Sequence[tuple[str, Mapping[str, Any]]],
                  ran: dict[Setting, Any] | None) -> list[Strategy]:
     """The rows of re-runs of ``cell``, one per (label, knobs) of ``fixes``, as
     :func:`_measure` makes them; side by side in forked children where the machine has
-    the cores (:func:`memmagic.core.forked.run_all`: each re-run starts from the cell as
-    it is here, so they do not depend on each other)."""
-    done = run_all(lambda knobs: cell.run(**knobs), [knobs for _, knobs in fixes])
+    the cores and the runs in ``ran`` took long enough for a child to be worth it
+    (:func:`memmagic.core.forked.run_all`: each re-run starts from the cell as it is here,
+    so they do not depend on each other)."""
+    each_s = max((r.wall_s for r in ran.values()), default=None) if ran else None
+    done = run_all(lambda knobs: cell.run(**knobs), [knobs for _, knobs in fixes],
+                   each_s=each_s)
     rows = []
     for (label, knobs), (ok, r) in zip(fixes, done):
         if not ok:
@@ -183,26 +186,28 @@ def _read_off(cell: Any, ran: dict[Setting, Any], unit: str, notes: list[str]
     if own is None or own.fits is not False or getattr(own.trace, "allocator_log", None) is None:
         return []  # it fits, or no simulated allocator logged the runs (a real GPU's)
     planes: dict = {}  # the lines found, each checked once (evaluated.evaluate)
-    for dim in (BATCH_DIM, SEQ_DIM):  # smaller runs that fit, for a line (or a parabola)
-        for _ in range(2):
-            n = run_wanted(ran, setting, dim, planes)
-            if n is None:
-                break
-            _measure(cell, "", {resizing(dim).name: n}, ran)
+    for _ in range(2):  # smaller runs that fit, for a line (or a parabola): both sizes' at once
+        wanted = [(dim, n) for dim in (BATCH_DIM, SEQ_DIM)
+                  if (n := run_wanted(ran, setting, dim, planes)) is not None]
+        if not wanted:
+            break
+        _measure_all(cell, [("", {resizing(dim).name: n}) for dim, n in wanted], ran)
     whole = evaluate(ran, setting, planes) if own.failed_request is not None else None
     if whole is not None:
         notes.append(f"as written the {unit} needs {format_bytes(whole.card_need)} of the "
                      f"card's {format_bytes(whole.gpu_memory)} (evaluated, not run: "
                      f"{whole.read_off})")
-    rows = []
+    found = []  # (plain label, step, line, the row's label, knobs) per size read off
     for dim, step, noun, most in ((BATCH_DIM, 1, "batch", "largest"),
                                   (SEQ_DIM, _CONTEXT_STEP, "context", "longest")):
         got = largest_fitting(ran, setting, dim, step, planes)
-        if got is None:
-            continue
-        (n, line), knob = got, resizing(dim)
-        plain = f"{noun} {n} (from {getattr(setting, knob.name)})"
-        row = _measure(cell, f"{plain}, the {most} that fits", {knob.name: n}, ran)
+        if got is not None:
+            (n, line), knob = got, resizing(dim)
+            plain = f"{noun} {n} (from {getattr(setting, knob.name)})"
+            found.append((plain, step, line, f"{plain}, the {most} that fits", {knob.name: n}))
+    rows = []
+    measured = _measure_all(cell, [(label, knobs) for *_, label, knobs in found], ran)
+    for (plain, step, line, _, _), row in zip(found, measured):  # each confirmed by a run
         if (row.peak, row.reserved_peak, row.fits) == (line.peak, line.reserved_peak, True):
             notes.append(f"{row.label}: read off the re-runs, then run ({line.read_off}; "
                          f"{'a multiple of ' + str(step) + ', ' if step > 1 else ''}the next "

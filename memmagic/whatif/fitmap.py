@@ -215,6 +215,7 @@ class _Mapper:
         context = cuda_context(target)  # what a run's verdict counts beside the allocator
         self.room = target.total_memory - (context.nbytes if context is not None else 0)
         self.runs = self.evaluated = 0
+        self.each_s: float | None = None  # the longest run's wall time so far
         self.notes: list[str] = []
         self.checks: list[tuple[int, int, bool]] = []
         self.lattice: tuple[tuple[int, int], ...] = ()
@@ -233,10 +234,11 @@ class _Mapper:
         self.runs += len(pairs)
         b_name, s_name = resizing(BATCH_DIM).name, resizing(SEQ_DIM).name
         done = run_all(lambda p: engine.run(self.base.replace(**{b_name: p[0], s_name: p[1]}),
-                                            strict=True), pairs, warm)
+                                            strict=True), pairs, warm, self.each_s)
         for ok, out in done:
             if not ok:
                 raise out
+            self.each_s = max(self.each_s or 0.0, out.wall_s)
         return {p: out for p, (_, out) in zip(pairs, done)}
 
     def read_plane(self, blo: int, bhi: int, seqs: Sequence[int], step: int) -> None:

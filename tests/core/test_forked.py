@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 @pytest.fixture
 def two(monkeypatch):
     monkeypatch.setenv("MEMMAGIC_WORKERS", "2")
+    monkeypatch.setattr(forked, "FORK_WORTH_S", 0.0)  # the tests' runs are quick
     if forked.workers(2) != 2:
         pytest.skip("this platform runs everything in one process")
 
@@ -45,6 +46,20 @@ def test_results_come_back_in_order_from_children(two):
 def test_warm_items_run_here_first(two):
     me = os.getpid()
     out = forked.run_all(lambda x: os.getpid(), [0, 1, 2], warm=1)
+    assert out[0] == (True, me) and all(pid != me for _, pid in out[1:])
+
+
+def test_items_quicker_than_a_child_is_worth_run_here(two, monkeypatch):
+    me = os.getpid()
+    monkeypatch.setattr(forked, "FORK_WORTH_S", 0.2)
+    assert forked.run_all(lambda x: os.getpid(), [0, 1], each_s=0.05) == [(True, me)] * 2
+    # measured on the warm item: quick, so the rest run here too
+    assert forked.run_all(lambda x: os.getpid(), [0, 1, 2], warm=1) == [(True, me)] * 3
+
+    def slow(x):
+        time.sleep(0.25)
+        return os.getpid()
+    out = forked.run_all(slow, [0, 1, 2], warm=1)
     assert out[0] == (True, me) and all(pid != me for _, pid in out[1:])
 
 
@@ -158,3 +173,22 @@ def test_the_fit_map_is_the_same_with_its_runs_side_by_side(two, monkeypatch):
         maps.append((fm.method, fm.largest, fm.runs, fm.checks, fm.notes))
     assert maps[0][0] == "plane" and maps[0] == maps[1]
     assert len(spawned) >= 4
+
+
+def test_a_sweep_is_the_same_with_its_strategies_side_by_side(two, monkeypatch):
+    from memmagic import Cell
+    from memmagic.whatif.knobs import Setting
+    from memmagic.whatif.sweeps import sweep
+    from tests.whatif.test_fitmap import MANUAL
+
+    out, spawned = [], _counting(monkeypatch)
+    for workers in ("1", "2"):
+        monkeypatch.setenv("MEMMAGIC_WORKERS", workers)
+        cell = Cell(MANUAL, {"batch_size": 2, "seq_len": 512}, backend_options={"gpu": "T4"})
+        sw = sweep(cell, "batch_size", "1:64", {"fp32": Setting(), "bf16": Setting(amp="bf16"),
+                                                "fp16": Setting(amp="fp16")})
+        out.append([(name, [(v, p.peak, p.reserved_peak, p.interpolated) for v, p in pts])
+                    for name, pts in sw.curves.items()] + [sw.capacity, sw.capacity_name])
+    assert len(out[0]) == 5 and out[0] == out[1]
+    assert any(p[3] for _, pts in out[0][:-2] for p in pts)  # values read off lines, too
+    assert len(spawned) >= 2  # the strategies after the first ran in children
