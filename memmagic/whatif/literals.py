@@ -6,8 +6,9 @@ A cell or a script that sets a knob's variable (``batch_size``, ``seq_len``,
 there: :func:`assigned_constants` finds the line, and a run at another value runs the
 source with the number replaced (:func:`with_assignments`: the same text, only that number
 changed, so every line stays where it is and the user's file or cell is not touched).
-A variable set twice, or to anything else (``16 * 4``, ``+= 8``, a loop's target), is
-not one: its value is the code's to compute. Functions' and classes' bodies are not the
+``batch_size, seq_len = 16, 1024`` sets each once too. A variable set twice, or to
+anything else (``16 * 4``, ``+= 8``, a loop's target, ``b, s = sizes``), is not one: its
+value is the code's to compute. Functions' and classes' bodies are not the
 top level. Knows nothing of IPython or of scripts."""
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def with_assignments(source: str, values: dict[str, int]) -> str:
 
 def _literals(source: str, names: Iterable[str]) -> dict[str, ast.Constant]:
     """variable of ``names`` -> the whole-number literal ``source``'s top level sets it to,
-    once (no other binding of it in the module's scope: a loop's, a ``with``'s, a walrus's,
-    an unpacking's, an augmented assignment's)."""
+    once (``b = 16``, ``b, s = 16, 1024``; no other binding of it in the module's scope: a
+    loop's, a ``with``'s, a walrus's, an unpacking's of a value, an augmented
+    assignment's)."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -89,12 +91,24 @@ def _literals(source: str, names: Iterable[str]) -> dict[str, ast.Constant]:
             bound[node.id] = bound.get(node.id, 0) + 1
         target = (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1
                   else node.target if isinstance(node, ast.AnnAssign) else None)
-        value = getattr(node, "value", None)
-        if (isinstance(target, ast.Name) and target.id in names
-                and isinstance(value, ast.Constant) and isinstance(value.value, int)
-                and not isinstance(value.value, bool)):
-            found[target.id] = value
+        for name, value in _pairs(target, getattr(node, "value", None)):
+            if (name.id in names and isinstance(value, ast.Constant)
+                    and isinstance(value.value, int) and not isinstance(value.value, bool)):
+                found[name.id] = value
     return {var: node for var, node in found.items() if bound.get(var) == 1}
+
+
+def _pairs(target: ast.AST | None, value: ast.AST | None) -> list[tuple[ast.Name, ast.AST]]:
+    """(name, the expression it is set to) of an assignment's target and value: ``b = 16``,
+    and each name of ``b, s = 16, 1024`` with the element at its place (a tuple or list
+    of names set from one of as many elements, no starred one)."""
+    if isinstance(target, ast.Name) and value is not None:
+        return [(target, value)]
+    if (isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List))
+            and len(target.elts) == len(value.elts)
+            and not any(isinstance(e, ast.Starred) for e in (*target.elts, *value.elts))):
+        return [(t, v) for t, v in zip(target.elts, value.elts) if isinstance(t, ast.Name)]
+    return []
 
 
 def module_scope(tree: ast.Module) -> Iterator[ast.AST]:

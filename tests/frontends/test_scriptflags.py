@@ -11,7 +11,7 @@ import threading
 
 from memmagic.core.patching import Patches
 from memmagic.frontends.scriptflags import FlagWatch, flag_value, given_flags, with_flag_value
-from memmagic.whatif.literals import Numbers
+from memmagic.whatif.literals import Numbers, with_assignments
 
 
 def test_a_flag_is_set_where_given_and_added_where_not():
@@ -64,8 +64,15 @@ def test_a_number_set_once_at_the_top_level_is_found_and_set_where_it_stands():
     for not_one in ("batch_size = 4\nbatch_size = 8\n", "batch_size = 4\nbatch_size += 1\n",
                     "batch_size = 2 * 32\n", "batch_size = True\n", "batch_size = 6.0\n",
                     "for batch_size in (1, 2): pass\nbatch_size = 4\n",
-                    "batch_size, n = 4, 5\n", "lr = 64\n"):
+                    "batch_size, n = sizes\n", "batch_size, *n = 4, 5, 6\n",
+                    "batch_size, n = 4, 5\nbatch_size = 2\n", "lr = 64\n"):
         assert "batch_size" not in Numbers(not_one, compile).at, not_one
+    # names set from a tuple of numbers written out, each at its place
+    pair = "batch_size, seq_len = 4, 1024  # a step\n[x, accum_steps] = [1, 8]\n"
+    assert Numbers(pair, compile).at == {"batch_size": (1, 4), "seq_len": (1, 1024),
+                                         "accum_steps": (2, 8)}
+    assert with_assignments(pair, {"seq_len": 64, "accum_steps": 2}) == (
+        "batch_size, seq_len = 4, 64  # a step\n[x, accum_steps] = [1, 2]\n")
     ns: dict = {}
     numbers = Numbers(source, lambda text: compile(text, "train.py", "exec"))
     exec(numbers.compiled({"batch_size": 16, "seq_len": 32}), ns)

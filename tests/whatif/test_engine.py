@@ -227,6 +227,11 @@ def test_a_batch_size_the_cell_sets_once_is_a_knob_set_where_it_stands(clean_sta
     _, rows, notes = rank(c)
     assert any(r.label.startswith("batch ") and r.fits for r in rows), rows
     assert not any("no smaller batch was tried" in n for n in notes)
+    # set with another size from numbers written out: each a knob where it stands
+    pair = Cell(src.replace("batch_size = 64", "batch_size, width = 64, 1 << 20")
+                .replace("1 << 20, device", "width, device"), {},
+                backend_options={"gpu_memory": "400MiB"})
+    assert pair.reads == {"batch_size"} and pair.run(batch_size=16).fits
     # set twice, or computed: the cell's own value, not a knob
     for src2 in (src.replace("# set here, once", "\nbatch_size = 32"),
                  src.replace("batch_size = 64", "batch_size = 8 * 8")):
