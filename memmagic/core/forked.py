@@ -105,9 +105,15 @@ def _forked(fn: Callable[[Any], Any], items: Sequence[Any], n: int,
         while todo or live:
             while todo and len(live) < n:
                 i = todo.pop()
-                fd, pid = _spawn(fn, items[i])
+                try:
+                    fd, pid = _spawn(fn, items[i])
+                except OSError:  # no process to be had (a limit, memory): the rest run here
+                    todo.clear()
+                    break
                 live[fd] = (i, pid, [])
                 sel.register(fd, selectors.EVENT_READ)
+            if not live:
+                break
             for key, _ in sel.select():
                 fd = key.fd
                 chunk = os.read(fd, 1 << 20)
@@ -127,9 +133,15 @@ def _forked(fn: Callable[[Any], Any], items: Sequence[Any], n: int,
 
 
 def _spawn(fn: Callable[[Any], Any], item: Any) -> tuple[int, int]:
-    """A child running ``fn(item)``: (the read end of its pipe, its pid)."""
+    """A child running ``fn(item)``: (the read end of its pipe, its pid); OSError where
+    none can be forked (the pipe closed again)."""
     r, w = os.pipe()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(r)
+        os.close(w)
+        raise
     if pid == 0:  # the child: never returns
         os.close(r)
         _child(fn, item, w)

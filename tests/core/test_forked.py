@@ -88,6 +88,22 @@ def test_an_item_whose_child_died_or_sent_nothing_runs_here(two):
     assert out[2][1][0] == 2 and out[2][1][1] != me
 
 
+def test_where_no_child_can_be_forked_the_items_run_here(two, monkeypatch):
+    me, forks = os.getpid(), []
+
+    def fork():
+        forks.append(1)
+        if len(forks) > 1:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        return real_fork()
+    real_fork = os.fork
+    monkeypatch.setattr(os, "fork", fork)
+    out = forked.run_all(lambda x: (x, os.getpid()), [0, 1, 2])
+    assert [v for _, (v, _) in out] == [0, 1, 2]
+    assert out[0][1][1] != me and out[1][1][1] == me == out[2][1][1]
+    assert _no_children_left()
+
+
 def test_one_worker_or_one_item_runs_here(monkeypatch):
     me = os.getpid()
     monkeypatch.setenv("MEMMAGIC_WORKERS", "1")
