@@ -16,7 +16,8 @@ sets how many children at once (``1``: everything in this process). Elsewhere, a
 item whose child ended without a result (killed, out of host memory, a result that does
 not pickle), the call runs here, as it would have without children.
 
-Ctrl-C (or any exception) while children run stops them: each is asked to stop (SIGINT:
+Ctrl-C (or any exception) while children run stops them (the wait takes an interrupt
+that memmagic's guard held, there being no frame of the user's here to raise it in): each is asked to stop (SIGINT:
 its run then undoes what it installed and removes its scratch disk, as an interrupted run
 does), and killed if it has not ended within :data:`STOP_GRACE_S`; all are reaped before
 the exception goes on.
@@ -34,6 +35,8 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from .interrupts import take_pending
+
 __all__ = ["run_all", "workers"]
 
 # seconds a child asked to stop (SIGINT) has before it is killed
@@ -41,6 +44,8 @@ STOP_GRACE_S = 3.0
 # items quicker than this run here: a child costs its fork, its exit and its result's way
 # back (about 40 ms for a 350 MB process on the 2-core development machine)
 FORK_WORTH_S = 0.2
+# how often a wait for children looks for a held Ctrl-C (core.interrupts.take_pending)
+_POLL_S = 0.05
 # set in a forked child: it forks no children of its own
 _IN_CHILD = False
 
@@ -114,7 +119,9 @@ def _forked(fn: Callable[[Any], Any], items: Sequence[Any], n: int,
                 sel.register(fd, selectors.EVENT_READ)
             if not live:
                 break
-            for key, _ in sel.select():
+            if take_pending():  # Ctrl-C, held while memmagic's code ran: no user frame here
+                raise KeyboardInterrupt
+            for key, _ in sel.select(_POLL_S):
                 fd = key.fd
                 chunk = os.read(fd, 1 << 20)
                 if chunk:

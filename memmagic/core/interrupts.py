@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from .patching import Patches
 
-__all__ = ["atomic", "guarded", "guard_cells", "held", "is_interrupt"]
+__all__ = ["atomic", "guarded", "guard_cells", "held", "is_interrupt", "take_pending"]
 
 T = TypeVar("T")
 
@@ -301,6 +301,23 @@ def held() -> Iterator[None]:
                 _GUARD.pending = False
             if _GUARD.leave() or pending:
                 raise KeyboardInterrupt
+
+
+def take_pending() -> bool:
+    """Whether an interrupt is held that memmagic's own code should raise now, taken (no
+    longer pending): for a wait with no frame of the user's to land in (the doctor waiting
+    for its re-runs in child processes), which checks between waits and raises
+    KeyboardInterrupt itself. False inside :func:`held`."""
+    g = _GUARD
+    with g.lock:
+        if not g.pending or g.hold:
+            return False
+        g.pending = False
+        if g.timer is not None:
+            g.timer.cancel()
+            g.timer = None
+    g._disarm()
+    return True
 
 
 def guard_cells(shell: Any) -> Callable[[], None]:

@@ -138,6 +138,33 @@ def test_ctrl_c_stops_every_child_after_its_cleanup_and_reaps_it(two, tmp_path):
     assert _no_children_left()
 
 
+def test_ctrl_c_under_memmagics_guard_is_taken_by_the_wait(two, tmp_path):
+    """In a cell or a script's run memmagic's guard holds an interrupt that finds only its
+    own frames; the wait for children has no user frame, so it takes the interrupt."""
+    import threading
+
+    from memmagic.core.interrupts import guarded
+
+    def fn(x):
+        try:
+            time.sleep(60)
+        finally:
+            (tmp_path / f"cleaned-{x}").write_text("yes")
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with guarded(strict=True):
+                forked.run_all(fn, [0, 1, 2])
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 30
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cleaned-0", "cleaned-1"]
+    assert _no_children_left()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+
 def test_a_report_pickles_with_its_breakdowns_frozen():
     r = MemoryReport("sim", "cuda:0", 0, 1024, 512, 0.1, breakdown={"parameters": 1024},
                      notes=("a note",))
