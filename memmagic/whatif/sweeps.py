@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence, Union
 
-from ..core.forked import run_all
 from .evaluated import peaks_at
 from .knobs import BATCH_DIM, KNOBS, SEQ_DIM, KnobError, Setting, resizing
 from .plane import CONTEXT_CURVE, bisect_largest, largest_within, line_through, point
@@ -260,30 +259,18 @@ def sweep(cell: "Cell", knob: str = _BATCH, values: Sequence[int] | str = "1:512
     strats = dict(strategies) if strategies is not None else default_strategies(
         cell, cell.applicable(setting=base.replace(**{knob: vals[0]})))
     t0 = time.perf_counter()
-    card: list = [capacity, None]  # the card's bytes and name, from the first run
-
-    def curve_of(strat: Setting) -> tuple[tuple[int, Point], ...]:
+    curves: dict[str, tuple[tuple[int, Point], ...]] = {}
+    cap, cap_name = capacity, None
+    for name, strat in strats.items():
         s0 = base.replace(**strat.changed())
         points = [v for v in vals if _splits(s0, knob, v)]
-        curve = _Curve(lambda v: cell.run(s0.replace(**{knob: v}), strict=True),
+        curve = _Curve(lambda v, s0=s0: cell.run(s0.replace(**{knob: v}), strict=True),
                        points, stop_after_failure, exact, knob == resizing(SEQ_DIM).name)
         for r in curve.reports.values():
-            card[0] = r.gpu_memory if card[0] is None else card[0]
-            card[1] = r.gpu_name if card[1] is None else card[1]
-        return curve.settle(card[0], capacity is None)
-
-    # the first strategy's curve here (it finds the card), the others side by side where
-    # the machine has the cores (memmagic.core.forked): each starts from the cell as it is
-    done = run_all(curve_of, list(strats.values()), warm=1)
-    curves: dict[str, tuple[tuple[int, Point], ...]] = {}
-    for name, (ok, out) in zip(strats, done):
-        if not ok:
-            raise out
-        curves[name] = out
-        for _, r in out:
-            card[0] = r.gpu_memory if card[0] is None else card[0]
-            card[1] = r.gpu_name if card[1] is None else card[1]
-    return Sweep(knob, vals, curves, card[0], card[1], time.perf_counter() - t0, strats,
+            cap = r.gpu_memory if cap is None else cap
+            cap_name = r.gpu_name if cap_name is None else cap_name
+        curves[name] = curve.settle(cap, capacity is None)
+    return Sweep(knob, vals, curves, cap, cap_name, time.perf_counter() - t0, strats,
                  card=capacity is None)
 
 

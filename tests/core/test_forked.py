@@ -216,22 +216,3 @@ def test_the_fit_map_is_the_same_with_its_runs_side_by_side(two, monkeypatch):
         maps.append((fm.method, fm.largest, fm.runs, fm.checks, fm.notes))
     assert maps[0][0] == "plane" and maps[0] == maps[1]
     assert len(spawned) >= 4
-
-
-def test_a_sweep_is_the_same_with_its_strategies_side_by_side(two, monkeypatch):
-    from memmagic import Cell
-    from memmagic.whatif.knobs import Setting
-    from memmagic.whatif.sweeps import sweep
-    from tests.whatif.test_fitmap import MANUAL
-
-    out, spawned = [], _counting(monkeypatch)
-    for workers in ("1", "2"):
-        monkeypatch.setenv("MEMMAGIC_WORKERS", workers)
-        cell = Cell(MANUAL, {"batch_size": 2, "seq_len": 512}, backend_options={"gpu": "T4"})
-        sw = sweep(cell, "batch_size", "1:64", {"fp32": Setting(), "bf16": Setting(amp="bf16"),
-                                                "fp16": Setting(amp="fp16")})
-        out.append([(name, [(v, p.peak, p.reserved_peak, p.interpolated) for v, p in pts])
-                    for name, pts in sw.curves.items()] + [sw.capacity, sw.capacity_name])
-    assert len(out[0]) == 5 and out[0] == out[1]
-    assert any(p[3] for _, pts in out[0][:-2] for p in pts)  # values read off lines, too
-    assert len(spawned) >= 2  # the strategies after the first ran in children
