@@ -6,8 +6,9 @@ cell run again from its start. On a machine with more than one core they can run
 same time, each in a child forked from this process, which sees the cell, its namespace
 and the warm caches as they are here, runs, sends its report back through a pipe and
 ends without running any of this process's exit code. Whatever the run changes in its
-child (the simulation's caches, a script's scratch disk, torch's global state) ends with
-the child: this process is left as it was.
+child (a script's scratch disk, torch's global state) ends with the child: this process
+is left as it was, but for what a caller's ``carry`` brings back (the simulation's op-cache
+entries, so that later runs here find them).
 
 Forks only where it is safe and worth it: on Linux, from the main thread, with no CUDA
 context made (a forked child cannot use the parent's), outside a forked child, for two
@@ -73,14 +74,17 @@ def workers(items: int) -> int:
 
 
 def run_all(fn: Callable[[Any], Any], items: Sequence[Any], warm: int = 0,
-            each_s: float | None = None) -> list[tuple[bool, Any]]:
+            each_s: float | None = None, carry: Any = None) -> list[tuple[bool, Any]]:
     """``fn(item)`` for each item, in order: ``(True, value)``, or ``(False, exception)``
     where it raised an Exception (a KeyboardInterrupt, SystemExit... goes on). In forked
     children, :func:`workers` at once, where that is possible and worth it; else here.
     ``warm``: the first items, run here before any child is forked (what a first run
     fills, the simulation's caches and the imports of the cell, the children then find
     filled); ``each_s``: about how long one item takes (else the warm items' mean, else
-    unknown). Items quicker than :data:`FORK_WORTH_S` all run here."""
+    unknown). Items quicker than :data:`FORK_WORTH_S` all run here. ``carry``: what a
+    child's run adds to state this process keeps for later runs (the simulation's op
+    caches, :data:`memmagic.backends.sim.OP_CACHES`): ``mark()`` in the child before the
+    run, ``since(mark)`` after it (bytes), ``merge(bytes)`` here."""
     results: list[tuple[bool, Any] | None] = [None] * len(items)
     if workers(len(items) - warm) > 1:
         t0 = time.perf_counter()
@@ -88,7 +92,7 @@ def run_all(fn: Callable[[Any], Any], items: Sequence[Any], warm: int = 0,
         if each_s is None and warm:
             each_s = (time.perf_counter() - t0) / warm
         if each_s is None or each_s >= FORK_WORTH_S:
-            _forked(fn, items, workers(len(items) - warm), results)
+            _forked(fn, items, workers(len(items) - warm), results, carry)
     return [r if r is not None else _called(fn, item) for r, item in zip(results, items)]
 
 
@@ -100,7 +104,7 @@ def _called(fn: Callable[[Any], Any], item: Any) -> tuple[bool, Any]:
 
 
 def _forked(fn: Callable[[Any], Any], items: Sequence[Any], n: int,
-            results: list) -> None:
+            results: list, carry: Any = None) -> None:
     """Fill ``results`` from children, ``n`` at once; an item whose child gave no result
     stays None (the caller runs it here)."""
     todo = [i for i in range(len(items)) if results[i] is None][::-1]
@@ -111,7 +115,7 @@ def _forked(fn: Callable[[Any], Any], items: Sequence[Any], n: int,
             while todo and len(live) < n:
                 i = todo.pop()
                 try:
-                    fd, pid = _spawn(fn, items[i])
+                    fd, pid = _spawn(fn, items[i], carry)
                 except OSError:  # no process to be had (a limit, memory): the rest run here
                     todo.clear()
                     break
@@ -131,7 +135,7 @@ def _forked(fn: Callable[[Any], Any], items: Sequence[Any], n: int,
                 os.close(fd)
                 i, pid, data = live.pop(fd)
                 _, status = os.waitpid(pid, 0)
-                results[i] = _decoded(b"".join(data), status)
+                results[i] = _decoded(b"".join(data), status, carry)
     except BaseException:
         _stop(live)
         raise
@@ -139,7 +143,7 @@ def _forked(fn: Callable[[Any], Any], items: Sequence[Any], n: int,
         sel.close()
 
 
-def _spawn(fn: Callable[[Any], Any], item: Any) -> tuple[int, int]:
+def _spawn(fn: Callable[[Any], Any], item: Any, carry: Any = None) -> tuple[int, int]:
     """A child running ``fn(item)``: (the read end of its pipe, its pid); OSError where
     none can be forked (the pipe closed again)."""
     r, w = os.pipe()
@@ -151,12 +155,12 @@ def _spawn(fn: Callable[[Any], Any], item: Any) -> tuple[int, int]:
         raise
     if pid == 0:  # the child: never returns
         os.close(r)
-        _child(fn, item, w)
+        _child(fn, item, w, carry)
     os.close(w)
     return r, pid
 
 
-def _child(fn: Callable[[Any], Any], item: Any, w: int) -> None:
+def _child(fn: Callable[[Any], Any], item: Any, w: int, carry: Any) -> None:
     """In a forked child: run, write the pickled result to ``w``, end without this
     process's exit code (its atexit handlers, its buffers, the kernel's sockets)."""
     global _IN_CHILD
@@ -170,9 +174,14 @@ def _child(fn: Callable[[Any], Any], item: Any, w: int) -> None:
         torch = sys.modules.get("torch")
         if torch is not None:
             torch.set_num_threads(1)  # one core each (the parent's thread pool is not here)
+        mark = carry.mark() if carry is not None else None
         out = _called(fn, item)
         try:
-            data = pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+            extra = carry.since(mark) if carry is not None else None
+        except Exception:  # noqa: BLE001 - nothing brought back: the parent's state as it is
+            extra = None
+        try:
+            data = pickle.dumps((out, extra), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # noqa: BLE001 - no result: the parent runs the item itself
             data = b""
         with os.fdopen(w, "wb") as f:
@@ -182,13 +191,19 @@ def _child(fn: Callable[[Any], Any], item: Any, w: int) -> None:
         os._exit(code)
 
 
-def _decoded(data: bytes, status: int) -> tuple[bool, Any] | None:
+def _decoded(data: bytes, status: int, carry: Any) -> tuple[bool, Any] | None:
     if not data or not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
         return None
     try:
-        return pickle.loads(data)
+        out, extra = pickle.loads(data)
     except Exception:  # noqa: BLE001 - no result: the parent runs the item itself
         return None
+    if extra is not None:
+        try:
+            carry.merge(extra)
+        except Exception:  # noqa: BLE001 - what it brought is dropped; the result stands
+            pass
+    return out
 
 
 def _stop(live: dict[int, tuple[int, int, list[bytes]]]) -> None:

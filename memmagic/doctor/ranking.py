@@ -7,6 +7,7 @@ import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
+from ..backends.sim import OP_CACHES
 from ..core.forked import run_all
 from ..report import format_bytes, needed
 from ..trace import PHASES
@@ -74,10 +75,10 @@ def _measure_all(cell: Any, fixes: Sequence[tuple[str, Mapping[str, Any]]],
     :func:`_measure` makes them; side by side in forked children where the machine has
     the cores and the runs in ``ran`` took long enough for a child to be worth it
     (:func:`memmagic.core.forked.run_all`: each re-run starts from the cell as it is here,
-    so they do not depend on each other)."""
+    so they do not depend on each other; what they add to the op caches comes back)."""
     each_s = max((r.wall_s for r in ran.values()), default=None) if ran else None
     done = run_all(lambda knobs: cell.run(**knobs), [knobs for _, knobs in fixes],
-                   each_s=each_s)
+                   each_s=each_s, carry=OP_CACHES)
     rows = []
     for (label, knobs), (ok, r) in zip(fixes, done):
         if not ok:

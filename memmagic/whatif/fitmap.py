@@ -229,12 +229,14 @@ class _Mapper:
         """Runs of ``engine`` at each (batch, context) of ``pairs``, side by side where the
         machine has the cores, the first ``warm`` here first
         (:func:`memmagic.core.forked.run_all`)."""
+        from ..backends.sim import OP_CACHES
         from ..core.forked import run_all
 
         self.runs += len(pairs)
         b_name, s_name = resizing(BATCH_DIM).name, resizing(SEQ_DIM).name
         done = run_all(lambda p: engine.run(self.base.replace(**{b_name: p[0], s_name: p[1]}),
-                                            strict=True), pairs, warm, self.each_s)
+                                            strict=True), pairs, warm, self.each_s,
+                       OP_CACHES)
         for ok, out in done:
             if not ok:
                 raise out

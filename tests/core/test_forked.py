@@ -216,3 +216,33 @@ def test_the_fit_map_is_the_same_with_its_runs_side_by_side(two, monkeypatch):
         maps.append((fm.method, fm.largest, fm.runs, fm.checks, fm.notes))
     assert maps[0][0] == "plane" and maps[0] == maps[1]
     assert len(spawned) >= 4
+
+
+def test_what_a_childs_run_adds_to_the_op_caches_comes_back(two):
+    """A run in a child fills the op caches for its new sizes; those entries come back, so
+    the same run here afterwards finds every op in the caches (none derived or missed)."""
+    from memmagic.backends.sim import OP_CACHES, SimBackend, backend as sim_backend_mod
+    from tests.whatif.test_fitmap import MANUAL
+
+    def stats_after(carry) -> dict:
+        on = SimBackend(gpu="T4")
+
+        def run(b: int) -> int:
+            ns = {"batch_size": b, "seq_len": 64}
+            return on.execute(lambda n: exec(compile(MANUAL, "<cell>", "exec"), n), ns).report.peak
+        sim_backend_mod._FAST_ENTRIES.clear()
+        run(2)  # the cell's own sizes, here
+        done = forked.run_all(run, [3, 5], carry=carry)
+        assert all(ok for ok, _ in done)
+        run(3)
+        return on.last_run_stats
+
+    saved = dict(sim_backend_mod._FAST_ENTRIES)
+    try:
+        without, brought = stats_after(None), stats_after(OP_CACHES)
+    finally:
+        sim_backend_mod._FAST_ENTRIES.clear()
+        sim_backend_mod._FAST_ENTRIES.update(saved)
+    assert without["cache_misses"] + without["cache_derived"] > 0  # new sizes: new entries
+    assert brought["cache_misses"] == brought["cache_derived"] == 0, brought  # they came back
+    assert brought["cache_hits"] > 0

@@ -23,7 +23,7 @@ per concern:
 
 from __future__ import annotations
 
-from .backend import KERNELS, SIM_NOTES, SimBackend, clear_op_cache
+from .backend import KERNELS, OP_CACHES, SIM_NOTES, SimBackend, clear_op_cache
 from .errors import (
     SimulatedDeviceMismatchError,
     SimulatedOutOfMemoryError,
@@ -45,7 +45,7 @@ from .workspaces import reduction_scratch
 # the one door: code outside this package imports these names from here, never its modules
 # (tests/test_architecture.py checks it)
 __all__ = [
-    "SimBackend", "KERNELS", "SIM_NOTES", "clear_op_cache", "GPUS", "CardSpec", "resolve_target",
+    "SimBackend", "KERNELS", "OP_CACHES", "SIM_NOTES", "clear_op_cache", "GPUS", "CardSpec", "resolve_target",
     "option_spelling", "round_request", "rank_of", "check_gpus_per_node", "SimSession",
     "session_of",
     "shell_session", "cuda_context", "reduction_scratch",

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 
+import copyreg
 import functools
+import io
 import logging
+import pickle
 import random
 import re
 import sys
@@ -44,6 +47,7 @@ from .errors import (
 )
 from .gpus import DEFAULT_CAPABILITY, CardSpec, resolve_target
 from .kernels import install_cuda_kernels
+from .op_cache import bound_caches
 from ...core.patching import Patches
 from .sandbox import Sandbox, sanitize_value
 from .session import Card, SimSession
@@ -94,6 +98,45 @@ def clear_op_cache() -> None:
     of any cell starts cold, as in a fresh session."""
     _FAST_ENTRIES.clear()
     _priv.clear_fake_dispatch_cache()
+
+
+class _OpCaches:
+    """What a run in a forked child adds to the op caches, brought back to this process
+    (:func:`memmagic.core.forked.run_all`'s ``carry``): the entries are metadata (sizes,
+    strides, dtypes, devices), the same whichever process derived them; ``mark`` in the
+    child before its run, ``since`` after it (the new entries, pickled; ops by name), and
+    ``merge`` here (an entry this process has already is kept)."""
+
+    def mark(self) -> dict[tuple, int]:
+        return {cfg: len(d) for cfg, d in _FAST_ENTRIES.items()}
+
+    def since(self, mark: dict[tuple, int]) -> bytes:
+        new = [(cfg, list(d.items())[mark.get(cfg, 0):]) for cfg, d in _FAST_ENTRIES.items()
+               if len(d) > mark.get(cfg, 0)]  # (emptied at its bound: nothing to bring)
+        out = io.BytesIO()
+        pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+        pickler.dispatch_table = {**copyreg.dispatch_table, _priv.OpOverload: _op_by_name}
+        pickler.dump(new)
+        return out.getvalue()
+
+    def merge(self, data: bytes) -> None:
+        for cfg, items in pickle.loads(data):
+            entries = _FAST_ENTRIES.setdefault(cfg, {})
+            for key, entry in items:
+                entries.setdefault(key, entry)
+            bound_caches(entries)
+
+
+def _op_by_name(op: Any) -> tuple:
+    return _overload, (op.namespace, op.__name__)  # ("aten", "view.default")
+
+
+def _overload(namespace: str, name: str) -> Any:
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+
+
+OP_CACHES = _OpCaches()
 
 
 class _SimTracking(Tracking):
