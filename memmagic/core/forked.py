@@ -86,13 +86,14 @@ def run_all(fn: Callable[[Any], Any], items: Sequence[Any], warm: int = 0,
     caches, :data:`memmagic.backends.sim.OP_CACHES`): ``mark()`` in the child before the
     run, ``since(mark)`` after it (bytes), ``merge(bytes)`` here."""
     results: list[tuple[bool, Any] | None] = [None] * len(items)
-    if workers(len(items) - warm) > 1:
+    n = workers(len(items) - warm)
+    if n > 1:
         t0 = time.perf_counter()
         results[:warm] = [_called(fn, item) for item in items[:warm]]
         if each_s is None and warm:
             each_s = (time.perf_counter() - t0) / warm
         if each_s is None or each_s >= FORK_WORTH_S:
-            _forked(fn, items, workers(len(items) - warm), results, carry)
+            _forked(fn, items, n, results, carry)
     return [r if r is not None else _called(fn, item) for r, item in zip(results, items)]
 
 

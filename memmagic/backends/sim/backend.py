@@ -6,6 +6,7 @@ from __future__ import annotations
 import copyreg
 import functools
 import io
+import itertools
 import logging
 import pickle
 import random
@@ -111,7 +112,8 @@ class _OpCaches:
         return {cfg: len(d) for cfg, d in _FAST_ENTRIES.items()}
 
     def since(self, mark: dict[tuple, int]) -> bytes:
-        new = [(cfg, list(d.items())[mark.get(cfg, 0):]) for cfg, d in _FAST_ENTRIES.items()
+        new = [(cfg, list(itertools.islice(d.items(), mark.get(cfg, 0), None)))
+               for cfg, d in _FAST_ENTRIES.items()
                if len(d) > mark.get(cfg, 0)]  # (emptied at its bound: nothing to bring)
         out = io.BytesIO()
         pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
