@@ -35,6 +35,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -323,19 +324,9 @@ def cuda_backend_run(check: Check) -> dict[str, Any]:
 # -- kernels' own allocations, for modelling them ---------------------------------------------
 def _allocs(fn) -> list[list[Any]]:
     """The allocator's (action, size) events while ``fn`` runs (alloc and free only)."""
-    import torch
+    from .gpu_probes import events_of
 
-    from memmagic.core import _torch_private as priv
-
-    torch.cuda.synchronize()
-    priv.record_memory_history("all", device=0, max_entries=1 << 18, clear_history=True)
-    try:
-        fn()
-        torch.cuda.synchronize()
-        events = priv.memory_snapshot(0)["device_traces"][0]
-    finally:
-        priv.record_memory_history(None, device=0)
-    return [[e["action"], int(e["size"])] for e in events if e["action"] in ("alloc", "free_completed")]
+    return [e for e in events_of(fn) if e[0] in ("alloc", "free_completed")]
 
 
 def kernel_probe() -> dict[str, Any]:
@@ -490,6 +481,7 @@ def run_real(args: argparse.Namespace) -> int:
     data["context"]["lazy"] = context_probe(eager=False)
     data["context"]["eager"] = context_probe(eager=True)
     _write(path, data)
+    _issue35(args, data, path, started, "first")
     print("context:", json.dumps({k: [s.get("context") for s in v.get("stages", [])]
                                   for k, v in data["context"].items()}), flush=True)
     # the simulation on this machine's torch, in worker processes beside the real runs
@@ -498,7 +490,7 @@ def run_real(args: argparse.Namespace) -> int:
     if args.sim_workers:
         env = dict(os.environ, OMP_NUM_THREADS="2", CUDA_VISIBLE_DEVICES="")
         for k in range(args.sim_workers):
-            part = out_dir / f"sim-part{k}.json"
+            part = Path(tempfile.gettempdir()) / f"gpu-check-sim-part{k}.json"  # not among the results
             log = open(out_dir / "sim.log", "a")  # the workers' lines, interleaved
             workers.append((part, subprocess.Popen(_sim_worker_cmd(part, k, args.sim_workers, options, args.only),
                                                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)))
@@ -514,19 +506,19 @@ def run_real(args: argparse.Namespace) -> int:
               f"peak {row['step_max_alloc']:>13,} reserved {row['step_max_reserved']:>13,} "
               f"({row['wall_s']} s)"), flush=True)
         _write(path, data)
-    for c in checks:
-        if c.ckpt or c.precision == "bf16":
-            continue
-        data["cuda_backend"][c.name] = cuda_backend_run(c)
-    _write(path, data)
-    if args.probe:
-        data["kernels"] = kernel_probe()
-        _write(path, data)
     for family in ("zoo", "hf"):  # two files: each comes back under the device tool's 16 MiB
         mine = {k: v for k, v in traces.items() if data["checks"][k]["family"] == family}
         if mine:
             with gzip.open(out_dir / f"gpu-check-traces-{family}.json.gz", "wt", encoding="utf-8") as f:
                 json.dump({"strings": list(strings), "traces": mine}, f)
+    for c in checks if args.backend_cells else ():
+        if c.ckpt or c.precision == "bf16":
+            continue
+        data["cuda_backend"][c.name] = cuda_backend_run(c)
+    _write(path, data)
+    if args.probe:
+        _phase(data, path, "kernels", kernel_probe)
+    _issue35(args, data, path, started, "last")
     for part, proc in workers:
         try:
             proc.wait(timeout=max(10.0, args.sim_wait - (time.perf_counter() - started)))
@@ -541,6 +533,41 @@ def run_real(args: argparse.Namespace) -> int:
     _write(path, data)
     print(f"wrote {path} in {data['elapsed_s']} s", flush=True)
     return 0
+
+
+def _phase(data: dict[str, Any], path: Path, key: str, fn) -> None:
+    """One probe of issue 35 into ``data[key]``, its failure recorded, the file rewritten."""
+    t0 = time.perf_counter()
+    try:
+        data[key] = fn()
+    except Exception as exc:  # recorded, never invented
+        data[key] = {"error": f"{type(exc).__name__}: {exc}"[:400], "traceback": traceback.format_exc()[-2000:]}
+    if isinstance(data[key], dict):
+        data[key]["probe_s"] = round(time.perf_counter() - t0, 1)
+    print(f"{key}: {time.perf_counter() - t0:.1f} s", flush=True)
+    _write(path, data)
+
+
+def _issue35(args: argparse.Namespace, data: dict[str, Any], path: Path, started: float,
+             when: str) -> None:
+    """Issue 35's probes (benchmarks.gpu_probes): the convolutions before the checks, the
+    rest after them; each stops at its share of ``--budget`` seconds from the start."""
+    from . import gpu_probes as gp
+
+    until = lambda share: started + share * args.budget  # noqa: E731
+    if when == "first" and args.conv:
+        _phase(data, path, "conv", lambda: gp.conv_probe(until(0.30)))
+        return
+    if when == "first":
+        return
+    if args.conv:
+        _phase(data, path, "bench_cells", lambda: gp.bench_cells(
+            {c.name for c in CHECKS if c.model in ("cnn", "resnet") and not c.ckpt}))
+    if args.whatif:
+        _phase(data, path, "whatif", lambda: gp.whatif_probe(until(0.80)))
+    if args.history:
+        _phase(data, path, "step_history", lambda: gp.step_history(path.parent / "gpu-step-history.json.gz"))
+        _phase(data, path, "history_cost", gp.history_cost)
 
 
 def run_sim(args: argparse.Namespace) -> int:
@@ -572,8 +599,36 @@ def run_sim(args: argparse.Namespace) -> int:
             _write(Path(args.sim_out), res)
     if merged is not None:
         merged["sim"][res["torch"]] = res
+        if args.whatif:
+            whatif_sim_column(merged)
         _write(Path(args.merge), merged)
     return 0
+
+
+def whatif_sim_column(data: dict[str, Any]) -> None:
+    """The what-if probe's cells simulated here on the card the real run was taken on
+    (``data["whatif"][name]["sim"]``, one row per setting), for ``--sim --merge``."""
+    import torch
+
+    from . import gpu_probes
+
+    v = data["versions"]
+    gpu = card_for(tuple(v["capability"]), v["total_memory"]).get("gpu", "H100-80GB")
+    for name, rows in data.get("whatif", {}).items():
+        if not isinstance(rows, dict) or name not in gpu_probes.WHATIF:
+            continue
+        sim = []
+        for setting in rows["settings"]:
+            t0 = time.perf_counter()
+            try:
+                row = gpu_probes.whatif_sim(name, setting, gpu)
+            except Exception as exc:  # recorded, never invented
+                row = {"error": f"{type(exc).__name__}: {exc}"[:400]}
+            row["wall_s"] = round(time.perf_counter() - t0, 2)
+            sim.append(row)
+            print(f"sim {name} {setting}: " + (row.get("error") or f"peak {row['peak']:,} reserved "
+                                               f"{row['reserved_peak']:,}"), flush=True)
+        rows["sim"] = {"torch": torch.__version__, "gpu": gpu, "rows": sim}
 
 
 # -- where the two differ ------------------------------------------------------------------
@@ -733,6 +788,7 @@ def fidelity_markdown(data: dict[str, Any], sim_key: str | None = None,
                     and r.get("report_reserved_peak") == r.get("readout", {}).get("step_max_reserved"))
         out += ["", f"`--backend cuda` on the same cells: its peak and reserved peak equal the "
                 f"allocator's own counters in {exact} of {len(cb)} cells."]
+    out += _whatif_markdown(data) + _history_markdown(data)
     ov = data.get("overhead")
     if ov:
         out += ["", f"Overhead of `--backend cuda` on a warm training step ({ov['method']}):", "",
@@ -741,6 +797,131 @@ def fidelity_markdown(data: dict[str, Any], sim_key: str | None = None,
             out.append(f"| {r['case']} {r['precision']} | {r['plain_s'] * 1000:.1f} ms | "
                        f"{r['ratio_nobd']:.2f}x | {r['ratio_bd']:.1f}x |")
     return "\n".join(out) + "\n"
+
+
+# -- cuDNN's workspaces: the simulation's table (memmagic/backends/sim/cudnn_tables.py) ------------
+TABLES = ROOT / "memmagic" / "backends" / "sim" / "cudnn_tables.py"
+
+
+def _conv_workspace(events: list[list[Any]]) -> int:
+    """A pass's workspace: what it allocated after its output (the first allocation)."""
+    return sum(size for action, size in events if action == "alloc") - next(
+        (size for action, size in events if action == "alloc"), 0)
+
+
+def conv_table(data: dict[str, Any]) -> dict[tuple, tuple[tuple[int, int], ...]]:
+    """(pass, dtype, C_in, H, W, C_out, kh, kw, sh, sw, ph, pw, dh, dw) -> ((batch, bytes), ...)
+    from a results file's convolution probe (``cudnn.benchmark`` off; the second call of
+    each pass, when the plan is cached)."""
+    table: dict[tuple, dict[int, int]] = {}
+    for r in data.get("conv", {}).get("rows", []):
+        if r.get("error") or r["benchmark"] or r["groups"] != 1:
+            continue
+        n, c, h, w = r["input"]
+        k, _c, kh, kw = r["weight"]
+        geo = (c, h, w, k, kh, kw, *r["stride"], *r["padding"], *r["dilation"])
+        for p in ("forward", "backward_data", "backward_filter"):
+            table.setdefault((p, r["dtype"], *geo), {})[n] = _conv_workspace(r[p][1])
+    return {key: tuple(sorted(v.items())) for key, v in sorted(table.items())}
+
+
+def bench_table(data: dict[str, Any]) -> dict[tuple, tuple[int, tuple[int, ...], int]]:
+    """(pass, dtype, C_in, ..., dw) -> (batch, what its first call allocated beside the
+    output, the workspace of the calls after it) with ``cudnn.benchmark`` on, from the probe
+    run first in a fresh process (``conv_bench``): the first call of a shape times cuDNN's
+    engines, each with its own workspace; the later ones run the fastest engine."""
+    table = {}
+    for r in data.get("conv_bench", {}).get("rows", []):
+        if r.get("error") or not r["benchmark"] or r["groups"] != 1:
+            continue
+        n, c, h, w = r["input"]
+        k, _c, kh, kw = r["weight"]
+        geo = (c, h, w, k, kh, kw, *r["stride"], *r["padding"], *r["dilation"])
+        for p in ("forward", "backward_data", "backward_filter"):
+            first = [size for action, size in r[p][0] if action == "alloc"][1:]
+            table[(p, r["dtype"], *geo)] = (n, tuple(first), _conv_workspace(r[p][1]))
+    return dict(sorted(table.items()))
+
+
+def rnn_table(data: dict[str, Any]) -> dict[tuple, int]:
+    """(mode, dtype, layers, bidirectional, T, B, I, H) -> bytes of cuDNN's workspace: the
+    first buffer the forward frees (it takes the same again for backward data and weights)."""
+    out = {}
+    for r in data.get("kernels", {}).get("rnn", []):
+        if r.get("error"):
+            continue
+        ws = next(size for action, size in r["forward"] if action == "free_completed")
+        back = [size for action, size in r["backward"] if action == "alloc"]
+        if back.count(ws) != 2:
+            raise ValueError(f"{r['mode']} {r['dtype']}: the backward does not take the forward's workspace twice")
+        out[(r["mode"], r["dtype"], r["layers"], r["bidirectional"], r["T"], r["B"], r["I"], r["H"])] = ws
+    return dict(sorted(out.items()))
+
+
+def tables_source(data: dict[str, Any], name: str) -> str:
+    v = data["versions"]
+    cudnn = v["cudnn"]
+    source = (f"{v['device']}, cuDNN {cudnn // 10000}.{cudnn // 100 % 100}.{cudnn % 100}, torch {v['torch']}, "
+              f"cudnn.benchmark off, {data['date'][:10]}")
+    lines = [f'"""cuDNN\'s workspaces as a real GPU\'s allocator recorded them: made by `python -m '
+             f'benchmarks.gpu_check --tables` from {name}; do not edit (see .cudnn)."""', "",
+             f"SOURCE = {source!r}", "",
+             "# (pass, dtype, C_in, H, W, C_out, kh, kw, sh, sw, ph, pw, dh, dw) -> ((batch, bytes), ...)",
+             "CONV = {"]
+    lines += [f"    {k!r}: {v!r}," for k, v in conv_table(data).items()]
+    lines += ["}", "", "# cudnn.benchmark on: the same key -> (batch, the first call's buffers, the workspace after)",
+              f"BENCHMARK_SOURCE = {source.replace('cudnn.benchmark off', 'cudnn.benchmark on, a fresh process')!r}",
+              "BENCHMARK = {"]
+    lines += [f"    {k!r}: {v!r}," for k, v in bench_table(data).items()]
+    lines += ["}", "", "# (mode, dtype, layers, bidirectional, T, B, I, H) -> bytes", "RNN = {"]
+    lines += [f"    {k!r}: {v!r}," for k, v in rnn_table(data).items()]
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+def _setting_label(setting: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in setting.items()) or "as written"
+
+
+def _whatif_markdown(data: dict[str, Any]) -> list[str]:
+    """The what-if probe's cells, real (the CUDA backend's figures) against simulated."""
+    from memmagic.report import format_bytes
+
+    rows = {k: v for k, v in data.get("whatif", {}).items() if isinstance(v, dict) and "sim" in v}
+    if not rows:
+        return []
+    out = ["", "What-if settings, LoRA, 4-bit weights and `generate()` (`--whatif`): each cell's setup "
+           "run, then the cell measured at a setting through `Cell(..., backend=\"cuda\")` on the GPU "
+           "and through the what-if panel's path on the simulated card (a copy of the setup's "
+           "simulated GPU):", "",
+           "| cell | setting | real allocated | sim err | real reserved | sim err | within |",
+           "|---|---|---|---|---|---|---|"]
+    n = n_ok = 0
+    for name, r in rows.items():
+        for setting, real, sim in zip(r["settings"], r["real"], r["sim"]["rows"]):
+            if real.get("error") or sim.get("error"):
+                out.append(f"| {name} | {_setting_label(setting)} | {real.get('error') or sim.get('error')} |")
+                continue
+            ea, er = _err(sim["peak"], real["peak"]), _err(sim["reserved_peak"], real["reserved_peak"])
+            ok = abs(ea) <= ALLOCATED_TARGET and abs(er) <= RESERVED_TARGET
+            n, n_ok = n + 1, n_ok + ok
+            out.append(f"| {name} | {_setting_label(setting)} | {format_bytes(real['peak'])} | {_pct(ea)} | "
+                       f"{format_bytes(real['reserved_peak'])} | {_pct(er)} | {'yes' if ok else '**no**'} |")
+    return out + ["", f"{n_ok} of {n} within both targets."]
+
+
+def _history_markdown(data: dict[str, Any]) -> list[str]:
+    h = data.get("history_cost")
+    if not isinstance(h, dict) or "rows" not in h:
+        return []
+    labels = [k for k in h["rows"][0] if isinstance(h["rows"][0][k], dict)]
+    out = ["", f"What the allocator's history and the CUDA backend cost a warm training step "
+           f"({h['case']}; median of per-pair ratios, {h['reps']} ABBA pairs):", "",
+           "| step | plain | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
+    for r in h["rows"]:
+        plain = r[labels[0]]["median_a_s"]
+        out.append(f"| {r['precision']} | {plain * 1000:.1f} ms | " + " | ".join(
+            f"{r[k]['ratio']:.3f}x" if k in r else "n/a" for k in labels) + " |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -753,6 +934,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--traces", action="store_true", help="keep the allocator's events of each real run")
     p.add_argument("--probe", action="store_true",
                    help="--real: also what SDPA's kernels and cuDNN's RNNs allocate on a grid of shapes")
+    p.add_argument("--conv", action="store_true",
+                   help="--real: what cuDNN allocates per convolution, and the CNN / ResNet checks "
+                        "with cudnn.benchmark on (issue 35)")
+    p.add_argument("--whatif", action="store_true",
+                   help="--real: the what-if, LoRA, 4-bit and generate() cells for real (issue 35); "
+                        "--sim --merge: the same cells simulated into the real run's file")
+    p.add_argument("--history", action="store_true",
+                   help="--real: what the allocator's history and the CUDA backend cost a step")
+    p.add_argument("--no-backend-cells", dest="backend_cells", action="store_false",
+                   help="--real: leave out the checks through memmagic's CUDA backend")
+    p.add_argument("--budget", type=float, default=400.0,
+                   help="--real: seconds the probes' deadlines are shares of")
     p.add_argument("--sim-workers", type=int, default=0, help="--real: simulate beside it in N processes")
     p.add_argument("--sim-wait", type=float, default=400.0, help="--real: seconds the workers may take in all")
     p.add_argument("--sim-options", default=None, help=argparse.SUPPRESS)
@@ -767,7 +960,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="write the fidelity tables of --merge's file (default: the newest "
                         "results/gpu-check-*.json) into FILE (default: docs/fidelity.md) between its "
                         "fidelity markers; --readme is the old name")
+    p.add_argument("--tables", nargs="?", const=str(TABLES), default=None, metavar="FILE",
+                   help="write the simulation's cuDNN workspace table from --merge's file "
+                        "(default: the newest results/gpu-check-*.json with a convolution probe)")
     args = p.parse_args(argv)
+    if args.tables:
+        src = Path(args.merge) if args.merge else max(
+            p for p in (ROOT / "results").glob("gpu-check-*.json") if '"conv"' in p.read_text())
+        Path(args.tables).write_text(tables_source(json.loads(src.read_text()), f"results/{src.name}"))
+        return 0
     if args.docs:
         from .readme import update_readme
 

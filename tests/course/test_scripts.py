@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+
+from memmagic.backends.sim.cudnn import rnn_workspace
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 CUBLAS = 8519680  # one cuBLAS workspace on a T4 or an A100 (2 x 4 MiB + 8 x 16 KiB), per thread
@@ -272,15 +275,19 @@ WORD_LM_DATA = rnd(137 * 16 * 8) + rnd(44 * 10 * 8)                         # 17
 def check_word_lm(breakdown: dict, peak: int, after: int) -> None:
     assert WORD_LM_PARAMS == 5226496
     assert breakdown["parameters"] == WORD_LM_PARAMS
-    # the peak is at the start of a backward (the log-softmax's): model.zero_grad() set every
-    # gradient to None before the batch and none is made yet; no optimizer, no state
+    # the peak is at the start of the LSTM's backward, where cuDNN takes its workspace:
+    # model.zero_grad() set every gradient to None before the batch and none is made yet; no
+    # optimizer, no state
     assert breakdown["gradients"] == 0 and breakdown["optimizer_state"] == 0
     # the log-softmax output saved for the loss's backward, 32 steps x 16 columns x 1,000 words
-    # fp32 = 2,048,000 B, and the gradient its backward makes, as large
+    # fp32 = 2,048,000 B, and the gradient its backward made, as large
     saved = 32 * 16 * 1000 * 4
     assert breakdown["activations"] >= saved and breakdown["other"] >= saved
-    assert breakdown["workspaces"] == 2 * CUBLAS + CUBLASLT  # the decoder has a bias (addmm)
-    assert peak >= WORD_LM_PARAMS + 2 * CUBLAS + CUBLASLT + WORD_LM_DATA + 2 * saved
+    # cuBLAS's two and cuBLASLt's (the decoder has a bias: addmm), and cuDNN's RNN workspace
+    # for 2 layers of 256 over 32 steps x 16 columns (scaled from the nearest shape measured)
+    rnn = rnn_workspace("LSTM", torch.float32, 2, False, 32, 16, 256, 256)[0]
+    assert breakdown["workspaces"] == 2 * CUBLAS + CUBLASLT + rnn
+    assert peak >= WORD_LM_PARAMS + 2 * CUBLAS + CUBLASLT + rnn + WORD_LM_DATA + saved
     # what the script leaves: the parameters and the last batch's gradients (the hand-written
     # SGD update keeps them; the next batch's zero_grad would drop them), the workspaces and
     # the id tensors of the two splits; the evaluation's hidden state was local to it

@@ -27,6 +27,7 @@ from ..base import DECODE_STEPS, Backend, Outcome
 from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
 from .compat import install_compat
+from .cudnn import cudnn_note, rnn_how
 from .ddp import install_ddp
 from .decode import decode_targets
 from .repeats import install_repeats
@@ -58,9 +59,9 @@ __all__ = ["SimBackend", "SIM_NOTES", "KERNELS", "clear_op_cache"]
 KERNELS = ("cuda", "cpu")
 SIM_NOTES = (
     "simulated on fake tensors: the allocator's figures leave out the CUDA context (hundreds "
-    "of MiB on the card, outside the allocator), cuDNN's workspaces (a convolution's depends "
-    "on the algorithm cuDNN picks at run time) and buffers kernels allocate and free inside "
-    "themselves",
+    "of MiB on the card, outside the allocator) and buffers kernels allocate and free inside "
+    "themselves, except those measured on a real GPU (cuBLAS and cuDNN workspaces, reductions' "
+    "staging buffers, attention's scratch: the notes below say which ran)",
 )
 _CUDA_NOTE = ("CUDA behaviour modeled: 512-byte rounding, flash/memory-efficient attention, "
               "bool dropout masks, foreach optimizers, the CUDA autocast op policy")
@@ -71,10 +72,9 @@ _FLEX_NOTE = ("flex_attention ran as its fused kernel, as torch.compile(flex_att
               "on a GPU ({n} calls, backward included): the output and the log-sum-exp are "
               "saved, no score matrix is made; called without torch.compile (torch warns) it "
               "computes the whole batch x heads x queries x keys scores, which this leaves out")
-_RNN_NOTE = ("LSTMs keep cuDNN's training reserve (gates and cell state of every step); "
-             "cuDNN's transient RNN workspace is not simulated (115 MiB for a 512-wide LSTM "
-             "over 128 x 64 steps on an H100, fp32): the peak can be that much higher; GRU "
-             "and plain RNN layers use the CPU kernels' memory")
+_RNN_NOTE = ("LSTMs keep cuDNN's training reserve (gates and cell state of every step) and take "
+             "cuDNN's transient workspace beside each forward and the two backward passes "
+             "({how}); GRU and plain RNN layers use the CPU kernels' memory")
 _CPU_NOTE = ("kernels='cpu': CPU kernels and defaults, the simulated device behaves like the "
              "CPU (for checking the simulation against --backend cpu)")
 _FAST_ENTRIES: dict[tuple, dict] = {}  # FakeOutputCache entries per kernel configuration
@@ -438,9 +438,11 @@ class SimBackend(Backend):
         all_notes = list(SIM_NOTES)
         all_notes.append(_CUDA_NOTE if state.cuda else _CPU_NOTE)
         if state.cuda and state.rnn_ran:
-            all_notes.append(_RNN_NOTE)
+            all_notes.append(_RNN_NOTE.format(how=rnn_how(state.cudnn_rnn_workspaces)))
         if state.flex_attention_calls:
             all_notes.append(_FLEX_NOTE.format(n=state.flex_attention_calls))
+        if state.cudnn_workspaces:
+            all_notes.append(cudnn_note(state.cudnn_workspaces))
         for lib, ops in sorted(state.library_kernels.items()):
             all_notes.append(_LIBRARY_NOTE.format(lib=lib, ops=", ".join(sorted(ops))))
         if sdpa is not None and sdpa.counts:

@@ -72,9 +72,11 @@ GPUS: dict[str, CardSpec] = {g.name.lower(): g for g in [
     # torch reports 81,079 MiB (measured, H100 80GB HBM3, driver 580): nvidia-smi shows
     # 81,559, of which the driver keeps 480
     CardSpec("H100-80GB", 81_079 * _MiB, (9, 0), 132),
+    # measured: torch reports 150,109,880,320 B on an H200 (driver 580; nvidia-smi: 143,771 MiB)
+    CardSpec("H200", 150_109_880_320, (9, 0), 132),
 ]}
 _ALIASES = {
-    "a100": "a100-40gb", "h100": "h100-80gb", "v100": "v100-16gb", "tesla-t4": "t4",
+    "a100": "a100-40gb", "h100": "h100-80gb", "h200-141gb": "h200", "v100": "v100-16gb", "tesla-t4": "t4",
     "rtx-3060": "rtx3060", "rtx-4090": "rtx4090", "3060": "rtx3060", "4090": "rtx4090",
     "laptop": "laptop-8gb", "laptop-4gb": "laptop-4gb", "laptop-6gb": "laptop-6gb",
 }
@@ -183,6 +185,13 @@ _MEASURED = {
             "measured on an H100 80GB HBM3 (torch 2.11+cu130, driver 580) with "
             "CUDA_MODULE_LOADING=EAGER: 2100 MB after the first matmul, convolution and "
             "attention"))),
+    "h200": (
+        CudaContext(736_952_320, (
+            "measured on an H200 (torch 2.11+cu130, driver 580, lazy module loading): 737 MB "
+            "after the first matmul, convolution and attention, 552 MB at the first CUDA call")),
+        CudaContext(2_098_003_968, (
+            "measured on an H200 (torch 2.11+cu130, driver 580) with CUDA_MODULE_LOADING=EAGER: "
+            "2098 MB after the first matmul, convolution and attention"))),
 }
 
 

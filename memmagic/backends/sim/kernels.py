@@ -42,7 +42,7 @@ from ...core.patching import Patches
 
 __all__ = ["install_cuda_kernels", "choose_sdpa_backend", "mkldnn_rnn_workspace", "fix_outputs",
            "cudnn_lstm_reserve", "attention_backward_scratch",
-           "FIXED_OUTPUT_OPS", "RNN_LAYER"]
+           "FIXED_OUTPUT_OPS", "RNN_LAYER", "RNN_OPS"]
 
 _aten = torch.ops.aten
 _DROPOUT = _aten.dropout.default
@@ -405,6 +405,7 @@ def mkldnn_rnn_workspace(args: tuple, kwargs: dict) -> int:
 # -- meta kernels whose memory differs from the real kernels' (every run) -----------------------
 RNN_LAYER = _aten.mkldnn_rnn_layer.default
 _RNN_LAYER_BACKWARD = _aten.mkldnn_rnn_layer_backward.default
+RNN_OPS = frozenset({RNN_LAYER, _RNN_LAYER_BACKWARD})  # an LSTM layer's forward and backward
 _BATCH_NORMS = {_aten.native_batch_norm.default, _aten._native_batch_norm_legit.default,
                 _aten._native_batch_norm_legit_functional.default,
                 _aten._native_batch_norm_legit.no_stats}
@@ -414,16 +415,20 @@ _HALF = (torch.float16, torch.bfloat16)
 FIXED_OUTPUT_OPS = frozenset({RNN_LAYER, _RNN_LAYER_BACKWARD, *_BATCH_NORMS})
 
 
+_CUDNN_RESERVE_PAD = 256  # cuDNN's reserve is 256 bytes over its layers' (H100 and H200)
+
+
 def cudnn_lstm_reserve(args: tuple) -> int:
     """Bytes of cuDNN's training reserve for one LSTM layer and direction: the four gates
     and the cell state of every step, in the input's dtype (measured on an H100, cuDNN
     9.19, to the byte on 24 shapes: 1-2 layers, one or two directions, fp32 and fp16; the
     outputs of a stack's inner layers, also in the reserve there, are the next layer's
-    saved input here). cuDNN's transient workspace is not simulated."""
+    saved input here), and 256 bytes (a stack's; taken here by each layer). cuDNN's transient
+    workspace: :func:`.cudnn.rnn_workspace`."""
     x = args[0]
     if not args[15]:
         return 0
-    return 5 * x.shape[0] * x.shape[1] * args[10] * x.element_size()
+    return 5 * x.shape[0] * x.shape[1] * args[10] * x.element_size() + _CUDNN_RESERVE_PAD
 
 
 def fix_outputs(func, args, kwargs, out, cuda: bool = False):

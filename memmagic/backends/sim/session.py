@@ -138,6 +138,7 @@ class Card:
             # sizes for workspaces taken from now on; those held stay as they are
             fresh = Workspaces.of_card(target.capability, target)
             fresh.held = tr.workspaces.held
+            fresh.conv_plans = tr.workspaces.conv_plans
             tr.workspaces = fresh
         tr.cuda_reserved_peak = new.reserved
         tr.cuda_allocated_peak = new.allocated
@@ -171,6 +172,7 @@ class Card:
         if old.workspaces is not None:
             tr.workspaces = _copy.copy(old.workspaces)
             tr.workspaces.held = dict(old.workspaces.held)
+            tr.workspaces.conv_plans = set(old.workspaces.conv_plans)
             for e in old.held_workspaces():
                 rekey[e.serial] = tr.hold_workspace(e.nbytes)[0]
         if allocator is not None and old.allocator is not None:

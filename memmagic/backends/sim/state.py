@@ -25,8 +25,8 @@ CPU = torch.device("cpu")
 META = torch.device("meta")
 
 _DEVICE_KINDS: dict[object, bool] = {}
-# where simulated host storages' addresses start (the card's are the allocator model's, from
-# 1 << 40): apart from each other and from the card's
+# where simulated host storages' addresses start (the card's are the allocator model's,
+# below 1 << 47): apart from each other and from the card's
 _HOST_ADDRESSES = 1 << 56
 _OTHER_OK = ("cpu", "meta")
 # the index of the simulated GPU as the process sees it: 0, or a job's rank's own GPU on
@@ -123,6 +123,9 @@ class SimState:
         # quantized-weight kernels that ran on the device: library -> op names
         self.library_kernels: dict[str, set[str]] = {}
         self.flex_attention_calls = 0     # flex_attention (and its backward) calls
+        # how the cuDNN workspaces of this cell's convolution passes were sized -> passes
+        self.cudnn_workspaces: dict[str, int] = {}
+        self.cudnn_rnn_workspaces: dict[str, int] = {}  # the same for LSTM layers' calls
 
     def begin_run(self) -> None:
         """Per-cell counters back to zero (the state of a persistent simulated GPU lasts
@@ -137,6 +140,8 @@ class SimState:
         self.rnn_ran = False
         self.library_kernels = {}
         self.flex_attention_calls = 0
+        self.cudnn_workspaces = {}
+        self.cudnn_rnn_workspaces = {}
 
     def fake_device(self, t: torch.Tensor, real: torch.device) -> torch.device:
         """``FakeTensor.device`` during a run: the simulated GPU (cuda:0, or a job's rank's

@@ -37,7 +37,8 @@ from .errors import (
     SimulationBudgetExceeded,
     SimulationUnsupported,
 )
-from .kernels import FIXED_OUTPUT_OPS, RNN_LAYER, fix_outputs
+from .cudnn import CONV_OPS, conv_workspaces, rnn_workspace
+from .kernels import FIXED_OUTPUT_OPS, RNN_LAYER, RNN_OPS, fix_outputs
 from .mismatch import check_same_device, device_rule
 from .state import CPU, META, SimState, is_cuda_device
 from .values import read_scalar
@@ -442,7 +443,7 @@ class SimTracker(StorageTracker):
                     self._take_workspaces(func, args, kwargs)
                 else:
                     self._note_kernel(func)
-            s.pending = pool
+            s.pending, held = pool, self._hold_rnn_workspace(func, args, pool)
             fast = self.fast
             out = func(*args, **kwargs) if fast is None else fast(func, args, kwargs)
             out = propagate(func, args, kwargs, out, pool == "device" and s.cuda)
@@ -455,8 +456,8 @@ class SimTracker(StorageTracker):
                 if func is RNN_LAYER:
                     s.rnn_ran = True
             out = self._record_outputs(func, name, mutating, args, kwargs, out)
-            if func in REDUCTION_OPS and pool == "device" and self.workspaces is not None:
-                self._take_scratch(*self.workspaces.scratch(func, args, kwargs))
+            if pool == "device" and (held or func in REDUCTION_OPS or func in CONV_OPS):
+                self._kernel_scratch(func, args, kwargs, held)
             return out
         finally:
             s.in_dispatch -= 1
@@ -533,6 +534,51 @@ class SimTracker(StorageTracker):
         self._last_op = func.__name__  # an OOM here is this op's
         for key, size in ws.needed(func, args, kwargs, thread):
             ws.held[key] = self.hold_workspace(round_request(size))[1]
+
+    def _take_conv_workspaces(self, func, args) -> None:
+        """cuDNN's workspace of each pass of a convolution (see .cudnn): allocated after
+        its outputs, freed when the pass is queued; how each size was found is counted
+        for the report's note."""
+        found = conv_workspaces(func, args, self.workspaces.conv_plans)
+        counts = self.s.cudnn_workspaces
+        for _nbytes, how in found:
+            counts[how] = counts.get(how, 0) + 1
+        sizes = [n for n, _how in found if n > 0]
+        if sizes:
+            self._last_op = func.__name__  # an OOM here is this op's
+            for n in sizes:  # one after the other: each freed before the next
+                self._take_scratch([n])
+
+    def _kernel_scratch(self, func, args, kwargs, held: int) -> None:
+        """After a device op's outputs: the transient buffers its kernel takes beside them
+        (a reduction's staging, cuDNN's convolution workspaces) and frees, and the RNN
+        workspace ``held`` (a serial) from before them let go."""
+        if self.workspaces is not None:
+            if func in REDUCTION_OPS:
+                self._take_scratch(*self.workspaces.scratch(func, args, kwargs))
+            elif func in CONV_OPS and self.s.cuda:
+                self._take_conv_workspaces(func, args)
+        if held:
+            self._on_free(-held, held)
+
+    def _hold_rnn_workspace(self, func, args, pool: str) -> int:
+        """cuDNN's RNN workspace (see .cudnn.rnn_workspace) for an LSTM layer's forward or
+        backward, allocated before its outputs and freed after them (cuDNN takes it for the
+        whole stack before its reserve, and frees it when the call is queued); its serial,
+        0 for none (no workspace on a CPU-kernels card or one without workspaces)."""
+        if func not in RNN_OPS or pool != "device" or not self.s.cuda or self.workspaces is None:
+            return 0
+        x = args[0]
+        layers, bidirectional = (args[11], args[13]) if func is RNN_LAYER else (args[16], args[19])
+        hidden = args[10] if func is RNN_LAYER else args[15]
+        T, B, I = (int(v) for v in x.shape[-3:]) if x.dim() == 3 else (int(x.shape[0]), 1, int(x.shape[-1]))
+        nbytes, how = rnn_workspace("LSTM", x.dtype, layers, bidirectional, T, B, I, hidden)
+        counts = self.s.cudnn_rnn_workspaces
+        counts[how] = counts.get(how, 0) + 1
+        if nbytes <= 0:
+            return 0
+        self._last_op = func.__name__  # an OOM here is this op's
+        return self.hold_workspace(round_request(nbytes))[0]
 
     def _take_scratch(self, sizes: list[int], recipe: tuple | None = None) -> None:
         """A kernel's transient buffers (a reduction's staging memory): allocated beside

@@ -174,6 +174,9 @@ class Workspaces:
         self.cublas = cublas_workspace_size(capability, env)
         self.cublaslt = cublaslt_workspace_size(capability, env)
         self.held: dict[tuple[str, str], int] = {}  # (library, thread) -> bytes
+        # convolution shapes whose engine cudnn.benchmark chose (torch's plan cache): see
+        # .cudnn.conv_workspaces
+        self.conv_plans: set = set()
 
     @classmethod
     def of_card(cls, capability: tuple[int, int], target) -> "Workspaces":

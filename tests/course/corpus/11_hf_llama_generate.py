@@ -25,3 +25,7 @@ assert r.peak - r.before <= 64 * MiB
 
 # %% tags=["corpus"]
 WHATIF = [("weights_dtype", "fp32", "up"), ("batch_size", 8, "up"), ("amp", "bf16", "same")]
+# generate() needs 10 MiB over the 67 MiB of weights, and the setup's segments (86 MiB
+# reserved, the cache emptied) hold it: the allocator reuses the newest segments first, as on
+# a GPU, so no card the setup fits on runs out at the step
+XFAIL = {"oom": "the step fits in the free parts of the setup's segments: no card between them runs out"}
