@@ -450,7 +450,7 @@ def history_cost(reps: int = 3) -> dict[str, Any]:
     return {"case": "zoo gpt2_small (124M, batch 8 x 1024), AdamW", "reps": reps, "rows": rows}
 
 
-def step_history(path) -> dict[str, Any]:  # noqa: C901
+def step_history(path) -> dict[str, Any]:
     """One warm GPT-2-small fp32 step recorded with Python stacks at each allocation,
     the storages of the parameters, gradients and optimizer state after its backward and
     after its step, and the CUDA backend's breakdown (a dispatch per op) of the same step:
