@@ -312,3 +312,25 @@ def test_whatif_settings_match_the_h200(name, i):
     assert sim.get("error") is None, sim.get("error")
     ea, er = sim["peak"] / real["peak"] - 1, sim["reserved_peak"] / real["reserved_peak"] - 1
     assert abs(ea) <= gpu_check.ALLOCATED_TARGET and abs(er) <= gpu_check.RESERVED_TARGET, (ea, er)
+
+
+def test_cudnn_benchmark_set_in_a_simulated_cell_lasts_the_notebook():
+    """A cell that sets torch.backends.cudnn.benchmark sets it for the simulated GPU's later
+    cells (the first call of a shape takes the search's buffers, the next one the chosen
+    engine's workspace), while the process's own flag is put back after each cell."""
+    from memmagic.backends import get_backend
+    from memmagic.backends.sim.session import SimSession
+
+    session, ns = SimSession(), {}
+    conv = ("y = conv(x)\n")
+    sim = get_backend("sim", gpu="H200", session=session)
+    before = torch.backends.cudnn.benchmark
+    out = sim.execute(lambda n: exec("import torch\ntorch.backends.cudnn.benchmark = True\n"
+                                     "conv = torch.nn.Conv2d(96, 96, 3, padding=1).cuda()\n"
+                                     "x = torch.randn(256, 96, 32, 32, device='cuda')\n", n), ns)
+    assert out.error is None and torch.backends.cudnn.benchmark == before
+    first = sim.execute(lambda n: exec(conv, n), ns).report
+    again = sim.execute(lambda n: exec(conv, n), ns).report
+    assert any("1 buffers of cudnn.benchmark's search" in n for n in first.notes), first.notes
+    assert any("1 the workspace of the engine cudnn.benchmark chose" in n for n in again.notes)
+    assert torch.backends.cudnn.benchmark == before

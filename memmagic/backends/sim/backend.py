@@ -400,6 +400,7 @@ class SimBackend(Backend):
         also after an exception); the cell's value and its repr as a GPU run shows it."""
         state, tracker, patches = card.state, card.tracker, installs.patches
         patches.call_on_restore(functools.partial(_restore_globals, _save_globals()))
+        _keep_cudnn_benchmark(patches, state)
         _ACTIVE.append(self)
         patches.call_on_restore(lambda: _ACTIVE.remove(self))
         try:
@@ -711,6 +712,15 @@ def _seed(tracker: SimTracker, state: SimState, sandbox: Sandbox, namespace: dic
             tensors[id(g)] = g
     state.pending = "host" if state.cuda else "device"
     tracker.seed((t, roles.get(i, Category.OTHER)) for i, t in tensors.items())
+
+
+def _keep_cudnn_benchmark(patches: Patches, state: SimState) -> None:
+    """``torch.backends.cudnn.benchmark`` as the simulated GPU's cells left it: a cell that
+    sets it sets it for the later cells of the notebook's simulated GPU, as on a GPU, while
+    the process's own flag is put back after each simulated cell (with the other globals)."""
+    if state.cudnn_benchmark is not None:
+        torch.backends.cudnn.benchmark = state.cudnn_benchmark
+    patches.call_on_restore(lambda: setattr(state, "cudnn_benchmark", torch.backends.cudnn.benchmark))
 
 
 def _save_globals() -> dict[str, Any]:

@@ -192,6 +192,7 @@ def rnn_workspace(mode: str, dtype: torch.dtype, layers: int, bidirectional: boo
 _HOW = (("measured", "as measured"), ("interpolated", "interpolated between the batches measured"),
         ("nearest", "scaled from the nearest shape measured"), ("none", "none taken (not covered)"),
         ("benchmark search", "buffers of cudnn.benchmark's search, at a shape's first call"),
+        ("benchmark search skipped", "engines the search skipped, their workspace not fitting the card"),
         ("benchmark", "the workspace of the engine cudnn.benchmark chose"),
         ("benchmark not measured", "cudnn.benchmark on for a shape not measured so: the "
                                    "heuristics' workspace"))

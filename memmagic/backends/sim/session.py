@@ -160,6 +160,7 @@ class Card:
         new.fake_mode = self.fake_mode  # the copies are fakes of this mode
         new.cells = self.cells
         new.state.default_cuda = self.state.default_cuda
+        new.state.cudnn_benchmark = self.state.cudnn_benchmark
         tr = new.tracker
         tr.persistent = True
         allocator, tr.allocator = tr.allocator, None  # the copy below replaces it

@@ -119,6 +119,9 @@ class SimState:
         self.tracker: StorageTracker | None = None  # the run's SimTracker (its pools)
         self.node_gpus = 1  # torch.cuda.device_count(): the node's GPUs (a job's rank: more)
         self.in_dispatch = 0              # >0 while torch's own dispatch code runs
+        # torch.backends.cudnn.benchmark as the simulated cells left it (None: as the
+        # process has it)
+        self.cudnn_benchmark: bool | None = None
         self.rnn_ran = False              # an RNN layer ran in this cell
         # quantized-weight kernels that ran on the device: library -> op names
         self.library_kernels: dict[str, set[str]] = {}
