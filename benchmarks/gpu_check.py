@@ -561,8 +561,7 @@ def _issue35(args: argparse.Namespace, data: dict[str, Any], path: Path, started
     if when == "first":
         return
     if args.conv:
-        _phase(data, path, "bench_cells", lambda: gp.bench_cells(
-            {c.name for c in CHECKS if c.model in ("cnn", "resnet") and not c.ckpt}))
+        _phase(data, path, "bench_cells", gp.bench_cells)
     if args.whatif:
         _phase(data, path, "whatif", lambda: gp.whatif_probe(until(0.80)))
     if args.history:
@@ -809,6 +808,14 @@ def _conv_workspace(events: list[list[Any]]) -> int:
         (size for action, size in events if action == "alloc"), 0)
 
 
+def _row_geometry(r: dict[str, Any]) -> tuple[int, ...]:
+    """A probed convolution's key in the tables: (C_in, H, W, C_out, kh, kw, sh, sw, ph, pw,
+    dh, dw), as memmagic.backends.sim.cudnn reads a convolution's arguments."""
+    _n, c, h, w = r["input"]
+    k, _c, kh, kw = r["weight"]
+    return (c, h, w, k, kh, kw, *r["stride"], *r["padding"], *r["dilation"])
+
+
 def conv_table(data: dict[str, Any]) -> dict[tuple, tuple[tuple[int, int], ...]]:
     """(pass, dtype, C_in, H, W, C_out, kh, kw, sh, sw, ph, pw, dh, dw) -> ((batch, bytes), ...)
     from a results file's convolution probe (``cudnn.benchmark`` off; the second call of
@@ -817,9 +824,7 @@ def conv_table(data: dict[str, Any]) -> dict[tuple, tuple[tuple[int, int], ...]]
     for r in data.get("conv", {}).get("rows", []):
         if r.get("error") or r["benchmark"] or r["groups"] != 1:
             continue
-        n, c, h, w = r["input"]
-        k, _c, kh, kw = r["weight"]
-        geo = (c, h, w, k, kh, kw, *r["stride"], *r["padding"], *r["dilation"])
+        n, geo = r["input"][0], _row_geometry(r)
         for p in ("forward", "backward_data", "backward_filter"):
             table.setdefault((p, r["dtype"], *geo), {})[n] = _conv_workspace(r[p][1])
     return {key: tuple(sorted(v.items())) for key, v in sorted(table.items())}
@@ -834,9 +839,7 @@ def bench_table(data: dict[str, Any]) -> dict[tuple, tuple[int, tuple[int, ...],
     for r in data.get("conv_bench", {}).get("rows", []):
         if r.get("error") or not r["benchmark"] or r["groups"] != 1:
             continue
-        n, c, h, w = r["input"]
-        k, _c, kh, kw = r["weight"]
-        geo = (c, h, w, k, kh, kw, *r["stride"], *r["padding"], *r["dilation"])
+        n, geo = r["input"][0], _row_geometry(r)
         for p in ("forward", "backward_data", "backward_filter"):
             first = [size for action, size in r[p][0] if action == "alloc"][1:]
             table[(p, r["dtype"], *geo)] = (n, tuple(first), _conv_workspace(r[p][1]))

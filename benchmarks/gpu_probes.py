@@ -186,8 +186,9 @@ def _one_conv(shape: dict[str, Any], dname: str, batch: int, bench: bool) -> dic
     return row
 
 
-def bench_cells(only: set[str]) -> dict[str, Any]:
-    """The named checks (CNN and ResNet) run for real with ``cudnn.benchmark`` on."""
+def bench_cells() -> dict[str, Any]:
+    """The CNN and ResNet checks without checkpointing run for real with
+    ``cudnn.benchmark`` on."""
     import torch
 
     from . import gpu_check
@@ -197,7 +198,7 @@ def bench_cells(only: set[str]) -> dict[str, Any]:
     torch.backends.cudnn.benchmark = True
     try:
         for c in gpu_check.CHECKS:
-            if c.name in only:
+            if c.model in ("cnn", "resnet") and not c.ckpt:
                 rows[c.name] = gpu_check.real_run(c, False, {})
     finally:
         torch.backends.cudnn.benchmark = before
@@ -309,29 +310,7 @@ def _report_row(report) -> dict[str, Any]:
             "notes": [str(n) for n in report.notes][:12]}
 
 
-def _traced(fn: Callable[[], Any]) -> tuple[Any, list[list[Any]]]:
-    """``fn()`` with the allocator's history recorded (Python stacks at allocations): its
-    value and the events as [action, size, where] (where: the innermost frames)."""
-    import torch
-
-    from memmagic.core import _torch_private as priv
-
-    priv.record_memory_history("all", device=0, max_entries=1 << 20, context="alloc",
-                               stacks="python", clear_history=True)
-    try:
-        value = fn()
-        torch.cuda.synchronize()
-        trace = priv.memory_snapshot(0)["device_traces"][0]
-    finally:
-        priv.record_memory_history(None, device=0)
-    rows = [[e["action"], int(e["size"]), " <- ".join(
-        f"{f.get('name')}@{f.get('filename', '').rsplit('/', 1)[-1]}:{f.get('line')}"
-        for f in (e.get("frames") or [])[:3])] for e in trace
-        if e["action"] in ("alloc", "free_completed", "segment_alloc", "segment_free")]
-    return value, rows
-
-
-def whatif_probe(deadline: float, trace_first: bool = False) -> dict[str, Any]:
+def whatif_probe(deadline: float) -> dict[str, Any]:
     """Each :data:`WHATIF` cell for real: its setup run plainly on the GPU, then the
     measured cell at a setting through ``Cell(..., backend="cuda")`` (no breakdown: the
     allocator's own figures) from a fresh allocator; the setup again for each setting."""
@@ -356,11 +335,7 @@ def whatif_probe(deadline: float, trace_first: bool = False) -> dict[str, Any]:
                     _fresh_allocator()
                     t0 = time.perf_counter()
                     cell = Cell(case.step, ns, backend="cuda", backend_options={"breakdown": False})
-                    if trace_first and not rows["real"]:
-                        report, rows["trace"] = _traced(lambda: cell.run(**setting))
-                    else:
-                        report = cell.run(**setting)
-                    r = _report_row(report)
+                    r = _report_row(cell.run(**setting))
                     r.update(max_allocated=torch.cuda.max_memory_allocated(),
                              max_reserved=torch.cuda.max_memory_reserved(),
                              wall_s=round(time.perf_counter() - t0, 3))
@@ -533,9 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "conv-bench":
         got = conv_probe(t0 + 150, modes=(True,))
     elif args.what == "bench-cells":
-        from . import gpu_check
-
-        got = bench_cells({c.name for c in gpu_check.CHECKS if c.model in ("cnn", "resnet") and not c.ckpt})
+        got = bench_cells()
     elif args.what == "step-history":
         got = step_history(Path(args.out).with_suffix(".json.gz"))
     else:
@@ -544,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
                 if name not in args.only.split(","):
                     del WHATIF[name]
         WHATIF["generate static eager"] = WhatIfCase(_GENERATE, _EAGER_STATIC, ({}, {"new_tokens": 512}))
-        got = whatif_probe(t0 + 200, trace_first=True)
+        got = whatif_probe(t0 + 200)
     Path(args.out).write_text(json.dumps({"probe": args.what, "wall_s": round(time.perf_counter() - t0, 1),
                                           "result": got}, default=str))
     return 0

@@ -72,7 +72,7 @@ _CPU_LOWER = {"conv1d", "conv1d.padding", "conv2d", "conv2d.padding", "conv3d", 
               "linear", "_convolution.deprecated", "matmul", "conv_tbc", "mkldnn_rnn_layer",
               "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input", "prelu",
               "scaled_dot_product_attention", "_native_multi_head_attention"}
-# The CPU's LSTM layer stands for cuDNN's RNN, which CUDA autocast runs in fp16 (_half).
+# The CPU's LSTM layer stands for cuDNN's RNN, which CUDA autocast runs in fp16.
 _CUDNN_RNN = "mkldnn_rnn_layer"
 # Ops with a CPU autocast kernel that CUDA autocast leaves alone: they fall through.
 _CPU_ONLY = [
@@ -117,28 +117,10 @@ def _cast_all(args, kwargs, to: torch.dtype):
     return tuple(c(a) for a in args), {k: c(v) for k, v in kwargs.items()}
 
 
-def _lower(op) -> Callable:
+def _casting(op, to: torch.dtype | None) -> Callable:
+    """``op`` with its floating inputs cast to ``to`` (None: the autocast dtype) first."""
     def kernel(*args, **kwargs):
-        args, kwargs = _cast_all(args, kwargs, torch.get_autocast_dtype("cpu"))
-        with _priv.exclude_autocast_cpu():
-            return op(*args, **kwargs)
-    return kernel
-
-
-def _half(op) -> Callable:
-    """CUDA's autocast wrapper of cuDNN's RNNs (``_cudnn_rnn_cast_reflatten`` in ATen's
-    cudnn/AutocastRNN.cpp): the input, weights and states in fp16 whatever the autocast
-    dtype, cuDNN's RNNs having no bf16 path there."""
-    def kernel(*args, **kwargs):
-        args, kwargs = _cast_all(args, kwargs, torch.float16)
-        with _priv.exclude_autocast_cpu():
-            return op(*args, **kwargs)
-    return kernel
-
-
-def _fp32(op) -> Callable:
-    def kernel(*args, **kwargs):
-        args, kwargs = _cast_all(args, kwargs, torch.float32)
+        args, kwargs = _cast_all(args, kwargs, to or torch.get_autocast_dtype("cpu"))
         with _priv.exclude_autocast_cpu():
             return op(*args, **kwargs)
     return kernel
@@ -212,9 +194,9 @@ def _policy_kernels() -> list[tuple[str, Callable]]:
         if policy == "lower_precision_fp":
             if name in _CPU_LOWER:
                 continue  # same policy: keep the native kernel (and its weight cache)
-            kernel = _lower(op)
+            kernel = _casting(op, None)
         elif policy == "fp32":
-            kernel = _fp32(op)
+            kernel = _casting(op, torch.float32)
         elif policy == "fp32_set_opt_dtype":
             kernel = _set_opt_dtype(op)
         elif policy == "fp32_append_dtype":
@@ -228,7 +210,9 @@ def _policy_kernels() -> list[tuple[str, Callable]]:
         if name == "binary_cross_entropy":
             kernels.append((name, _bce_banned))
         elif name == _CUDNN_RNN:
-            kernels.append((name, _half(_op(name))))
+            # CUDA's autocast wrapper of cuDNN's RNNs (``_cudnn_rnn_cast_reflatten`` in
+            # ATen's cudnn/AutocastRNN.cpp): fp16 whatever the autocast dtype
+            kernels.append((name, _casting(_op(name), torch.float16)))
         elif _priv.has_kernel(f"aten::{name}", "AutocastCPU"):
             kernels.append((name, torch.library.fallthrough_kernel))
     _POLICY_KERNELS = kernels

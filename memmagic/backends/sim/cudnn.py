@@ -198,18 +198,19 @@ _HOW = (("measured", "as measured"), ("interpolated", "interpolated between the 
                                    "heuristics' workspace"))
 
 
+def _counted(counts: dict[str, int], unit: str) -> list[str]:
+    return [f"{counts[k]}{unit} {words}" for k, words in _HOW if counts.get(k)]
+
+
 def cudnn_note(counts: dict[str, int]) -> str:
     """The report's note on the convolution passes' workspaces, by how they were sized."""
-    parts = [f"{counts[k]} {words}" for k, words in _HOW if counts.get(k)]
     return ("cuDNN's convolution workspaces (allocated beside each pass and freed after it) from a "
-            f"table measured on {SOURCE}: " + "; ".join(parts) + " (passes); another card or "
-            "cudnn.benchmark on can pick other algorithms and workspaces")
+            f"table measured on {SOURCE}: " + "; ".join(_counted(counts, "")) + " (passes); another "
+            "card or cudnn.benchmark on can pick other algorithms and workspaces")
 
 
 def rnn_how(counts: dict[str, int]) -> str:
     """How the LSTM calls' workspaces were sized, for the report's note."""
-    words = {"measured": "as measured", "nearest": "scaled from the nearest shape measured",
-             "none": "none taken (not covered)"}
-    parts = [f"{n} calls {words[k]}" for k, n in sorted(counts.items()) if k in words]
+    parts = _counted(counts, " calls")
     return (f"from a table measured on {SOURCE}: " + "; ".join(parts)) if parts else \
         f"from a table measured on {SOURCE}"

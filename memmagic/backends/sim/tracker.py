@@ -541,10 +541,11 @@ class SimTracker(StorageTracker):
         for the report's note."""
         found = conv_workspaces(func, args, self.workspaces.conv_plans)
         counts = self.s.cudnn_workspaces
-        a = self.allocator
+        a, probe = self.allocator, object()  # a key no block of the allocator has
         for i, (nbytes, how) in enumerate(found):
             n = round_request(nbytes)
-            if how == "benchmark search" and a is not None and not a.would_fit([(0, n), (0, None)], n):
+            if how == "benchmark search" and a is not None and not a.would_fit(
+                    [(probe, n), (probe, None)], n):
                 # the search skips an engine whose workspace the card cannot give it
                 found[i], how = (0, "benchmark search skipped"), "benchmark search skipped"
             counts[how] = counts.get(how, 0) + 1
