@@ -154,6 +154,7 @@ class Trace:
         self.before = before
         self.frozen = frozen  # serials of parameters that do not require grad
         self._storages: list[Storage] | None = None
+        self._folded: tuple | None = None  # (key, what _folds read off the trace as it was)
 
     def __repr__(self) -> str:
         return f"<Trace: {len(self.ops)} ops, {len(self.events)} events>"
@@ -214,21 +215,46 @@ class Trace:
             cats[self._category(s, saved)] += n
         apply_saved(0)
         yield -1, 0, cats, live, saved, list(live)
+        pool_of, category, nsv = self.pool_of, self._category, len(sv)
         for i, (serial, delta, op) in enumerate(self.events):
             changed = []
-            if self.pool_of.get(serial) == "device":
-                cats[self._category(serial, saved)] += delta
+            if pool_of.get(serial) == "device":
+                cats[category(serial, saved)] += delta
                 n = live.get(serial, 0) + delta
                 if n:
                     live[serial] = n
                 else:
                     live.pop(serial, None)
                 changed.append(serial)
-            apply_saved(i + 1)
+            if j < nsv and sv[j][0] <= i + 1:
+                apply_saved(i + 1)
             yield i, op, cats, live, saved, changed
+
+    def _folds(self, max_points: int = 2000) -> tuple:
+        """What a report reads off the trace, in one replay of it: the device bytes per
+        category after the peak event (None: no such event), the timeline (see
+        :meth:`timeline`), and per module path the activations live at the peak and the most
+        held at once (see :meth:`module_rows`). Kept for the trace as it is now."""
+        key = (self.peak_event, len(self.events), len(self.saved_events), max_points)
+        if self._folded is not None and self._folded[0] == key:
+            return self._folded[1]
+        timeline, modules, at_peak = _TimelineFold(), _ModuleFold(self), None
+        for i, op, cats, live, saved, changed in self._replay():
+            timeline.feed(i, op, cats, changed)
+            modules.feed(live, saved, changed)
+            if i == self.peak_event:
+                at_peak = dict(cats)
+                modules.act_peak = {m: n for m, n in modules.act_now.items() if n}
+        out = (at_peak, timeline.points(max_points), modules.act_peak, modules.act_max)
+        self._folded = (key, out)
+        return out
 
     def breakdown_at(self, event_index: int) -> dict[str, int]:
         """Device bytes per category after event ``event_index`` (-1: at the start)."""
+        if event_index == self.peak_event:
+            at_peak = self._folds()[0]
+            if at_peak is not None:
+                return dict(at_peak)
         for i, _, cats, _, _, _ in self._replay():
             if i == event_index:
                 return dict(cats)
@@ -243,39 +269,7 @@ class Trace:
         """(op index, device bytes per category) at the end of each op that allocated or
         freed on the device, preceded by the op's own high point where that is above both
         its start and its end; thinned to ``max_points`` (the peak is always kept)."""
-        points: list[tuple[int, dict[str, int]]] = []
-        op_now, start_total, high_total, high = 0, None, -1, None
-        prev_total = 0
-        last_cats: dict[str, int] = {}
-        for i, op, cats, _, _, changed in self._replay():
-            if not changed and i >= 0:  # a host storage's event: no device bytes moved
-                continue
-            total = sum(cats.values())
-            if i == -1:
-                points.append((0, dict(cats)))
-                prev_total, last_cats = total, dict(cats)
-                op_now, start_total, high_total = 0, total, total
-                continue
-            if op != op_now:
-                self._close(points, op_now, start_total, high_total, high, prev_total, last_cats)
-                op_now, start_total, high_total, high = op, prev_total, prev_total, None
-            if total > high_total:
-                high_total, high = total, dict(cats)
-            prev_total, last_cats = total, dict(cats)
-        self._close(points, op_now, start_total, high_total, high, prev_total, last_cats)
-        if len(points) > max_points:
-            peak_i = max(range(len(points)), key=lambda k: sum(points[k][1].values()))
-            step = len(points) / max_points
-            keep = {int(k * step) for k in range(max_points)} | {len(points) - 1, peak_i}
-            points = [p for k, p in enumerate(points) if k in keep]
-        return points
-
-    @staticmethod
-    def _close(points, op, start, high_total, high, end_total, end_cats) -> None:
-        if high is not None and high_total > end_total and high_total > (start or 0):
-            points.append((op, high))
-        if points[-1][0] != op or sum(points[-1][1].values()) != end_total:
-            points.append((op, dict(end_cats)))
+        return list(self._folds(max_points)[1])
 
     def live_at(self, event_index: int | None = None) -> list[tuple[Storage, str]]:
         """The device storages live after event ``event_index`` (default: the peak), each
@@ -335,47 +329,29 @@ class Trace:
         self._storages = out
         return out
 
+    def _largest(self, serials) -> dict[int, int]:
+        """The most bytes each of ``serials`` held (a :class:`Storage`'s ``nbytes``), without
+        making the run's storages (an evaluation loop's run has hundreds of thousands)."""
+        size = {s: n for s, n in self.seed.items() if s in serials}
+        cur = dict(size)
+        for serial, delta, _ in self.events:
+            if serial in serials:
+                n = cur[serial] = cur.get(serial, 0) + delta
+                if n > size.get(serial, 0):
+                    size[serial] = n
+        return size
+
     # -- per module -------------------------------------------------------------------------
     def module_rows(self, peak: int) -> list[ModuleRow]:
         """One row per module path (full paths, leaf attribution): activations saved by the
         module's own ops that are live at the peak (they sum to the activations category
         there), the most it held saved at once, and the parameters it owns and their grads.
         Storages saved outside any module are the row :data:`NO_MODULE`."""
-        act_peak: dict[str, int] = {}
-        act_now: dict[str, int] = {}
-        act_max: dict[str, int] = {}
-        saver = self.saver
-
-        def module_of(serial: int) -> str:
-            return saver.get(serial) or NO_MODULE
-
-        # a storage counts for its saver while it is live, saved, and of a role below
-        # activations (what the activations category counts); only the serials a step
-        # changed are looked at
-        counted: dict[int, int] = {}  # serial -> bytes counted for its module now
-        for i, _, _, live, saved, changed in self._replay():
-            touched: set[str] = set()
-            for serial in changed:
-                n = live.get(serial, 0)
-                now = n if (n and saved.get(serial, 0) > 0
-                            and self._category(serial, saved) == _ACT) else 0
-                was = counted.get(serial, 0)
-                if now != was:
-                    m = module_of(serial)
-                    act_now[m] = act_now.get(m, 0) + now - was
-                    if now:
-                        counted[serial] = now
-                    else:
-                        counted.pop(serial, None)
-                    touched.add(m)
-            for m in touched:
-                if act_now[m] > act_max.get(m, 0):
-                    act_max[m] = act_now[m]
-            if i == self.peak_event:
-                act_peak = {m: n for m, n in act_now.items() if n}
+        _, _, act_peak, act_max = self._folds()
         params: dict[str, int] = {}
         grads: dict[str, int] = {}
-        final = {st.serial: st.nbytes for st in self.storages()}
+        final = self._largest(self.owner) if self._storages is None else {
+            st.serial: st.nbytes for st in self._storages}
         for serial, path in self.owner.items():
             if self.pool_of.get(serial) != "device":
                 continue
@@ -391,3 +367,84 @@ class Trace:
                           params.get(m, 0), grads.get(m, 0)) for m in names]
         rows.sort(key=lambda r: (-r.activations, -r.parameters, r.module))
         return rows
+
+
+class _TimelineFold:
+    """:meth:`Trace.timeline` fed one replayed event at a time (see :meth:`Trace._folds`)."""
+
+    def __init__(self) -> None:
+        self.out: list[tuple[int, dict[str, int]]] = []
+        self.op, self.start, self.high_total, self.high = 0, 0, -1, None
+        self.prev_total = 0
+        self.last: dict[str, int] = {}
+
+    def feed(self, i: int, op: int, cats: dict[str, int], changed: list[int]) -> None:
+        if not changed and i >= 0:  # a host storage's event: no device bytes moved
+            return
+        total = sum(cats.values())
+        if i == -1:
+            self.out.append((0, dict(cats)))
+            self.prev_total, self.last = total, dict(cats)
+            self.op, self.start, self.high_total = 0, total, total
+            return
+        if op != self.op:
+            self._close()
+            self.op, self.start, self.high = op, self.prev_total, None
+            self.high_total = self.prev_total
+        if total > self.high_total:
+            self.high_total, self.high = total, dict(cats)
+        self.prev_total, self.last = total, dict(cats)
+
+    def _close(self) -> None:
+        """The op that ended: its high point where that is above both its start and its
+        end, then its end."""
+        out = self.out
+        if self.high is not None and self.high_total > self.prev_total and self.high_total > self.start:
+            out.append((self.op, self.high))
+        if out[-1][0] != self.op or sum(out[-1][1].values()) != self.prev_total:
+            out.append((self.op, dict(self.last)))
+
+    def points(self, max_points: int) -> list[tuple[int, dict[str, int]]]:
+        self._close()
+        points = self.out
+        if len(points) > max_points:
+            peak_i = max(range(len(points)), key=lambda k: sum(points[k][1].values()))
+            step = len(points) / max_points
+            keep = {int(k * step) for k in range(max_points)} | {len(points) - 1, peak_i}
+            points = [p for k, p in enumerate(points) if k in keep]
+        return points
+
+
+class _ModuleFold:
+    """The activations per module of :meth:`Trace.module_rows`, fed one replayed event at a
+    time (see :meth:`Trace._folds`): a storage counts for its saver while it is live, saved,
+    and of a role below activations (what the activations category counts); only the
+    serials an event changed are looked at."""
+
+    def __init__(self, trace: Trace) -> None:
+        self.trace = trace
+        self.act_now: dict[str, int] = {}
+        self.act_max: dict[str, int] = {}
+        self.act_peak: dict[str, int] = {}
+        self.counted: dict[int, int] = {}  # serial -> bytes counted for its module now
+
+    def feed(self, live: dict[int, int], saved: dict[int, int], changed: list[int]) -> None:
+        trace, counted, act_now = self.trace, self.counted, self.act_now
+        touched: list[str] = []
+        for serial in changed:
+            n = live.get(serial, 0)
+            now = n if (n and saved.get(serial, 0) > 0
+                        and trace._category(serial, saved) == _ACT) else 0
+            was = counted.get(serial, 0)
+            if now != was:
+                m = trace.saver.get(serial) or NO_MODULE
+                act_now[m] = act_now.get(m, 0) + now - was
+                if now:
+                    counted[serial] = now
+                else:
+                    counted.pop(serial, None)
+                touched.append(m)
+        act_max = self.act_max
+        for m in touched:  # the most each held after the event (not within it)
+            if act_now[m] > act_max.get(m, 0):
+                act_max[m] = act_now[m]

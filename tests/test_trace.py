@@ -329,3 +329,34 @@ def test_live_at_the_peak_adds_up_to_the_breakdown():
     assert [s.nbytes for s, _ in live] == sorted((s.nbytes for s, _ in live), reverse=True)
     with pytest.raises(IndexError):
         r.trace.live_at(len(r.trace.events) + 5)
+
+
+def test_a_report_replays_its_trace_once(monkeypatch):
+    """The breakdown at the peak, the timeline and the per-module rows come from one replay
+    of the run's trace (an evaluation loop's run has hundreds of thousands of events), and
+    are what each replayed on its own gives."""
+    steps = []
+    replay = Trace._replay
+
+    def counted(self):
+        for step in replay(self):
+            steps.append(step[0])
+            yield step
+
+    monkeypatch.setattr(Trace, "_replay", counted)
+    r = memmagic.measure(lambda: exec(zoo.step_source("transformer"), {}), backend="sim")
+    tr = r.trace
+    # one whole replay, and the start's breakdown (the first step of another)
+    assert len(tr.events) > 500 and len(steps) == len(tr.events) + 2
+    assert r.modules and r.timeline and r.breakdown
+    fresh = Trace(ops=tr.ops, events=tr.events, saved_events=tr.saved_events,
+                  pool_of=tr.pool_of, roles=tr.roles, seed=tr.seed, saver=tr.saver,
+                  owner=tr.owner, frames=tr.frames, peak_event=tr.peak_event,
+                  before=tr.before, frozen=tr.frozen)
+    fresh.storages()  # module_rows then reads the storages' sizes, as before
+    assert tuple(fresh.module_rows(r.peak)) == r.modules
+    points = [(op, sum(c.values())) for op, c in fresh.timeline()]
+    assert tuple(points) == tuple(r.timeline)
+    for i, _, cats, _, _, _ in replay(fresh):
+        if i == tr.peak_event:
+            assert dict(cats) == r.breakdown

@@ -282,3 +282,33 @@ def test_a_log_replays_from_the_model_it_began_from():
     full.start_log()
     full.malloc("x", 8 << 20)
     assert full.take_log().replay([100 << 20]) is None  # does not fit the card
+
+
+def test_a_replay_keeps_no_statistics_and_says_so(tmp_path):
+    """AllocatorLog.replayed skips memory_stats()' counts (a third of a replay's time): its
+    copy's peaks, reserved bytes and segments are those of the same actions done with the
+    counts kept, and asking it for memory_stats() is an error that says where to read them."""
+    import random
+
+    from memmagic.backends.sim.allocator import CachingAllocatorModel
+
+    rng = random.Random(7)
+    a = CachingAllocatorModel(capacity=2 << 30)
+    a.malloc("weights", 300 << 20)
+    a.start_log()
+    live = []
+    for i in range(600):  # small and large blocks, splits and merges of both pools
+        if live and rng.random() < 0.45:
+            a.free(live.pop(rng.randrange(len(live))))
+        else:
+            a.malloc(i, rng.choice([rng.randrange(1, 1 << 20), rng.randrange(1, 64 << 20)]))
+            live.append(i)
+    log = a.take_log()
+    sizes = [e["size"] for e in log.entries if e["action"] == "alloc"]
+    lean = log.replayed(sizes)
+    assert (lean.allocated_peak, lean.reserved_peak, lean.allocated, lean.reserved,
+            lean.segments) == (a.allocated_peak, a.reserved_peak, a.allocated, a.reserved,
+                               a.segments)
+    assert a.memory_stats()["inactive_split.all.current"] > 0  # the run's model counts
+    with pytest.raises(RuntimeError, match="keeps no statistics: read memory_stats"):
+        lean.memory_stats()

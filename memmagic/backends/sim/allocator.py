@@ -407,10 +407,12 @@ class AllocatorLog:
                  entries: Sequence[dict] | None = None, restart: int | None = None
                  ) -> "CachingAllocatorModel | None":
         """The copy of the model :meth:`replay` ends with (its peaks, what it holds at the
-        end), or None where it returns None."""
+        end; it keeps no ``memory_stats()``, whose counts are a third of a replay's time),
+        or None where it returns None."""
         if self.start is None:
             return None
         model = self.start.clone()
+        model._stats = False  # read for its peaks and what it holds only
         if capacity is not None:
             model.set_capacity(capacity, fraction=False)
         if entries is None:
@@ -570,6 +572,9 @@ class CachingAllocatorModel:
         # torch.cuda.memory_stats(): one row of ints per pool (all, small, large), each
         # statistic's [current, peak, allocated, freed] at its offset (_STAT_AT)
         self._rows: list[list[int]] = [[0] * _ROW for _ in _POOLS]
+        # False: a replay's copy (AllocatorLog.replayed), read for its peaks and what it
+        # holds; its mallocs and frees skip memory_stats()' counts, which it then refuses
+        self._stats = True
         self._counts: dict[str, int] = dict.fromkeys(_EVENT_COUNTS, 0)
 
     @property
@@ -628,14 +633,36 @@ class CachingAllocatorModel:
             r[11] += requested
 
     def _split_free(self, b: _Block, sign: int) -> None:
-        """Count ``b`` (free, in a segment of several blocks) in or out of inactive_split."""
-        small = b.segment.small
-        self._bump(_SPLIT, small, sign)
-        self._bump(_SPLIT_BYTES, small, sign * b.size)
+        """Count ``b`` (free, in a segment of several blocks) in or out of inactive_split:
+        :func:`_stat_add` of ``sign`` and of ``sign * b.size`` at _SPLIT and _SPLIT_BYTES,
+        written out (it runs on most mallocs and frees)."""
+        if not self._stats:
+            return
+        rows, n = self._rows, b.size
+        for r in (rows[0], rows[1] if b.segment.small else rows[2]):
+            if sign > 0:
+                v = r[_SPLIT] + 1
+                r[_SPLIT] = v
+                r[_SPLIT + 2] += 1
+                if v > r[_SPLIT + 1]:
+                    r[_SPLIT + 1] = v
+                v = r[_SPLIT_BYTES] + n
+                r[_SPLIT_BYTES] = v
+                r[_SPLIT_BYTES + 2] += n
+                if v > r[_SPLIT_BYTES + 1]:
+                    r[_SPLIT_BYTES + 1] = v
+            else:
+                r[_SPLIT] -= 1
+                r[_SPLIT + 3] += 1
+                r[_SPLIT_BYTES] -= n
+                r[_SPLIT_BYTES + 3] += n
 
     def memory_stats(self) -> dict[str, int]:
         """The model's statistics as ``torch.cuda.memory_stats()`` names them (sorted keys,
         as torch returns them); "oversize_*" stay 0 without ``max_split_size_mb``."""
+        if not self._stats:
+            raise RuntimeError("this copy of the allocator model (a replay's) keeps no "
+                               "statistics: read memory_stats() off the model it copies")
         out: dict[str, int] = {}
         for name in STAT_NAMES:
             at = _STAT_AT[name]
@@ -788,7 +815,8 @@ class CachingAllocatorModel:
         self._live[key] = block
         if self._log is not None:
             self._record("alloc", block.addr, requested, key)
-        self._count_block(small, block.size, requested)
+        if self._stats:
+            self._count_block(small, block.size, requested)
         if block.size >= self._max_split:  # alloc_found_block
             self._bump_oversize(0, 1)
         self.allocated += block.size
@@ -853,11 +881,15 @@ class CachingAllocatorModel:
         block = self._live.pop(key, None)
         if block is None:
             return
-        if self._log is not None:
-            self._record("free_requested", block.addr, block.requested, key)
-            self._record("free_completed", block.addr, block.requested, key)
+        if self._log is not None:  # both entries here (_record's form; most of a log)
+            clock, addr, n = self._clock, block.addr, block.requested
+            self._log.append({"action": "free_requested", "addr": addr, "size": n, "key": key,
+                              "op": clock() if clock is not None else None})
+            self._log.append({"action": "free_completed", "addr": addr, "size": n, "key": key,
+                              "op": clock() if clock is not None else None})
         small = block.segment.small
-        self._uncount_block(small, block.size, block.requested)
+        if self._stats:
+            self._uncount_block(small, block.size, block.requested)
         if block.size >= self._max_split:  # free()
             self._bump_oversize(0, -1)
         block.requested, block.key = 0, None
@@ -914,6 +946,7 @@ class CachingAllocatorModel:
                      for row in self._rows]
         o = self._oversize
         new._oversize = [o[0], o[0], 0, 0, o[4], o[4], 0, 0]
+        new._stats = self._stats
         for small, lst in self._free.items():
             new._free[small] = [(size, addr, blocks[id(b)]) for size, addr, b in lst]
         unmapped = []
