@@ -727,6 +727,7 @@ class CachingAllocatorModel:
         if self._capacity is None or self.reserved + most <= self._capacity:
             return True
         model = self.clone()
+        model._stats = False  # read for whether it fits only
         try:
             for key, n in steps:
                 if n is None:
