@@ -289,3 +289,24 @@ def test_an_adam_step_is_answered_from_metadata_when_warm():
         oc.FakeOutputCache.__call__ = orig
     assert warm == off
     assert not [f for f in left if "_foreach_" in f and "add_.Tensor" not in f], left
+
+
+def test_gru_and_plain_rnn_layers_say_their_memory_is_the_cpu_kernels():
+    """cuDNN's GRU and RNN reserves and workspaces are measured but not simulated: a cell
+    whose GRU or plain RNN layers ran on the simulated GPU says so, with the calls counted
+    per kind; an LSTM (whose cuDNN memory is simulated) and layers kept on the host do not."""
+    src = """
+import torch
+x = torch.randn(7, 3, 16, device=DEVICE)
+for layer in (torch.nn.GRU(16, 8), torch.nn.GRU(16, 8, num_layers=2), torch.nn.RNN(16, 8),
+              torch.nn.RNN(16, 8, nonlinearity="relu"), torch.nn.LSTM(16, 8)):
+    out, _ = layer.to(DEVICE)(x)
+"""
+    notes = [n for n in _run(SimBackend(gpu="T4"), src.replace("DEVICE", "'cuda'")).notes
+             if "CPU kernels' memory" in n]
+    assert len(notes) == 1
+    assert notes[0].startswith("2 GRU calls, 1 RNN (relu) call, 1 RNN (tanh) call ran with the "
+                               "CPU kernels' memory")
+    assert "not simulated" in notes[0]
+    host = _run(SimBackend(gpu="T4"), src.replace("DEVICE", "'cpu'"))
+    assert not any("CPU kernels' memory" in n for n in host.notes)

@@ -27,7 +27,7 @@ from ..base import DECODE_STEPS, Backend, Outcome
 from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
 from .compat import install_compat
-from .cudnn import cudnn_note, rnn_how
+from .cudnn import SOURCE as CUDNN_SOURCE, cudnn_note, rnn_how
 from .ddp import install_ddp
 from .decode import decode_targets
 from .repeats import install_repeats
@@ -74,7 +74,13 @@ _FLEX_NOTE = ("flex_attention ran as its fused kernel, as torch.compile(flex_att
               "computes the whole batch x heads x queries x keys scores, which this leaves out")
 _RNN_NOTE = ("LSTMs keep cuDNN's training reserve (gates and cell state of every step) and take "
              "cuDNN's transient workspace beside each forward and the two backward passes "
-             "({how}); GRU and plain RNN layers use the CPU kernels' memory")
+             "({how})")
+# GRU and plain RNN layers on the simulated GPU: the CPU kernels' memory, not cuDNN's
+_CPU_RNN_NOTE = ("{calls} ran with the CPU kernels' memory (gates computed and saved step by "
+                 "step), not cuDNN's: on a GPU cuDNN keeps one training reserve per call and takes "
+                 "a transient workspace beside its forward and backward (measured on {source}; "
+                 "not simulated), so these layers' activations and the peak can differ from a GPU's")
+_CPU_RNN_NAMES = {"GRU": "GRU", "RNN_TANH": "RNN (tanh)", "RNN_RELU": "RNN (relu)"}
 _CPU_NOTE = ("kernels='cpu': CPU kernels and defaults, the simulated device behaves like the "
              "CPU (for checking the simulation against --backend cpu)")
 _FAST_ENTRIES: dict[tuple, dict] = {}  # FakeOutputCache entries per kernel configuration
@@ -440,6 +446,10 @@ class SimBackend(Backend):
         all_notes.append(_CUDA_NOTE if state.cuda else _CPU_NOTE)
         if state.cuda and state.rnn_ran:
             all_notes.append(_RNN_NOTE.format(how=rnn_how(state.cudnn_rnn_workspaces)))
+        if state.cuda and state.cpu_rnn_calls:
+            calls = ", ".join(f"{n} {_CPU_RNN_NAMES[name]} call{'s' * (n > 1)}"
+                              for name, n in sorted(state.cpu_rnn_calls.items()))
+            all_notes.append(_CPU_RNN_NOTE.format(calls=calls, source=CUDNN_SOURCE))
         if state.flex_attention_calls:
             all_notes.append(_FLEX_NOTE.format(n=state.flex_attention_calls))
         if state.cudnn_workspaces:

@@ -123,6 +123,9 @@ class SimState:
         # process has it)
         self.cudnn_benchmark: bool | None = None
         self.rnn_ran = False              # an RNN layer ran in this cell
+        # GRU and plain RNN layers that ran on the device (on the CPU kernels' memory):
+        # "GRU", "RNN_TANH", "RNN_RELU" -> calls
+        self.cpu_rnn_calls: dict[str, int] = {}
         # quantized-weight kernels that ran on the device: library -> op names
         self.library_kernels: dict[str, set[str]] = {}
         self.flex_attention_calls = 0     # flex_attention (and its backward) calls
@@ -141,6 +144,7 @@ class SimState:
         self.value_reads = 0
         self.in_dispatch = 0
         self.rnn_ran = False
+        self.cpu_rnn_calls = {}
         self.library_kernels = {}
         self.flex_attention_calls = 0
         self.cudnn_workspaces = {}
