@@ -444,21 +444,7 @@ class SimBackend(Backend):
         target = self.target
         all_notes = list(SIM_NOTES)
         all_notes.append(_CUDA_NOTE if state.cuda else _CPU_NOTE)
-        if state.cuda and state.rnn_ran:
-            all_notes.append(_RNN_NOTE.format(how=rnn_how(state.cudnn_rnn_workspaces)))
-        if state.cuda and state.cpu_rnn_calls:
-            calls = ", ".join(f"{n} {_CPU_RNN_NAMES[name]} call{'s' * (n > 1)}"
-                              for name, n in sorted(state.cpu_rnn_calls.items()))
-            all_notes.append(_CPU_RNN_NOTE.format(calls=calls, source=CUDNN_SOURCE))
-        if state.flex_attention_calls:
-            all_notes.append(_FLEX_NOTE.format(n=state.flex_attention_calls))
-        if state.cudnn_workspaces:
-            all_notes.append(cudnn_note(state.cudnn_workspaces))
-        for lib, ops in sorted(state.library_kernels.items()):
-            all_notes.append(_LIBRARY_NOTE.format(lib=lib, ops=", ".join(sorted(ops))))
-        if sdpa is not None and sdpa.counts:
-            kinds = ", ".join(f"{k} {v}x" for k, v in sorted(sdpa.counts.items()))
-            all_notes.append(f"scaled_dot_product_attention ran as CUDA would pick it: {kinds}")
+        all_notes += _kernel_notes(state, sdpa)
         all_notes += notes
         ws = tracker.workspaces.describe() if tracker.workspaces is not None else None
         if ws:
@@ -673,6 +659,29 @@ def _shown(value: Any) -> str | None:
     except Exception:
         return None
     return text if len(text) <= 5000 else text[:5000] + " ..."
+
+
+def _kernel_notes(state: SimState, sdpa) -> list[str]:
+    """The report's notes on the kernels a run took as CUDA's: cuDNN's RNNs and convolutions,
+    the GRU and plain RNN layers left on the CPU kernels' memory, flex_attention, quantized
+    weights' libraries, the attention backends SDPA picked."""
+    out = []
+    if state.cuda and state.rnn_ran:
+        out.append(_RNN_NOTE.format(how=rnn_how(state.cudnn_rnn_workspaces)))
+    if state.cuda and state.cpu_rnn_calls:
+        calls = ", ".join(f"{n} {_CPU_RNN_NAMES[name]} call{'s' * (n > 1)}"
+                          for name, n in sorted(state.cpu_rnn_calls.items()))
+        out.append(_CPU_RNN_NOTE.format(calls=calls, source=CUDNN_SOURCE))
+    if state.flex_attention_calls:
+        out.append(_FLEX_NOTE.format(n=state.flex_attention_calls))
+    if state.cudnn_workspaces:
+        out.append(cudnn_note(state.cudnn_workspaces))
+    for lib, ops in sorted(state.library_kernels.items()):
+        out.append(_LIBRARY_NOTE.format(lib=lib, ops=", ".join(sorted(ops))))
+    if sdpa is not None and sdpa.counts:
+        kinds = ", ".join(f"{k} {v}x" for k, v in sorted(sdpa.counts.items()))
+        out.append(f"scaled_dot_product_attention ran as CUDA would pick it: {kinds}")
+    return out
 
 
 def _reads_note(read_ops: dict) -> str:
