@@ -333,8 +333,9 @@ def test_live_at_the_peak_adds_up_to_the_breakdown():
 
 def test_a_report_replays_its_trace_once(monkeypatch):
     """The breakdown at the peak, the timeline and the per-module rows come from one replay
-    of the run's trace (an evaluation loop's run has hundreds of thousands of events), and
-    are what each replayed on its own gives."""
+    of the run's trace (an evaluation loop's run has hundreds of thousands of events): the
+    breakdown is the replay's at the peak event, and a copy of the trace whose storages
+    were made gives the same module rows and timeline."""
     steps = []
     replay = Trace._replay
 

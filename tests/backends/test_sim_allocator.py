@@ -284,7 +284,7 @@ def test_a_log_replays_from_the_model_it_began_from():
     assert full.take_log().replay([100 << 20]) is None  # does not fit the card
 
 
-def test_a_replay_keeps_no_statistics_and_says_so(tmp_path):
+def test_a_replay_keeps_no_statistics_and_says_so():
     """AllocatorLog.replayed skips memory_stats()' counts (a third of a replay's time): its
     copy's peaks, reserved bytes and segments are those of the same actions done with the
     counts kept, and asking it for memory_stats() is an error that says where to read them."""
