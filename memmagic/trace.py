@@ -244,7 +244,7 @@ class Trace:
             modules.feed(live, saved, changed)
             if i == self.peak_event:
                 at_peak = dict(cats)
-                modules.act_peak = {m: n for m, n in modules.act_now.items() if n}
+                modules.mark_peak()
         out = (at_peak, timeline.points(max_points), modules.act_peak, modules.act_max)
         self._folded = (key, out)
         return out
@@ -350,8 +350,7 @@ class Trace:
         _, _, act_peak, act_max = self._folds()
         params: dict[str, int] = {}
         grads: dict[str, int] = {}
-        final = self._largest(self.owner) if self._storages is None else {
-            st.serial: st.nbytes for st in self._storages}
+        final = self._largest(self.owner)
         for serial, path in self.owner.items():
             if self.pool_of.get(serial) != "device":
                 continue
@@ -448,3 +447,7 @@ class _ModuleFold:
         for m in touched:  # the most each held after the event (not within it)
             if act_now[m] > act_max.get(m, 0):
                 act_max[m] = act_now[m]
+
+    def mark_peak(self) -> None:
+        """The activations each module holds now are those live at the peak."""
+        self.act_peak = {m: n for m, n in self.act_now.items() if n}

@@ -354,7 +354,7 @@ def test_a_report_replays_its_trace_once(monkeypatch):
                   pool_of=tr.pool_of, roles=tr.roles, seed=tr.seed, saver=tr.saver,
                   owner=tr.owner, frames=tr.frames, peak_event=tr.peak_event,
                   before=tr.before, frozen=tr.frozen)
-    fresh.storages()  # module_rows then reads the storages' sizes, as before
+    fresh.storages()  # made or not, module_rows reads the same sizes
     assert tuple(fresh.module_rows(r.peak)) == r.modules
     points = [(op, sum(c.values())) for op, c in fresh.timeline()]
     assert tuple(points) == tuple(r.timeline)
