@@ -735,6 +735,13 @@ def clear_fake_dispatch_cache() -> None:
     FakeTensorMode.cache_clear()
 
 
+def fake_cache_off(mode: FakeTensorMode):
+    """Context manager: ``mode``'s dispatch cache neither read nor filled."""
+    from torch._subclasses.fake_tensor import disable_fake_tensor_cache
+
+    return disable_fake_tensor_cache(mode)
+
+
 def fake_dispatch_cache_size() -> int:
     """Entries in FakeTensorMode's own (class-wide) dispatch cache (``cache_info().size``)."""
     return FakeTensorMode.cache_info().size
@@ -765,7 +772,7 @@ def fake_constant_storages(mode: FakeTensorMode) -> int:
     return len(mode.fake_tensor_converter.constant_storage_mapping)
 
 
-__all__ += ["clear_fake_dispatch_cache", "fake_dispatch_cache_size", "forget_dead_constants",
+__all__ += ["clear_fake_dispatch_cache", "fake_cache_off", "fake_dispatch_cache_size", "forget_dead_constants",
             "fake_constant_storages"]
 
 

@@ -291,22 +291,49 @@ def test_an_adam_step_is_answered_from_metadata_when_warm():
     assert not [f for f in left if "_foreach_" in f and "add_.Tensor" not in f], left
 
 
-def test_gru_and_plain_rnn_layers_say_their_memory_is_the_cpu_kernels():
-    """cuDNN's GRU and RNN reserves and workspaces are measured but not simulated: a cell
-    whose GRU or plain RNN layers ran on the simulated GPU says so, with the calls counted
-    per kind; an LSTM (whose cuDNN memory is simulated) and layers kept on the host do not."""
+def test_gru_and_plain_rnn_layers_run_as_cudnn_and_say_which_do_not():
+    """GRU and plain RNN stacks on the simulated GPU run as cuDNN's (their allocations are
+    checked against an H200's in tests/course/test_gpu_fidelity.py) and the note says so;
+    those CUDA would not give cuDNN (cuDNN switched off) stay on the CPU kernels' memory
+    and are counted per kind; layers kept on the host say nothing."""
     src = """
 import torch
 x = torch.randn(7, 3, 16, device=DEVICE)
 for layer in (torch.nn.GRU(16, 8), torch.nn.GRU(16, 8, num_layers=2), torch.nn.RNN(16, 8),
               torch.nn.RNN(16, 8, nonlinearity="relu"), torch.nn.LSTM(16, 8)):
     out, _ = layer.to(DEVICE)(x)
+with torch.backends.cudnn.flags(enabled=False):
+    out, _ = torch.nn.GRU(16, 8).to(DEVICE)(x)
+    out, _ = torch.nn.RNN(16, 8, nonlinearity="relu").to(DEVICE)(x)
 """
-    notes = [n for n in _run(SimBackend(gpu="T4"), src.replace("DEVICE", "'cuda'")).notes
-             if "CPU kernels' memory" in n]
-    assert len(notes) == 1
-    assert notes[0].startswith("2 GRU calls, 1 RNN (relu) call, 1 RNN (tanh) call ran with the "
-                               "CPU kernels' memory")
-    assert "not simulated" in notes[0]
+    notes = _run(SimBackend(gpu="T4"), src.replace("DEVICE", "'cuda'")).notes
+    cudnn = [n for n in notes if "ran as cuDNN's" in n]
+    assert len(cudnn) == 1 and cudnn[0].startswith("LSTM, GRU, RNN layers ran as cuDNN's")
+    cpu = [n for n in notes if "CPU kernels' memory" in n]
+    assert len(cpu) == 1
+    assert cpu[0].startswith("1 GRU call, 1 RNN (relu) call ran with the CPU kernels' memory")
+    assert torch.backends.cudnn.enabled
     host = _run(SimBackend(gpu="T4"), src.replace("DEVICE", "'cpu'"))
-    assert not any("CPU kernels' memory" in n for n in host.notes)
+    assert not any("CPU kernels' memory" in n or "ran as cuDNN" in n for n in host.notes), host.notes
+
+def test_rnn_weights_live_in_one_flat_buffer_freed_with_their_module():
+    """``.cuda()`` flattens an RNN's weights into one buffer, as a CUDA build's
+    ``flatten_parameters`` does (one allocation; each weight a view of it); deleting the
+    module frees it (the weights are set onto its storage: nothing may keep that alive)."""
+    src = """
+import torch
+m = torch.nn.GRU(256, 512, bidirectional=True).cuda()
+numel = sum(p.numel() for p in m.parameters())
+sizes = {p.untyped_storage().nbytes() for p in m.parameters()}
+blocks = torch.cuda.memory_stats()["allocation.all.current"]
+held = torch.cuda.memory_allocated()
+del m
+left = torch.cuda.memory_allocated()
+"""
+    keys = ("numel", "sizes", "blocks", "held", "left")
+    out = SimBackend(gpu="T4").execute(lambda n: (exec(src, n), [n[k] for k in keys])[1], {})
+    assert out.error is None, out.error
+    numel, sizes, blocks, held, left = out.value
+    flat = numel * 4
+    assert sizes == {flat} and blocks == 1
+    assert held == -(-flat // 512) * 512 and left == 0

@@ -33,6 +33,22 @@ def test_fake_mode_and_copies():
     assert len(mode.fake_tensor_converter.tensor_memo) == 0
 
 
+def test_fake_cache_off_neither_reads_nor_fills_the_dispatch_cache():
+    """FakeTensorMode keys its class-wide cache on an op's arguments as they are: a storage
+    passed to set_ would be kept alive by the key (the simulation runs such ops with the
+    cache off)."""
+    mode = priv.new_fake_mode()
+    with mode:
+        a, b = torch.empty(64), torch.empty(8)
+        before = priv.fake_dispatch_cache_size()
+        with priv.fake_cache_off(mode):
+            b.set_(a.untyped_storage(), 0, (8,))
+            torch.add(a, 1)
+        assert priv.fake_dispatch_cache_size() == before
+        torch.add(a, 1)
+    assert priv.fake_dispatch_cache_size() == before + 1
+
+
 def test_fake_errors_are_exceptions():
     for e in (priv.DataDependentOutputException, priv.DynamicOutputShapeException,
               priv.UnsupportedOperatorException):

@@ -72,8 +72,6 @@ _CPU_LOWER = {"conv1d", "conv1d.padding", "conv2d", "conv2d.padding", "conv3d", 
               "linear", "_convolution.deprecated", "matmul", "conv_tbc", "mkldnn_rnn_layer",
               "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input", "prelu",
               "scaled_dot_product_attention", "_native_multi_head_attention"}
-# The CPU's LSTM layer stands for cuDNN's RNN, which CUDA autocast runs in fp16.
-_CUDNN_RNN = "mkldnn_rnn_layer"
 # Ops with a CPU autocast kernel that CUDA autocast leaves alone: they fall through.
 _CPU_ONLY = [
     "conv1d.padding", "conv2d.padding", "conv3d.padding", "_addmm_activation", "mkldnn_rnn_layer",
@@ -209,10 +207,6 @@ def _policy_kernels() -> list[tuple[str, Callable]]:
             continue
         if name == "binary_cross_entropy":
             kernels.append((name, _bce_banned))
-        elif name == _CUDNN_RNN:
-            # CUDA's autocast wrapper of cuDNN's RNNs (``_cudnn_rnn_cast_reflatten`` in
-            # ATen's cudnn/AutocastRNN.cpp): fp16 whatever the autocast dtype
-            kernels.append((name, _casting(_op(name), torch.float16)))
         elif _priv.has_kernel(f"aten::{name}", "AutocastCPU"):
             kernels.append((name, torch.library.fallthrough_kernel))
     _POLICY_KERNELS = kernels

@@ -72,15 +72,16 @@ _FLEX_NOTE = ("flex_attention ran as its fused kernel, as torch.compile(flex_att
               "on a GPU ({n} calls, backward included): the output and the log-sum-exp are "
               "saved, no score matrix is made; called without torch.compile (torch warns) it "
               "computes the whole batch x heads x queries x keys scores, which this leaves out")
-_RNN_NOTE = ("LSTMs keep cuDNN's training reserve (gates and cell state of every step) and take "
-             "cuDNN's transient workspace beside each forward and the two backward passes "
-             "({how})")
-# GRU and plain RNN layers on the simulated GPU: the CPU kernels' memory, not cuDNN's
+_RNN_NOTE = ("{kinds} layers ran as cuDNN's: they keep cuDNN's training reserve (each step's gates "
+             "and states) and take cuDNN's transient workspace beside each forward and the two "
+             "backward passes ({how}); cuDNN's dropout state between layers is not counted")
+# RNN stacks the simulated GPU leaves on the CPU kernels' memory
 _CPU_RNN_NOTE = ("{calls} ran with the CPU kernels' memory (gates computed and saved step by "
-                 "step), not cuDNN's: on a GPU cuDNN keeps one training reserve per call and takes "
-                 "a transient workspace beside its forward and backward (measured on {source}; "
-                 "not simulated), so these layers' activations and the peak can differ from a GPU's")
-_CPU_RNN_NAMES = {"GRU": "GRU", "RNN_TANH": "RNN (tanh)", "RNN_RELU": "RNN (relu)"}
+                 "step), not cuDNN's (packed sequences, projections or cuDNN switched off: on a "
+                 "GPU cuDNN keeps one training reserve per call and takes a transient workspace "
+                 "beside its forward and backward, measured on {source}), so these layers' "
+                 "activations and the peak can differ from a GPU's")
+_CPU_RNN_NAMES = {"LSTM": "LSTM", "GRU": "GRU", "RNN_TANH": "RNN (tanh)", "RNN_RELU": "RNN (relu)"}
 _CPU_NOTE = ("kernels='cpu': CPU kernels and defaults, the simulated device behaves like the "
              "CPU (for checking the simulation against --backend cpu)")
 _FAST_ENTRIES: dict[tuple, dict] = {}  # FakeOutputCache entries per kernel configuration
@@ -170,7 +171,7 @@ class _Installs:
         self.sdpa = None  # the SDPA kernel's counter of the backends it picked
 
     def install_kernels(self, capability: tuple[int, int], tracker: SimTracker) -> None:
-        installed = install_cuda_kernels(self.patches, capability)
+        installed = install_cuda_kernels(self.patches, capability, tracker)
         self.sdpa = installed["sdpa"]
         self.patches.set(tracker, "own_kernels", installed["kernels"])
 
@@ -663,11 +664,13 @@ def _shown(value: Any) -> str | None:
 
 def _kernel_notes(state: SimState, sdpa) -> list[str]:
     """The report's notes on the kernels a run took as CUDA's: cuDNN's RNNs and convolutions,
-    the GRU and plain RNN layers left on the CPU kernels' memory, flex_attention, quantized
+    the RNN stacks left on the CPU kernels' memory, flex_attention, quantized
     weights' libraries, the attention backends SDPA picked."""
     out = []
-    if state.cuda and state.rnn_ran:
-        out.append(_RNN_NOTE.format(how=rnn_how(state.cudnn_rnn_workspaces)))
+    if state.cuda and state.cudnn_rnn_calls:
+        kinds = [k for k in ("LSTM", "GRU", "RNN") if k in state.cudnn_rnn_calls]
+        out.append(_RNN_NOTE.format(kinds=", ".join(kinds),
+                                    how=rnn_how(state.cudnn_rnn_workspaces)))
     if state.cuda and state.cpu_rnn_calls:
         calls = ", ".join(f"{n} {_CPU_RNN_NAMES[name]} call{'s' * (n > 1)}"
                           for name, n in sorted(state.cpu_rnn_calls.items()))

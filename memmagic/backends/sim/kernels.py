@@ -39,10 +39,10 @@ import torch
 
 from ...core import _torch_private as _priv
 from ...core.patching import Patches
+from .cudnn_rnn import RNN_MODES, CudnnRNNKernel
 
 __all__ = ["install_cuda_kernels", "choose_sdpa_backend", "mkldnn_rnn_workspace", "fix_outputs",
-           "cudnn_lstm_reserve", "attention_backward_scratch",
-           "FIXED_OUTPUT_OPS", "RNN_LAYER", "RNN_OPS"]
+           "attention_backward_scratch", "FIXED_OUTPUT_OPS"]
 
 _aten = torch.ops.aten
 _DROPOUT = _aten.dropout.default
@@ -334,8 +334,10 @@ def _cuda_default_to_fused_or_foreach(params: list[torch.Tensor], differentiable
     return False, True
 
 
-def install_cuda_kernels(patches: Patches, capability: tuple[int, int]) -> dict[str, Any]:
-    """Register the CUDA-behaviour kernels; returns {"library": lib, "sdpa": counter,
+def install_cuda_kernels(patches: Patches, capability: tuple[int, int], tracker) -> dict[str, Any]:
+    """Register the CUDA-behaviour kernels (cuDNN's LSTM, GRU and RNN stacks:
+    :mod:`.cudnn_rnn`, their buffers through ``tracker``, and the flattening of their
+    weights); returns {"library": lib, "sdpa": counter,
     "kernels": {op: kernel}} (what inference mode, which skips the autograd key they are
     registered for, runs through :attr:`SimTracker.own_kernels`).
     ``patches.restore()`` destroys the library and undoes the rest (also when this
@@ -343,13 +345,17 @@ def install_cuda_kernels(patches: Patches, capability: tuple[int, int]) -> dict[
     lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
     patches.call_on_restore(functools.partial(_priv.destroy_library, lib))
     sdpa = _SDPAKernel(capability)
+    rnn = CudnnRNNKernel(tracker)
+    kernels = {_DROPOUT: _dropout, _SDPA: sdpa, **{op: rnn.kernel(op) for op in RNN_MODES}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        lib.impl("dropout", _dropout, "AutogradCPU")
-        lib.impl("scaled_dot_product_attention", sdpa, "AutogradCPU")
+        for op, kernel in kernels.items():
+            lib.impl(op, kernel, "AutogradCPU")
     for mod, attr in _priv.default_foreach_slots():
         patches.set(mod, attr, _cuda_default_to_fused_or_foreach)
-    return {"library": lib, "sdpa": sdpa, "kernels": {_DROPOUT: _dropout, _SDPA: sdpa}}
+    patches.set(torch.nn.RNNBase, "flatten_parameters",
+                rnn.flattening(torch.nn.RNNBase.flatten_parameters))
+    return {"library": lib, "sdpa": sdpa, "kernels": kernels}
 
 
 # -- oneDNN LSTM workspace ------------------------------------------------------------------
@@ -403,40 +409,22 @@ def mkldnn_rnn_workspace(args: tuple, kwargs: dict) -> int:
 
 
 # -- meta kernels whose memory differs from the real kernels' (every run) -----------------------
-RNN_LAYER = _aten.mkldnn_rnn_layer.default
+_RNN_LAYER = _aten.mkldnn_rnn_layer.default  # an LSTM layer on the CPU kernels
 _RNN_LAYER_BACKWARD = _aten.mkldnn_rnn_layer_backward.default
-RNN_OPS = frozenset({RNN_LAYER, _RNN_LAYER_BACKWARD})  # an LSTM layer's forward and backward
 _BATCH_NORMS = {_aten.native_batch_norm.default, _aten._native_batch_norm_legit.default,
                 _aten._native_batch_norm_legit_functional.default,
                 _aten._native_batch_norm_legit.no_stats}
 _BN_UPDATES = {_aten.native_batch_norm.default, _aten._native_batch_norm_legit.default}
 _HALF = (torch.float16, torch.bfloat16)
 # the ops whose outputs fix_outputs corrects
-FIXED_OUTPUT_OPS = frozenset({RNN_LAYER, _RNN_LAYER_BACKWARD, *_BATCH_NORMS})
+FIXED_OUTPUT_OPS = frozenset({_RNN_LAYER, _RNN_LAYER_BACKWARD, *_BATCH_NORMS})
 
 
-_CUDNN_RESERVE_PAD = 256  # cuDNN's reserve is 256 bytes over its layers' (H100 and H200)
-
-
-def cudnn_lstm_reserve(args: tuple) -> int:
-    """Bytes of cuDNN's training reserve for one LSTM layer and direction: the four gates
-    and the cell state of every step, in the input's dtype (measured on an H100, cuDNN
-    9.19, to the byte on 24 shapes: 1-2 layers, one or two directions, fp32 and fp16; the
-    outputs of a stack's inner layers, also in the reserve there, are the next layer's
-    saved input here), and 256 bytes (a stack's; taken here by each layer). cuDNN's transient
-    workspace: :func:`.cudnn.rnn_workspace`."""
-    x = args[0]
-    if not args[15]:
-        return 0
-    return 5 * x.shape[0] * x.shape[1] * args[10] * x.element_size() + _CUDNN_RESERVE_PAD
-
-
-def fix_outputs(func, args, kwargs, out, cuda: bool = False):
-    """Outputs where the fake (meta) kernel differs from the real kernel's memory (with
-    ``cuda``, the CUDA kernel's: cuDNN's LSTM reserve instead of oneDNN's workspace)."""
-    if func is RNN_LAYER:
+def fix_outputs(func, args, kwargs, out):
+    """Outputs where the fake (meta) kernel differs from the real kernel's memory."""
+    if func is _RNN_LAYER:
         if out[3].numel() == 0:
-            ws = cudnn_lstm_reserve(args) if cuda else mkldnn_rnn_workspace(args, kwargs)
+            ws = mkldnn_rnn_workspace(args, kwargs)
             if ws:
                 out = (*out[:3], args[0].new_empty((ws,), dtype=torch.uint8))
     elif func is _RNN_LAYER_BACKWARD:

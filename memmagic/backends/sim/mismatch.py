@@ -20,13 +20,15 @@ __all__ = ["device_rule", "check_same_device"]
 
 # Ops that take tensors on different devices on CUDA (device_check: NoCheck in
 # native_functions.yaml, not TensorIterator-based): copies, views of another tensor's
-# shape, storage swaps, the CTC losses (targets and lengths may stay on the CPU).
+# shape, storage swaps, the CTC losses (targets and lengths may stay on the CPU), packing.
 _ANY_DEVICE = {"copy_", "copy", "_copy_from", "_copy_from_and_resize", "_to_copy", "to",
                "lift", "lift_fresh", "lift_fresh_copy", "set_", "is_set_to", "is_same_size",
                "_has_same_storage_numel", "expand_as", "view_as", "reshape_as",
                "broadcast_tensors", "empty_like", "resize_as_", "_foreach_copy_", "_foreach_copy",
                "ctc_loss", "_ctc_loss", "_ctc_loss_backward", "_cudnn_ctc_loss",
                "_use_cudnn_ctc_loss", "record_stream", "_resize_output_",
+               # packed sequences: their lengths and batch sizes stay on the CPU
+               "_pack_padded_sequence", "_pad_packed_sequence", "_pack_padded_sequence_backward",
                # a metadata question (module.cuda() asks it; in inference mode it reaches
                # the modes)
                "_has_compatible_shallow_copy_type"}

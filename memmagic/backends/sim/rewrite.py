@@ -80,7 +80,7 @@ class DeviceRewriteMode(TorchFunctionMode):
             T.data.__set__: self._set_data,
             T.record_stream: lambda f, a, k: None,  # one stream: nothing to wait for
             T.data_ptr: self._data_ptr,
-            torch.gru: self._cpu_rnn, torch.rnn_tanh: self._cpu_rnn,
+            torch.lstm: self._cpu_rnn, torch.gru: self._cpu_rnn, torch.rnn_tanh: self._cpu_rnn,
             torch.rnn_relu: self._cpu_rnn,
         }
         if state.cuda:
@@ -136,15 +136,19 @@ class DeviceRewriteMode(TorchFunctionMode):
             s.target = prev
 
     def _cpu_rnn(self, func, args, kwargs):
-        """A GRU or plain RNN stack (``torch._VF.gru``, what ``nn.GRU`` calls): it runs as
-        the CPU kernels do, gate by gate and step by step; on the simulated GPU it is
-        counted for the report's note (cuDNN's reserve and workspace are not modelled)."""
+        """An LSTM, GRU or plain RNN stack (``torch._VF.gru``, what ``nn.GRU`` calls). On the
+        simulated GPU it runs as cuDNN's (.cudnn_rnn); one that stays on the CPU kernels'
+        memory there (packed sequences, projections, cuDNN switched off) is counted for the
+        report's note."""
         x = args[0] if args else None
         s = self.s
-        if s.cuda and isinstance(x, torch.Tensor) and s.pool_of(x) == "device":
+        taken = sum(s.cudnn_rnn_calls.values())
+        out = func(*args, **kwargs)
+        if (s.cuda and isinstance(x, torch.Tensor) and s.pool_of(x) == "device"
+                and sum(s.cudnn_rnn_calls.values()) == taken):
             name = func.__name__.upper()
             s.cpu_rnn_calls[name] = s.cpu_rnn_calls.get(name, 0) + 1
-        return func(*args, **kwargs)
+        return out
 
     # -- properties --------------------------------------------------------------------
     def _is_cuda(self, func, args, kwargs):

@@ -122,16 +122,17 @@ class SimState:
         # torch.backends.cudnn.benchmark as the simulated cells left it (None: as the
         # process has it)
         self.cudnn_benchmark: bool | None = None
-        self.rnn_ran = False              # an RNN layer ran in this cell
-        # GRU and plain RNN layers that ran on the device (on the CPU kernels' memory):
-        # "GRU", "RNN_TANH", "RNN_RELU" -> calls
+        # RNN stacks that ran on the device as cuDNN's (.cudnn_rnn): "LSTM", "GRU", "RNN" -> calls
+        self.cudnn_rnn_calls: dict[str, int] = {}
+        # and those left on the CPU kernels' memory (packed sequences, projections, cuDNN
+        # switched off): "LSTM", "GRU", "RNN_TANH", "RNN_RELU" -> calls
         self.cpu_rnn_calls: dict[str, int] = {}
         # quantized-weight kernels that ran on the device: library -> op names
         self.library_kernels: dict[str, set[str]] = {}
         self.flex_attention_calls = 0     # flex_attention (and its backward) calls
         # how the cuDNN workspaces of this cell's convolution passes were sized -> passes
         self.cudnn_workspaces: dict[str, int] = {}
-        self.cudnn_rnn_workspaces: dict[str, int] = {}  # the same for LSTM layers' calls
+        self.cudnn_rnn_workspaces: dict[str, int] = {}  # the same for RNN calls
 
     def begin_run(self) -> None:
         """Per-cell counters back to zero (the state of a persistent simulated GPU lasts
@@ -143,7 +144,7 @@ class SimState:
         self.read_ops = {}
         self.value_reads = 0
         self.in_dispatch = 0
-        self.rnn_ran = False
+        self.cudnn_rnn_calls = {}
         self.cpu_rnn_calls = {}
         self.library_kernels = {}
         self.flex_attention_calls = 0

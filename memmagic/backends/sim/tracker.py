@@ -37,8 +37,8 @@ from .errors import (
     SimulationBudgetExceeded,
     SimulationUnsupported,
 )
-from .cudnn import CONV_OPS, conv_workspaces, rnn_workspace
-from .kernels import FIXED_OUTPUT_OPS, RNN_LAYER, RNN_OPS, fix_outputs
+from .cudnn import CONV_OPS, conv_workspaces
+from .kernels import FIXED_OUTPUT_OPS, fix_outputs
 from .mismatch import check_same_device, device_rule
 from .state import CPU, META, SimState, is_cuda_device
 from .values import read_scalar
@@ -70,6 +70,14 @@ _QUANTIZED_KERNELS: dict[object, str] = {
         _aten._weight_int4pack_mm_with_scales_and_zeros)},
 }
 _FOUND_INF_OPS = {_aten._amp_foreach_non_finite_check_and_unscale_.default}
+# ops that take a storage: FakeTensorMode's (class-wide) dispatch cache would key on the
+# storage object itself and keep it, and its memory, alive for good
+_STORAGE_SETS = {_aten.set_.source_Storage, _aten.set_.source_Storage_storage_offset}
+
+
+def _uncached(func, args: tuple, kwargs: dict):
+    with _priv.fake_cache_off(args[0].fake_mode):
+        return func(*args, **kwargs)
 # flex_attention and its backward: higher-order operators that reach the tracker as ops
 _FUSED_ATTENTION = frozenset(_priv.attention_hops())
 _PHASE_WORDS = {"forward": " during forward", "backward": " during backward (loss.backward())",
@@ -439,12 +447,10 @@ class SimTracker(StorageTracker):
                 pool = self.pool_from_inputs(func, args, kwargs)
             if pool == "device":
                 s.cuda_seen = True
-                if func in BLAS_OPS and self.workspaces is not None:
-                    self._take_workspaces(func, args, kwargs)
-                else:
+                if func not in BLAS_OPS:
                     self._note_kernel(func)
-            s.pending, held = pool, self._hold_rnn_workspace(func, args, pool)
-            fast = self.fast
+            s.pending = pool
+            fast = self.fast if func not in _STORAGE_SETS else _uncached
             out = func(*args, **kwargs) if fast is None else fast(func, args, kwargs)
             out = propagate(func, args, kwargs, out, pool == "device" and s.cuda)
             info = self._op_info.get(func)
@@ -452,12 +458,10 @@ class SimTracker(StorageTracker):
                 info = self._op_info[func] = _op_info(func)
             mutating, name, fixup = info
             if fixup:
-                out = fix_outputs(func, args, kwargs, out, s.cuda)
-                if func is RNN_LAYER:
-                    s.rnn_ran = True
+                out = fix_outputs(func, args, kwargs, out)
             out = self._record_outputs(func, name, mutating, args, kwargs, out)
-            if pool == "device" and (held or func in REDUCTION_OPS or func in CONV_OPS):
-                self._kernel_scratch(func, args, kwargs, held)
+            if pool == "device" and (func in BLAS_OPS or func in REDUCTION_OPS or func in CONV_OPS):
+                self._kernel_scratch(func, args, kwargs)
             return out
         finally:
             s.in_dispatch -= 1
@@ -528,7 +532,8 @@ class SimTracker(StorageTracker):
 
     def _take_workspaces(self, func, args, kwargs) -> None:
         """Allocate the cuBLAS/cuBLASLt workspaces this matmul makes torch allocate (once per
-        thread, kept for the life of the simulated GPU; see .workspaces)."""
+        thread, kept for the life of the simulated GPU; see .workspaces): after its output,
+        as torch takes them when the matmul first uses its handle."""
         ws = self.workspaces
         thread = "backward" if _priv.in_backward() else "main"
         self._last_op = func.__name__  # an OOM here is this op's
@@ -555,36 +560,27 @@ class SimTracker(StorageTracker):
             for n in sizes:  # one after the other: each freed before the next
                 self._take_scratch([n])
 
-    def _kernel_scratch(self, func, args, kwargs, held: int) -> None:
-        """After a device op's outputs: the transient buffers its kernel takes beside them
-        (a reduction's staging, cuDNN's convolution workspaces) and frees, and the RNN
-        workspace ``held`` (a serial) from before them let go."""
+    def _kernel_scratch(self, func, args, kwargs) -> None:
+        """After a device op's outputs: the cuBLAS workspaces a matmul takes and keeps, and
+        the transient buffers a kernel takes beside its outputs (a reduction's staging,
+        cuDNN's convolution workspaces) and frees."""
         if self.workspaces is not None:
-            if func in REDUCTION_OPS:
+            if func in BLAS_OPS:
+                self._take_workspaces(func, args, kwargs)
+            elif func in REDUCTION_OPS:
                 self._take_scratch(*self.workspaces.scratch(func, args, kwargs))
             elif func in CONV_OPS and self.s.cuda:
                 self._take_conv_workspaces(func, args)
-        if held:
-            self._on_free(-held, held)
 
-    def _hold_rnn_workspace(self, func, args, pool: str) -> int:
-        """cuDNN's RNN workspace (see .cudnn.rnn_workspace) for an LSTM layer's forward or
-        backward, allocated before its outputs and freed after them (cuDNN takes it for the
-        whole stack before its reserve, and frees it when the call is queued); its serial,
-        0 for none (no workspace on a CPU-kernels card or one without workspaces)."""
-        if func not in RNN_OPS or pool != "device" or not self.s.cuda or self.workspaces is None:
-            return 0
-        x = args[0]
-        layers, bidirectional = (args[11], args[13]) if func is RNN_LAYER else (args[16], args[19])
-        hidden = args[10] if func is RNN_LAYER else args[15]
-        T, B, I = (int(v) for v in x.shape[-3:]) if x.dim() == 3 else (int(x.shape[0]), 1, int(x.shape[-1]))
-        nbytes, how = rnn_workspace("LSTM", x.dtype, layers, bidirectional, T, B, I, hidden)
-        counts = self.s.cudnn_rnn_workspaces
-        counts[how] = counts.get(how, 0) + 1
-        if nbytes <= 0:
-            return 0
-        self._last_op = func.__name__  # an OOM here is this op's
-        return self.hold_workspace(round_request(nbytes))[0]
+    def hold_scratch(self, nbytes: int, op: str) -> int:
+        """A kernel's transient buffer of ``nbytes`` on the device, held until
+        :meth:`release_scratch` (cuDNN's RNN workspace, held across the call's outputs:
+        .cudnn_rnn); its serial. Raises the out-of-memory error a GPU would raise here, as ``op``'s."""
+        self._last_op = op
+        return self.hold_workspace(round_request(nbytes), nbytes)[0]
+
+    def release_scratch(self, serial: int) -> None:
+        self._on_free(-serial, serial)
 
     def _take_scratch(self, sizes: list[int], recipe: tuple | None = None) -> None:
         """A kernel's transient buffers (a reduction's staging memory): allocated beside
@@ -600,15 +596,16 @@ class SimTracker(StorageTracker):
                 self.scratch[serial] = (recipe, i)
             self._on_free(-serial, serial)
 
-    def hold_workspace(self, nbytes: int) -> tuple[int, int]:
+    def hold_workspace(self, nbytes: int, requested: int | None = None) -> tuple[int, int]:
         """Allocate a workspace of ``nbytes`` on the device for the life of the GPU (no
-        storage: a key of its own, never freed); (its serial, its bytes). Raises the OOM
-        a GPU would raise here."""
+        storage: a key of its own, never freed); (its serial, its bytes). ``requested``:
+        the bytes asked for, before rounding (the allocator's history shows them). Raises
+        the OOM a GPU would raise here."""
         self._serial += 1
         entry = Entry(self._serial, nbytes, "device")
         self.pool_of[entry.serial] = "device"
         self.roles[entry.serial] = Category.WORKSPACES
-        self._requested = nbytes
+        self._requested = nbytes if requested is None else requested
         self._add(entry, entry.nbytes)
         self._live[-entry.serial] = entry
         return entry.serial, entry.nbytes

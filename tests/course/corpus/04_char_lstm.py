@@ -58,7 +58,5 @@ assert r.breakdown["optimizer_state"] in (0, 2 * params)
 # bf16 weights halve parameters, gradients and Adam's moments
 WHATIF = [("amp", "fp16", "down"), ("weights_dtype", "bf16", "down"), ("grad_mode", "no_grad", "down")]
 # measured on an H200 (results/gpu-check-nvidia-h200.json, "corpus_char_lstm"): AMP takes this
-# step's peak from 444.0 MB down to 399.4 MB; the simulation's cuDNN workspaces for this LSTM
-# (2 layers of 1024 over 32 x 32 steps: scaled from the nearest shape measured) leave its
-# fp32 peak 13% low, so it sees AMP move the peak up (385.9 -> 392.3 MB)
-XFAIL = {"whatif": "cuDNN's LSTM workspace at this shape not measured: AMP reads as up, down on a GPU"}
+# step's peak from 444.0 MB down to 399.4 MB; simulated as cuDNN's RNN (its workspace for 2
+# layers of 1024 over 32 x 32 steps scaled from the nearest shape measured): 412.8 -> 371.8 MB
