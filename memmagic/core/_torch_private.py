@@ -225,12 +225,18 @@ FAKE_DEVICE_ATTR = "_fake_device"
 # object a TorchFunctionMode receives (a handler table is keyed by it).
 PARSE_TO_FUNCTION: Callable = torch._C._nn._parse_to
 
+# ``torch._VF._pack_padded_sequence`` / ``_pad_packed_sequence``: what ``pack_padded_sequence``
+# and ``pad_packed_sequence`` call, as the function objects a TorchFunctionMode receives.
+PACK_PADDED_FUNCTION: Callable = torch._pack_padded_sequence
+PAD_PACKED_FUNCTION: Callable = torch._pad_packed_sequence
+
 # no_dispatch(): context manager, the Python dispatch key (modes, tensor subclasses) is
 # skipped: ``torch.empty(..., device="meta")`` inside it makes a plain meta tensor.
 no_dispatch = torch._C._DisableTorchDispatch
 
 __all__ += [
     "OpOverload", "DEFAULT_CONSTANT_NUMEL_LIMIT", "FAKE_DEVICE_ATTR", "PARSE_TO_FUNCTION",
+    "PACK_PADDED_FUNCTION", "PAD_PACKED_FUNCTION",
     "no_dispatch", "dispatch_keys", "bare_fake", "make_subclass_slot", "make_wrapper_subclass_slot", "accelerator_slot", "fake_as_subclass", "register_fake_constant", "fake_alias", "fake_debug_enabled",
     "fake_tensor_device_getter", "dataloader_iterator_slot", "destroy_library",
     "default_foreach_slots", "module_call_slot", "has_forward_hooks", "tree_flatten",

@@ -49,6 +49,27 @@ def test_fake_cache_off_neither_reads_nor_fills_the_dispatch_cache():
     assert priv.fake_dispatch_cache_size() == before + 1
 
 
+def test_packing_functions_are_what_nn_utils_rnn_calls():
+    """The function-mode handlers of packed sequences are keyed by the functions
+    ``pack_padded_sequence`` / ``pad_packed_sequence`` call, and a mode receives them."""
+    from torch.overrides import TorchFunctionMode
+    from torch.nn.utils import rnn
+
+    assert rnn._VF._pack_padded_sequence is priv.PACK_PADDED_FUNCTION
+    assert rnn._VF._pad_packed_sequence is priv.PAD_PACKED_FUNCTION
+    seen = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        packed = rnn.pack_padded_sequence(torch.zeros(2, 3, 4), torch.tensor([3, 1]), batch_first=True)
+        rnn.pad_packed_sequence(packed, batch_first=True)
+    assert priv.PACK_PADDED_FUNCTION in seen and priv.PAD_PACKED_FUNCTION in seen
+
+
 def test_fake_errors_are_exceptions():
     for e in (priv.DataDependentOutputException, priv.DynamicOutputShapeException,
               priv.UnsupportedOperatorException):

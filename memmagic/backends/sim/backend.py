@@ -74,10 +74,12 @@ _FLEX_NOTE = ("flex_attention ran as its fused kernel, as torch.compile(flex_att
               "computes the whole batch x heads x queries x keys scores, which this leaves out")
 _RNN_NOTE = ("{kinds} layers ran as cuDNN's: they keep cuDNN's training reserve (each step's gates "
              "and states) and take cuDNN's transient workspace beside each forward and the two "
-             "backward passes ({how}); cuDNN's dropout state between layers is not counted")
+             "backward passes ({how}){packed}; cuDNN's dropout state between layers is not counted")
+_PACKED_NOTE = ("; {n} call{s} on packed sequences, their reserve and workspace sized as the "
+                "padded batch (cuDNN's packed figures were not measured)")
 # RNN stacks the simulated GPU leaves on the CPU kernels' memory
 _CPU_RNN_NOTE = ("{calls} ran with the CPU kernels' memory (gates computed and saved step by "
-                 "step), not cuDNN's (packed sequences, projections or cuDNN switched off: on a "
+                 "step), not cuDNN's (LSTM projections or cuDNN switched off: on a "
                  "GPU cuDNN keeps one training reserve per call and takes a transient workspace "
                  "beside its forward and backward, measured on {source}), so these layers' "
                  "activations and the peak can differ from a GPU's")
@@ -668,9 +670,12 @@ def _kernel_notes(state: SimState, sdpa) -> list[str]:
     weights' libraries, the attention backends SDPA picked."""
     out = []
     if state.cuda and state.cudnn_rnn_calls:
-        kinds = [k for k in ("LSTM", "GRU", "RNN") if k in state.cudnn_rnn_calls]
-        out.append(_RNN_NOTE.format(kinds=", ".join(kinds),
-                                    how=rnn_how(state.cudnn_rnn_workspaces)))
+        calls = state.cudnn_rnn_calls
+        kinds = [k for k in ("LSTM", "GRU", "RNN") if k in calls]
+        n = calls.get("packed", 0)
+        packed = _PACKED_NOTE.format(n=n, s="s" * (n > 1)) if n else ""
+        out.append(_RNN_NOTE.format(kinds=", ".join(kinds), how=rnn_how(state.cudnn_rnn_workspaces),
+                                    packed=packed))
     if state.cuda and state.cpu_rnn_calls:
         calls = ", ".join(f"{n} {_CPU_RNN_NAMES[name]} call{'s' * (n > 1)}"
                           for name, n in sorted(state.cpu_rnn_calls.items()))

@@ -25,9 +25,11 @@ as a CUDA build does.
 Under CUDA autocast, cuDNN's RNNs run in fp16 whatever the autocast dtype (ATen's
 ``_cudnn_rnn_cast_reflatten``): the input, the states and the weights are cast (cuDNN
 reflattens the fp16 weights into one buffer; here one copy per weight, the same bytes).
-Packed sequences, LSTMs with projections, ``torch.backends.cudnn.enabled = False`` and
-empty inputs keep the composite (CPU) kernels, as the report's note says. cuDNN's dropout
-state between layers is not counted.
+A packed sequence (:mod:`.packed`) runs the same way on its rows, its reserve and
+workspace sized as its padded batch (cuDNN's packed figures were not measured; the note
+says so). LSTMs with projections, ``torch.backends.cudnn.enabled = False`` and empty inputs
+keep the composite (CPU) kernels, as the report's note says. cuDNN's dropout state between
+layers is not counted.
 """
 
 from __future__ import annotations
@@ -39,13 +41,17 @@ import torch
 
 from ...core import _torch_private as _priv
 from .cudnn import rnn_reserve, rnn_workspace
+from .packed import batch_sizes_of
 
 __all__ = ["CudnnRNNKernel", "RNN_MODES"]
 
 _aten = torch.ops.aten
 # op -> cuDNN's mode as the measured tables name it
 RNN_MODES = {_aten.lstm.input: "LSTM", _aten.gru.input: "GRU", _aten.rnn_tanh.input: "RNN",
-             _aten.rnn_relu.input: "RNN"}
+             _aten.rnn_relu.input: "RNN", _aten.lstm.data: "LSTM", _aten.gru.data: "GRU",
+             _aten.rnn_tanh.data: "RNN", _aten.rnn_relu.data: "RNN"}
+# the overloads that take a packed sequence (its rows, then its batch sizes)
+_PACKED = frozenset({_aten.lstm.data, _aten.gru.data, _aten.rnn_tanh.data, _aten.rnn_relu.data})
 
 
 class _CudnnRNN(torch.autograd.Function):
@@ -55,7 +61,7 @@ class _CudnnRNN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: "_Call", x, hx, cx, *weights):
         xt = (x.transpose(0, 1) if call.batch_first else x).contiguous()
-        y = xt.new_empty((xt.shape[0], xt.shape[1], call.directions * hx.shape[-1]))
+        y = xt.new_empty((*xt.shape[:-1], call.directions * hx.shape[-1]))
         hy = hx.new_empty(hx.shape)
         cy = None if cx is None else cx.new_empty(cx.shape)
         held = call.hold(call.workspace)
@@ -96,13 +102,15 @@ class _Call:
     weakly: a graph kept after the run keeps no tracker alive)."""
 
     def __init__(self, tracker, mode: str, x, hx, weights, layers: int, train: bool,
-                 bidirectional: bool, batch_first: bool, counts: dict[str, int]) -> None:
+                 bidirectional: bool, batch_first: bool, counts: dict[str, int],
+                 steps: tuple[int, int] | None = None) -> None:
         self.tracker = weakref.ref(tracker)
         self.batch_first = batch_first
         self.directions = 2 if bidirectional else 1
         self.shapes = [(w.numel(), w.shape) for w in weights]
         self.weight_dtype = weights[0].dtype if weights else x.dtype
-        B, T = (x.shape[0], x.shape[1]) if batch_first else (x.shape[1], x.shape[0])
+        # (a packed sequence's ``steps``: its steps and its first step's batch)
+        T, B = steps or ((x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1]))
         H, I = hx.shape[-1], x.shape[-1]
         self.workspace, how = rnn_workspace(mode, x.dtype, layers, bidirectional, T, B, I, H)
         counts[how] = counts.get(how, 0) + 1
@@ -130,21 +138,27 @@ class CudnnRNNKernel:
         self._tracker = weakref.ref(tracker)  # (torch may keep a kernel after its library)
 
     def kernel(self, op) -> Any:
-        mode = RNN_MODES[op]
+        mode, packed = RNN_MODES[op], op in _PACKED
 
-        def run(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
-                batch_first):
-            args = (input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
-                    batch_first)
+        def run(*args):
+            # (input, hx, params, has_biases, layers, dropout, train, bidirectional, batch_first),
+            # or (data, batch_sizes, hx, params, ..., bidirectional) for a packed sequence
+            x, rest = args[0], args[2:] if packed else args[1:]
+            hx, params, _bias, layers, _dropout, train, bidirectional = rest[:7]
             h, c = (hx[0], hx[1]) if mode == "LSTM" else (hx, None)
             tracker = self._tracker()
-            if (tracker is None or not self._takes(tracker, input)
+            if (tracker is None or not self._takes(tracker, x, packed)
                     or (c is not None and c.shape[-1] != h.shape[-1])):
                 # (an LSTM with projections: cuDNN's reserve for them was not measured)
                 return _priv.call_composite(op, *args)
+            steps = None
+            if packed:  # sized as the padded batch (cuDNN's packed figures were not measured)
+                sizes = batch_sizes_of(args[1], op)
+                steps = (len(sizes), sizes[0])
             calls = tracker.s.cudnn_rnn_calls
-            calls[mode] = calls.get(mode, 0) + 1
-            x, weights = input, list(params)
+            for key in (mode, "packed") if packed else (mode,):
+                calls[key] = calls.get(key, 0) + 1
+            weights = list(params)
             if (torch.is_autocast_enabled("cpu") and not _priv.autocast_cpu_excluded()
                     and x.is_floating_point()):
                 # CUDA's autocast wrapper of cuDNN's RNNs: fp16 whatever the autocast dtype
@@ -152,17 +166,17 @@ class CudnnRNNKernel:
                     x, h = x.to(torch.float16), h.to(torch.float16)
                     c = None if c is None else c.to(torch.float16)
                     weights = [w.to(torch.float16) for w in weights]
-            call = _Call(tracker, mode, x, h, weights, num_layers, train, bidirectional,
-                         batch_first, tracker.s.cudnn_rnn_workspaces)
+            call = _Call(tracker, mode, x, h, weights, layers, train, bidirectional,
+                         not packed and rest[7], tracker.s.cudnn_rnn_workspaces, steps)
             out, hy, cy = _CudnnRNN.apply(call, x, h, c, *weights)
             return (out, hy) if c is None else (out, hy, cy)
 
         return run
 
     @staticmethod
-    def _takes(tracker, x) -> bool:
+    def _takes(tracker, x, packed: bool) -> bool:
         """Whether CUDA would run this stack through cuDNN and it is on the simulated GPU."""
-        return (x.dim() == 3 and x.numel() > 0 and _on_gpu(tracker, x)
+        return (x.dim() == (2 if packed else 3) and x.numel() > 0 and _on_gpu(tracker, x)
                 and torch.backends.cudnn.enabled)
 
     def flattening(self, original) -> Any:

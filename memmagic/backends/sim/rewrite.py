@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from ...core import _torch_private as _priv
 from ...core.interrupts import atomic
 from .errors import RERUN_HINT, SimulationUnsupported
+from .packed import pack_padded, pad_packed
 from ...core.tracking import held_by
 from .state import CPU, SimState, gpu_device, is_cuda_device
 from .values import holds_placeholder, marked, tensor_numpy, tensor_repr, tensor_tolist
@@ -82,6 +83,7 @@ class DeviceRewriteMode(TorchFunctionMode):
             T.data_ptr: self._data_ptr,
             torch.lstm: self._cpu_rnn, torch.gru: self._cpu_rnn, torch.rnn_tanh: self._cpu_rnn,
             torch.rnn_relu: self._cpu_rnn,
+            _priv.PACK_PADDED_FUNCTION: pack_padded, _priv.PAD_PACKED_FUNCTION: pad_packed,
         }
         if state.cuda:
             h.update({
@@ -138,7 +140,7 @@ class DeviceRewriteMode(TorchFunctionMode):
     def _cpu_rnn(self, func, args, kwargs):
         """An LSTM, GRU or plain RNN stack (``torch._VF.gru``, what ``nn.GRU`` calls). On the
         simulated GPU it runs as cuDNN's (.cudnn_rnn); one that stays on the CPU kernels'
-        memory there (packed sequences, projections, cuDNN switched off) is counted for the
+        memory there (LSTM projections, cuDNN switched off) is counted for the
         report's note."""
         x = args[0] if args else None
         s = self.s

@@ -122,10 +122,11 @@ class SimState:
         # torch.backends.cudnn.benchmark as the simulated cells left it (None: as the
         # process has it)
         self.cudnn_benchmark: bool | None = None
-        # RNN stacks that ran on the device as cuDNN's (.cudnn_rnn): "LSTM", "GRU", "RNN" -> calls
+        # RNN stacks that ran on the device as cuDNN's (.cudnn_rnn): "LSTM", "GRU", "RNN" ->
+        # calls, and "packed" -> those of them on packed sequences
         self.cudnn_rnn_calls: dict[str, int] = {}
-        # and those left on the CPU kernels' memory (packed sequences, projections, cuDNN
-        # switched off): "LSTM", "GRU", "RNN_TANH", "RNN_RELU" -> calls
+        # and those left on the CPU kernels' memory (LSTM projections, cuDNN switched off):
+        # "LSTM", "GRU", "RNN_TANH", "RNN_RELU" -> calls
         self.cpu_rnn_calls: dict[str, int] = {}
         # quantized-weight kernels that ran on the device: library -> op names
         self.library_kernels: dict[str, set[str]] = {}
