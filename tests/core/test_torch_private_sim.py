@@ -9,10 +9,23 @@ import math
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from memmagic.core import _torch_private as priv
 from memmagic.backends.sim import op_cache
 from memmagic.backends.sim.op_cache import FakeOutputCache
+
+
+class _SeenFunctions(TorchFunctionMode):
+    """Records the functions a TorchFunctionMode receives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
 
 
 def test_fake_mode_and_copies():
@@ -52,22 +65,14 @@ def test_fake_cache_off_neither_reads_nor_fills_the_dispatch_cache():
 def test_packing_functions_are_what_nn_utils_rnn_calls():
     """The function-mode handlers of packed sequences are keyed by the functions
     ``pack_padded_sequence`` / ``pad_packed_sequence`` call, and a mode receives them."""
-    from torch.overrides import TorchFunctionMode
     from torch.nn.utils import rnn
 
     assert rnn._VF._pack_padded_sequence is priv.PACK_PADDED_FUNCTION
     assert rnn._VF._pad_packed_sequence is priv.PAD_PACKED_FUNCTION
-    seen = []
-
-    class Spy(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            seen.append(func)
-            return func(*args, **(kwargs or {}))
-
-    with Spy():
+    with _SeenFunctions() as mode:
         packed = rnn.pack_padded_sequence(torch.zeros(2, 3, 4), torch.tensor([3, 1]), batch_first=True)
         rnn.pad_packed_sequence(packed, batch_first=True)
-    assert priv.PACK_PADDED_FUNCTION in seen and priv.PAD_PACKED_FUNCTION in seen
+    assert priv.PACK_PADDED_FUNCTION in mode.seen and priv.PAD_PACKED_FUNCTION in mode.seen
 
 
 def test_fake_errors_are_exceptions():
@@ -151,18 +156,9 @@ def test_fake_device_attr_holds_the_device():
 
 
 def test_parse_to_function_is_what_a_function_mode_sees():
-    from torch.overrides import TorchFunctionMode
-
-    seen = []
-
-    class M(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            seen.append(func)
-            return func(*args, **(kwargs or {}))
-
-    with M():
+    with _SeenFunctions() as mode:
         torch.nn.Linear(1, 1).to(torch.float64)
-    assert priv.PARSE_TO_FUNCTION in seen
+    assert priv.PARSE_TO_FUNCTION in mode.seen
     assert priv.PARSE_TO_FUNCTION("cpu", torch.float16)[:2] == (torch.device("cpu"), torch.float16)
 
 
