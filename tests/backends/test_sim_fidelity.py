@@ -337,3 +337,25 @@ left = torch.cuda.memory_allocated()
     flat = numel * 4
     assert sizes == {flat} and blocks == 1
     assert held == -(-flat // 512) * 512 and left == 0
+
+
+def test_an_rnn_out_of_memory_at_its_reserve_lets_its_workspace_go():
+    """cuDNN's workspace is taken before the reserve; a reserve the card cannot hold raises
+    the out-of-memory error with the workspace freed, as on a GPU (it was kept for good)."""
+    src = """
+import torch
+lstm = torch.nn.LSTM(300, 1024, num_layers=2, bidirectional=True).cuda()
+x = torch.randn(400, 256, 300, device="cuda")
+before = torch.cuda.memory_allocated()
+try:
+    lstm(x)
+except torch.OutOfMemoryError as exc:
+    message = str(exc)
+after = torch.cuda.memory_allocated()
+"""
+    out = SimBackend(gpu="T4").execute(
+        lambda ns: (exec(src, ns), (ns["before"], ns["after"], ns["message"]))[1], {})
+    assert out.error is None, out.error
+    before, after, message = out.value
+    # the reserve: 400 steps x 256 x 1024 x 4 B x 2 directions x (5 x 2 + 1) + 256 B = 8.59 GiB
+    assert after == before and "Tried to allocate 8.59 GiB" in message

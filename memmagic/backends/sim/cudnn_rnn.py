@@ -65,8 +65,10 @@ class _CudnnRNN(torch.autograd.Function):
         hy = hx.new_empty(hx.shape)
         cy = None if cx is None else cx.new_empty(cx.shape)
         held = call.hold(call.workspace)
-        reserve = xt.new_empty((call.reserve,), dtype=torch.uint8) if call.reserve else None
-        call.release(held)
+        try:  # (a reserve that does not fit raises with the workspace let go, as on a GPU)
+            reserve = xt.new_empty((call.reserve,), dtype=torch.uint8) if call.reserve else None
+        finally:
+            call.release(held)
         del xt
         out = y.transpose(0, 1) if call.batch_first else y
         ctx.call = call
