@@ -153,6 +153,9 @@ class Trace:
         self.peak_event = peak_event
         self.before = before
         self.frozen = frozen  # serials of parameters that do not require grad
+        # the last event before a request failed (an out of memory), where a backend knows
+        # it: what was live then (a kernel's own buffers are let go as the error unwinds)
+        self.failure_event: int | None = None
         self._storages: list[Storage] | None = None
         self._folded: tuple | None = None  # (key, what _folds read off the trace as it was)
 

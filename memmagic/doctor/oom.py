@@ -142,7 +142,8 @@ def describe_oom(report: MemoryReport, error: BaseException | None = None,
     live = report.live_at_failure if report.live_at_failure is not None else report.after
     trace = report.trace
     if trace is not None and trace.events:
-        by_category = trace.breakdown_at(len(trace.events) - 1)
+        at = trace.failure_event
+        by_category = trace.breakdown_at(len(trace.events) - 1 if at is None else at)
     else:
         by_category = dict(report.breakdown)
     holders = _live_holders(namespace, live or 0, unit) if namespace is not None else []

@@ -359,3 +359,21 @@ after = torch.cuda.memory_allocated()
     before, after, message = out.value
     # the reserve: 400 steps x 256 x 1024 x 4 B x 2 directions x (5 x 2 + 1) + 256 B = 8.59 GiB
     assert after == before and "Tried to allocate 8.59 GiB" in message
+
+
+def test_an_out_of_memory_says_what_was_live_when_the_request_failed():
+    """The doctor's "live by category" is read at the failed request, where cuDNN's
+    workspace was still held: the categories add up to the live bytes the error gives."""
+    from memmagic.doctor.oom import describe_oom
+
+    src = """
+import torch
+lstm = torch.nn.LSTM(300, 1024, num_layers=2, bidirectional=True).cuda()
+x = torch.randn(400, 256, 300, device="cuda")
+lstm(x)
+"""
+    out = SimBackend(gpu="T4").execute(lambda ns: exec(src, ns), {})
+    assert isinstance(out.error, torch.OutOfMemoryError)
+    what = describe_oom(out.report, out.error)
+    assert what.by_category["workspaces"] > 7 << 30  # the RNN's workspace, scaled: about 7.9 GiB
+    assert sum(what.by_category.values()) == what.live == out.report.live_at_failure

@@ -485,10 +485,14 @@ class SimBackend(Backend):
         if target is not None:
             extra.update(gpu_name=target.name, gpu_memory=target.total_memory,
                          context=(tracker.context_bytes or None) if state.cuda else None)
-        if isinstance(error, SimulatedOutOfMemoryError):
+        oom = isinstance(error, SimulatedOutOfMemoryError)
+        if oom:
             extra.update(failed_request=error.size, live_at_failure=tracker.oom_live)
-        return report_from_tracking(tracking, "sim", self.device_name, tuple(all_notes),
-                                    error, **extra)
+        report = report_from_tracking(tracking, "sim", self.device_name, tuple(all_notes),
+                                      error, **extra)
+        if oom and report.trace is not None and tracker.oom_event >= 0:
+            report.trace.failure_event = tracker.oom_event
+        return report
 
 
 # -- what a run installs (every one through the run's Patches) ---------------------------------
