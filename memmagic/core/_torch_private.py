@@ -778,8 +778,8 @@ def fake_constant_storages(mode: FakeTensorMode) -> int:
     return len(mode.fake_tensor_converter.constant_storage_mapping)
 
 
-__all__ += ["clear_fake_dispatch_cache", "fake_cache_off", "fake_dispatch_cache_size", "forget_dead_constants",
-            "fake_constant_storages"]
+__all__ += ["clear_fake_dispatch_cache", "fake_cache_off", "fake_dispatch_cache_size",
+            "forget_dead_constants", "fake_constant_storages"]
 
 
 def meta_kernels(mode: FakeTensorMode):

@@ -54,13 +54,13 @@ def test_packing_gives_what_torch_gives(lengths, enforce_sorted):
     assert {sum(lengths) * 6 * 4, 4 * 12 * 6 * 4} <= sizes
 
 
-def test_unsorted_lengths_raise_torchs_error():
-    out = SimBackend(gpu="T4").execute(lambda ns: exec(_cell("cuda", [3, 10, 1, 6], True), ns), {})
-    try:
-        exec(_cell("cpu", [3, 10, 1, 6], True), {})
-    except RuntimeError as exc:
-        real = str(exc)
-    assert isinstance(out.error, RuntimeError) and real in str(out.error)
+@pytest.mark.parametrize("lengths", [[3, 10, 1, 6], [10, 7, 7], [10, 7, 7, 0]],
+                         ids=["unsorted", "not one a sample", "empty sample"])
+def test_bad_lengths_raise_torchs_error(lengths):
+    out = SimBackend(gpu="T4").execute(lambda ns: exec(_cell("cuda", lengths, True), ns), {})
+    with pytest.raises(RuntimeError) as real:
+        exec(_cell("cpu", lengths, True), {})
+    assert isinstance(out.error, RuntimeError) and str(real.value) in str(out.error)
 
 
 def test_lengths_from_data_stop_the_cell_in_one_line():

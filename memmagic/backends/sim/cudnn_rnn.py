@@ -41,7 +41,7 @@ import torch
 
 from ...core import _torch_private as _priv
 from .cudnn import rnn_reserve, rnn_workspace
-from .packed import batch_sizes_of
+from .packed import known_ints
 
 __all__ = ["CudnnRNNKernel", "RNN_MODES"]
 
@@ -155,7 +155,7 @@ class CudnnRNNKernel:
                 return _priv.call_composite(op, *args)
             steps = None
             if packed:  # sized as the padded batch (cuDNN's packed figures were not measured)
-                sizes = batch_sizes_of(args[1], op)
+                sizes = known_ints(args[1], op)
                 steps = (len(sizes), sizes[0])
             calls = tracker.s.cudnn_rnn_calls
             for key in (mode, "packed") if packed else (mode,):

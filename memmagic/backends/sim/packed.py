@@ -12,32 +12,32 @@ tensor values" error, as before.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ...core import _torch_private as _priv
 
-__all__ = ["pack_padded", "pad_packed", "batch_sizes_of"]
+__all__ = ["pack_padded", "pad_packed", "known_ints"]
 
 _aten = torch.ops.aten
 
 
-def _values(t: torch.Tensor, op) -> list[int]:
-    """The values of a CPU tensor of lengths or batch sizes, which the simulation must know."""
+def known_ints(t: torch.Tensor, op) -> list[int]:
+    """The values of a CPU tensor of lengths or batch sizes, which the simulation must know
+    to size ``op``'s outputs (else the error of an output size that depends on values)."""
     real = _priv.fake_constant(t) if _priv.is_fake(t) else t
     if real is None:
         raise _priv.DynamicOutputShapeException(op)
     return [int(v) for v in real.tolist()]
 
 
-def batch_sizes_of(t: torch.Tensor, op) -> list[int]:
-    """A packed sequence's batch sizes (one per step), as Python ints."""
-    return _values(t, op)
-
-
-def _check(lengths: list[int]) -> None:
-    """What torch's kernel checks of the lengths, with its messages."""
+def _check(input, lengths: list[int], batch_first: bool) -> None:
+    """What torch's kernel checks of the input and the lengths, with its messages."""
+    batch = input.shape[0 if batch_first else 1]
+    if input.numel() == 0:
+        raise RuntimeError("Cannot pack empty tensors.")
+    if len(lengths) != batch:
+        raise RuntimeError(f"Expected `len(lengths)` to be equal to batch_size, but got "
+                           f"{len(lengths)} (batch_size={batch})")
     if any(a < b for a, b in zip(lengths, lengths[1:])):
         raise RuntimeError(
             "`lengths` array must be sorted in decreasing order when `enforce_sorted` is True. You "
@@ -51,10 +51,10 @@ def _check(lengths: list[int]) -> None:
 class _PackPadded(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, lengths: list[int], batch_first: bool):
-        _check(lengths)
+        _check(input, lengths, batch_first)
         steps = max(lengths)
         sizes = [sum(1 for n in lengths if n > t) for t in range(steps)]
-        ctx.input_shape, ctx.batch_first = input.shape, batch_first
+        ctx.input_shape = input.shape
         data = input.new_empty((sum(lengths), *input.shape[2:]))
         batch_sizes = torch.tensor(sizes, dtype=torch.int64)
         ctx.mark_non_differentiable(batch_sizes)
@@ -87,7 +87,8 @@ def pack_padded(func, args: tuple, kwargs: dict):
     input, lengths, batch_first = _bound(args, kwargs, ("input", "lengths", "batch_first"))
     if not _priv.is_fake(input):
         return func(*args, **kwargs)
-    return _PackPadded.apply(input, _values(lengths, _aten._pack_padded_sequence.default), batch_first)
+    lengths = known_ints(lengths, _aten._pack_padded_sequence.default)
+    return _PackPadded.apply(input, lengths, batch_first)
 
 
 def pad_packed(func, args: tuple, kwargs: dict):
@@ -97,7 +98,7 @@ def pad_packed(func, args: tuple, kwargs: dict):
     data, batch_sizes, batch_first, padding_value, total_length = _bound(args, kwargs, names)
     if not _priv.is_fake(data):
         return func(*args, **kwargs)
-    sizes = batch_sizes_of(batch_sizes, _aten._pad_packed_sequence.default)
+    sizes = known_ints(batch_sizes, _aten._pad_packed_sequence.default)
     return _PadPacked.apply(data, sizes, batch_first, padding_value, total_length)
 
 
