@@ -130,8 +130,8 @@ class _Call:
 
 
 class CudnnRNNKernel:
-    """The ``AutogradCPU`` kernel of ``lstm.input``, ``gru.input``, ``rnn_tanh.input`` and
-    ``rnn_relu.input`` for a run with CUDA kernels: cuDNN's memory (:class:`_CudnnRNN`) for
+    """The ``AutogradCPU`` kernel of ``lstm``, ``gru``, ``rnn_tanh`` and ``rnn_relu`` (their
+    ``.input`` overloads, and ``.data`` for a packed sequence) for a run with CUDA kernels: cuDNN's memory (:class:`_CudnnRNN`) for
     a stack on the simulated GPU; the composite (CPU) kernel for real tensors, stacks on
     the host, and where CUDA would not take cuDNN (the run's state counts the calls taken,
     by mode)."""
