@@ -20,6 +20,7 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
+from ..backends.sim import resolve_target
 from ..whatif.evaluated import evaluate, remember
 from ..whatif.knobs import KNOBS, KnobError, Setting, panel_sweep
 from ..report import MemoryReport, format_bytes
@@ -206,6 +207,8 @@ class WhatIfPanel:
         if unknown:
             raise ValueError(f"no control for {', '.join(sorted(unknown))} on this panel; it has "
                              f"{', '.join(self.controls)}")
+        # every value checked before any control moves
+        values = {name: self._check_choice(name, v) for name, v in values.items()}
         for name, v in values.items():
             self._mark(name, v)
         self._move({name: v if KNOBS[name].kind == "int" else _shown(v)
@@ -214,6 +217,26 @@ class WhatIfPanel:
         if self.error is not None:
             raise ValueError(f"panel.set({', '.join(f'{k}={v!r}' for k, v in values.items())}): "
                              f"{_short(self.error)}")
+
+    def _check_choice(self, name: str, value: Any) -> Any:
+        """``value`` as its control offers it (a card by another of its names, ``"H100"``);
+        one a choice control (buttons, a checkbox, a dropdown) does not offer: ValueError in
+        one line, naming the values it offers."""
+        kind = KNOBS[name].kind
+        if kind == "int":
+            return value
+        offered = ([False, True] if kind == "bool" else
+                   [o[1] if isinstance(o, tuple) else o for o in self.controls[name].options])
+        if name == "gpu" and isinstance(value, str) and value not in offered:
+            try:
+                value = resolve_target(value).name
+            except ValueError:
+                pass
+        if _shown(value) not in offered:
+            shown = ", ".join(repr(o) for o in offered if o is not _UNSET)
+            raise ValueError(f"panel.set({name}={value!r}): not one of the values this control "
+                             f"offers ({shown})")
+        return value
 
     def _mark(self, name: str, value: Any) -> None:
         """Add a whole-number knob's value to its control's marks (checked as the knob

@@ -101,6 +101,22 @@ def test_set_takes_a_batch_off_the_sliders_marks_and_refuses_a_bad_one_in_a_line
     assert p.setting.batch_size == 24
 
 
+def test_set_refuses_a_value_a_choice_control_does_not_offer_and_moves_nothing(panel):
+    """A value no button, checkbox or dropdown offers is a ValueError in one line naming the
+    values offered (it was a traitlets TraitError, with the controls before it moved)."""
+    for bad, offered in (({"amp": None}, "('off', 'fp16', 'bf16')"), ({"amp": "fp8"}, "'bf16'"),
+                         ({"batch_size": 32, "optimizer": "lion"}, "'adamw'"),
+                         ({"checkpointing": "yes"}, "(False, True)"), ({"gpu": "H900"}, "'H200'")):
+        with pytest.raises(ValueError) as info:
+            panel.set(**bad)
+        assert "\n" not in str(info.value) and "not one of the values" in str(info.value)
+        assert offered in str(info.value)
+    assert panel.controls["batch_size"].value == 8 and panel.controls["amp"].value == "off"
+    assert panel.setting == panel.baseline
+    panel.set(gpu="H100")  # a card by another of its names
+    assert panel.controls["gpu"].value == "H100-80GB" and panel.error is None
+
+
 def test_accumulation_shows_micro_and_effective_batch(ip):
     from tests.whatif.test_engine import ACCUM
 
