@@ -166,6 +166,35 @@ def test_rnns_allocate_as_cudnn(row):
                for n in out.report.notes), out.report.notes
 
 
+# the CNN and ResNet checks run for real with cudnn.benchmark on, in a fresh process
+# (benchmarks.gpu_probes bench-cells): the ones the simulation still misses, and why
+BENCH_MISSES = {
+    "cnn fp16": "reserved 5.2% high",
+    "cnn bf16": "reserved 5.2% high",
+    "resnet fp16": "GradScaler skipped both real steps",
+}
+BENCH_CELLS = [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=BENCH_MISSES[n]))
+               if n in BENCH_MISSES else n
+               for n, row in H200["bench_cells"].items() if isinstance(row, dict)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BENCH_CELLS)
+def test_cudnn_benchmark_checks_match_the_h200(name, monkeypatch):
+    """With cudnn.benchmark on, each shape's first call takes the search's buffers and then
+    torch empties the allocator's cache (the H200's history shows the segments released
+    there); the peaks are within the targets."""
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    check = next(c for c in gpu_check.CHECKS if c.name == name)
+    v = H200["versions"]
+    sim = gpu_check.sim_run(check, gpu_check.card_for(tuple(v["capability"]), v["total_memory"]))
+    assert sim["error"] is None, sim["error"]
+    real = H200["bench_cells"][name]
+    assert _within(sim, real), (
+        f"allocated {sim['step_max_alloc']:,} vs {real['step_max_alloc']:,}, "
+        f"reserved {sim['step_max_reserved']:,} vs {real['step_max_reserved']:,}")
+
+
 def test_h100_context_is_the_measured_one():
     stages = {s["stage"]: s["context"] for s in H100["context"]["lazy"]["stages"]}
     h100 = resolve_target("H100")
@@ -364,8 +393,9 @@ def test_whatif_settings_match_the_h200(name, i):
 
 def test_cudnn_benchmark_set_in_a_simulated_cell_lasts_the_notebook():
     """A cell that sets torch.backends.cudnn.benchmark sets it for the simulated GPU's later
-    cells (the first call of a shape takes the search's buffers, the next one the chosen
-    engine's workspace), while the process's own flag is put back after each cell."""
+    cells (the first call of a shape searches, the allocator's cache emptied after it; the
+    next one runs the chosen engine), while the process's own flag is put back after each
+    cell."""
     from memmagic.backends import get_backend
     from memmagic.backends.sim.session import SimSession
 
@@ -379,6 +409,8 @@ def test_cudnn_benchmark_set_in_a_simulated_cell_lasts_the_notebook():
     assert out.error is None and torch.backends.cudnn.benchmark == before
     first = sim.execute(lambda n: exec(conv, n), ns).report
     again = sim.execute(lambda n: exec(conv, n), ns).report
-    assert any("1 buffers of cudnn.benchmark's search" in n for n in first.notes), first.notes
+    assert any("1 search(es) followed by torch emptying the allocator's cache" in n
+               for n in first.notes), first.notes
+    assert not any("search" in n for n in again.notes)
     assert any("1 the workspace of the engine cudnn.benchmark chose" in n for n in again.notes)
     assert torch.backends.cudnn.benchmark == before

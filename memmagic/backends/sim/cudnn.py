@@ -126,19 +126,25 @@ def _workspace(pass_: str, dtype: str, geo: tuple[int, ...], n: int) -> tuple[in
 def _benchmarked(pass_: str, dtype: str, geo: tuple[int, ...], n: int,
                  plans: set) -> list[tuple[int, str]]:
     """With ``cudnn.benchmark`` on: the first call of a shape (per process: torch caches the
-    plan) times cuDNN's engines, each taking its workspace in turn, then runs the fastest;
-    later calls run it with its own workspace. From the table's shape at its batch, in
-    proportion to the batch; a shape it lacks falls back to the heuristics' workspace."""
+    plan) times cuDNN's engines with the search's buffers, empties the allocator's cache
+    (torch frees the cached blocks the search's "few GBs" leave: an entry ``(0, "benchmark
+    empty cache")``), then runs the fastest; later calls run it with its own workspace.
+    From the table's shape at its batch, in proportion to the batch; a shape it lacks falls
+    back to the heuristics' workspace."""
     row = _tables.BENCHMARK.get((pass_, dtype, *geo))
     if row is None:
         nbytes, _how = _workspace(pass_, dtype, geo, n)
         return [(nbytes, "benchmark not measured")]
     batch, first, then = row
     key = (pass_, dtype, geo, n)
+    run = [(_at(((batch, then),), n), "benchmark")]
     if key in plans:
-        return [(_at(((batch, then),), n), "benchmark")]
+        return run
     plans.add(key)
-    return [(_at(((batch, v),), n), "benchmark search") for v in first]
+    # the measured first call: the search's buffers, then the chosen engine's workspace
+    search = first[:-1] if then and first and first[-1] == then else first
+    return [*((_at(((batch, v),), n), "benchmark search") for v in search),
+            (0, "benchmark empty cache"), *(run if then else ())]
 
 
 def conv_workspaces(func, args: tuple, plans: set | None = None) -> list[tuple[int, str]]:
@@ -209,6 +215,7 @@ def rnn_reserve(mode: str, layers: int, bidirectional: bool, T: int, B: int, H: 
 _HOW = (("measured", "as measured"), ("interpolated", "interpolated between the batches measured"),
         ("nearest", "scaled from the nearest shape measured"), ("none", "none taken (not covered)"),
         ("benchmark search", "buffers of cudnn.benchmark's search, at a shape's first call"),
+        ("benchmark empty cache", "search(es) followed by torch emptying the allocator's cache"),
         ("benchmark search skipped", "engines the search skipped, their workspace not fitting the card"),
         ("benchmark", "the workspace of the engine cudnn.benchmark chose"),
         ("benchmark not measured", "cudnn.benchmark on for a shape not measured so: the "

@@ -542,23 +542,25 @@ class SimTracker(StorageTracker):
 
     def _take_conv_workspaces(self, func, args) -> None:
         """cuDNN's workspace of each pass of a convolution (see .cudnn): allocated after
-        its outputs, freed when the pass is queued; how each size was found is counted
-        for the report's note."""
-        found = conv_workspaces(func, args, self.workspaces.conv_plans)
+        its outputs, freed when the pass is queued (and, at a shape's first call with
+        ``cudnn.benchmark`` on, the search's buffers and the emptied cache); how each size
+        was found is counted for the report's note."""
         counts = self.s.cudnn_workspaces
         a, probe = self.allocator, object()  # a key no block of the allocator has
-        for i, (nbytes, how) in enumerate(found):
-            n = round_request(nbytes)
+        self._last_op = func.__name__  # an OOM here is this op's
+        for nbytes, how in conv_workspaces(func, args, self.workspaces.conv_plans):
+            if how == "benchmark empty cache":  # torch frees what the search left cached
+                counts[how] = counts.get(how, 0) + 1
+                if a is not None:
+                    a.empty_cache()
+                continue
             if how == "benchmark search" and a is not None and not a.would_fit(
-                    [(probe, n), (probe, None)], n):
+                    [(probe, round_request(nbytes)), (probe, None)], round_request(nbytes)):
                 # the search skips an engine whose workspace the card cannot give it
-                found[i], how = (0, "benchmark search skipped"), "benchmark search skipped"
+                nbytes, how = 0, "benchmark search skipped"
             counts[how] = counts.get(how, 0) + 1
-        sizes = [n for n, _how in found if n > 0]
-        if sizes:
-            self._last_op = func.__name__  # an OOM here is this op's
-            for n in sizes:  # one after the other: each freed before the next
-                self._take_scratch([n])
+            if nbytes > 0:  # one after the other: each freed before the next
+                self._take_scratch([nbytes])
 
     def _kernel_scratch(self, func, args, kwargs) -> None:
         """After a device op's outputs: the cuBLAS workspaces a matmul takes and keeps, and
