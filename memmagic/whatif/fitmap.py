@@ -131,7 +131,8 @@ def fit_map(cell: "Cell", *, gpu: Any = None, gpu_memory: Any = None,
             setting: Any = None) -> FitMap:
     """The (batch size, context length) pairs of ``cell`` that fit a card: for each of
     ``points`` contexts from ``seq`` = (lo, hi) (multiples of ``step``; default: from
-    ``step`` to twice the cell's own), the largest batch in ``batch`` = (lo, hi) that fits.
+    ``step`` to twice the cell's own, ``step`` halved, down to 8, until that range holds
+    four), the largest batch in ``batch`` = (lo, hi) that fits.
 
     The card is ``gpu`` (a name, "T4") or ``gpu_memory``, else the cell's own target. The
     cell must read ``batch_size`` and ``seq_len`` or name the batch and token tensors
@@ -154,6 +155,7 @@ def fit_map(cell: "Cell", *, gpu: Any = None, gpu_memory: Any = None,
         raise ValueError(f"batch takes (lo, hi) with 1 <= lo < hi, not {batch!r}")
     if method not in ("plane", "runs"):
         raise ValueError(f"method is 'plane' or 'runs', not {method!r}")
+    step = _default_step(base, seq, int(step))
     seqs = _contexts(base, seq, points, step)
     m = _Mapper(cell, target, base)
     if method == "runs":
@@ -175,6 +177,16 @@ def fit_map(cell: "Cell", *, gpu: Any = None, gpu_memory: Any = None,
                   "plane" if ok else "runs", m.runs, m.lattice if ok else (),
                   tuple(m.checks) if ok else (), m.notes, time.perf_counter() - t0,
                   m.evaluated if ok else 0)
+
+
+def _default_step(base: Any, seq: tuple[int, int] | None, step: int) -> int:
+    """``step``, halved (down to 8) while the default contexts (``seq`` not given: from the
+    step to twice the cell's own) would be fewer than four: a cell of a short context
+    (an RNN's 128 steps) still gets a map."""
+    own = getattr(base, resizing(SEQ_DIM).name) if seq is None else None
+    while own is not None and step > 8 and max(2 * own, 2 * step) // step < 4:
+        step //= 2
+    return step
 
 
 def _contexts(base: Any, seq: tuple[int, int] | None, points: int, step: int

@@ -248,6 +248,18 @@ def test_where_the_plane_cannot_be_used_each_pair_is_run():
         assert top == 32 or 8 * (top + 1) ** 3 * s > 2 ** 30 * 0.9
 
 
+def test_a_short_context_gets_a_map_of_finer_contexts():
+    """The default contexts run from the step to twice the cell's own; where that holds
+    fewer than four multiples of the step (a 128-step RNN), the step is halved."""
+    flat = "import torch\nx = torch.empty(batch_size * seq_len * 65536, device='cuda')\ny = x * 2\n"
+    cell = Cell(flat, {"batch_size": 2, "seq_len": 128}, backend_options={"gpu_memory": "1GiB"})
+    fm = F.fit_map(cell, batch=(1, 32))
+    assert fm.seqs == (64, 128, 192, 256)
+    # x and y: 2 x 4 B x 65536 x batch x context, within 1 GiB
+    for s in fm.seqs:
+        assert fm.largest[s] == min(32, (2 ** 30) // (8 * 65536 * s))
+
+
 def test_bad_input_gets_one_line():
     cell = Cell(GPT2, {"batch_size": 2, "seq_len": 256})
     with pytest.raises(ValueError, match="a fit map needs a card"):
