@@ -73,16 +73,17 @@ _FOUND_INF_OPS = {_aten._amp_foreach_non_finite_check_and_unscale_.default}
 # ops that take a storage: FakeTensorMode's (class-wide) dispatch cache would key on the
 # storage object itself and keep it, and its memory, alive for good
 _STORAGE_SETS = {_aten.set_.source_Storage, _aten.set_.source_Storage_storage_offset}
-
-
-def _uncached(func, args: tuple, kwargs: dict):
-    with _priv.fake_cache_off(args[0].fake_mode):
-        return func(*args, **kwargs)
 # flex_attention and its backward: higher-order operators that reach the tracker as ops
 _FUSED_ATTENTION = frozenset(_priv.attention_hops())
 _PHASE_WORDS = {"forward": " during forward", "backward": " during backward (loss.backward())",
                 "recompute": " while backward recomputed a checkpointed forward",
                 "optimizer": " during optimizer.step()"}
+
+
+def _uncached(func, args: tuple, kwargs: dict):
+    """``func`` run with FakeTensorMode's dispatch cache off (see _STORAGE_SETS)."""
+    with _priv.fake_cache_off(args[0].fake_mode):
+        return func(*args, **kwargs)
 
 
 def _op_info(func) -> tuple[bool, str, bool]:
@@ -577,7 +578,8 @@ class SimTracker(StorageTracker):
     def hold_scratch(self, nbytes: int, op: str) -> int:
         """A kernel's transient buffer of ``nbytes`` on the device, held until
         :meth:`release_scratch` (cuDNN's RNN workspace, held across the call's outputs:
-        .cudnn_rnn); its serial. Raises the out-of-memory error a GPU would raise here, as ``op``'s."""
+        .cudnn_rnn); its serial. Raises the out-of-memory error a GPU would raise here, as
+        ``op``'s."""
         self._last_op = op
         return self.hold_workspace(round_request(nbytes), nbytes)[0]
 
