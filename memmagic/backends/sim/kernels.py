@@ -14,6 +14,8 @@ Installed for ``kernels="cuda"`` only, and removed in ``finally``:
   ``torch.nn.attention.sdpa_kernel`` sets); when no enabled backend can take the inputs
   (``sdpa_kernel(FLASH_ATTENTION)`` on fp32 inputs, a head dim over 256, an explicit
   mask) it raises CUDA's "No available kernel. Aborting execution." as a GPU would.
+* **RNNs**: an LSTM, GRU or plain RNN stack runs as one cuDNN call, with its buffers
+  (:mod:`.cudnn_rnn`), and ``.cuda()`` flattens its weights into one buffer.
 * **optimizers**: with every parameter on a CUDA device, torch's optimizers default to
   the ``foreach`` implementation (which briefly holds about one extra copy of the
   parameters); on the CPU they default to the single-tensor loop.
