@@ -20,7 +20,6 @@ from collections import OrderedDict
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
-from ..backends.sim import resolve_target
 from ..whatif.evaluated import evaluate, remember
 from ..whatif.knobs import KNOBS, KnobError, Setting, panel_sweep
 from ..report import MemoryReport, format_bytes
@@ -222,16 +221,15 @@ class WhatIfPanel:
         """``value`` as its control offers it (a card by another of its names, ``"H100"``);
         one a choice control (buttons, a checkbox, a dropdown) does not offer: ValueError in
         one line, naming the values it offers."""
-        kind = KNOBS[name].kind
-        if kind == "int":
+        knob = KNOBS[name]
+        if knob.kind == "int":
             return value
-        offered = ([False, True] if kind == "bool" else
+        offered = ([False, True] if knob.kind == "bool" else
                    [o[1] if isinstance(o, tuple) else o for o in self.controls[name].options])
-        if name == "gpu" and isinstance(value, str) and value not in offered:
-            try:
-                value = resolve_target(value).name
-            except ValueError:
-                pass
+        try:
+            value = knob.check(value)  # (normalised as the knob takes it: "on", "FP16")
+        except KnobError:
+            pass
         if _shown(value) not in offered:
             shown = ", ".join(repr(o) for o in offered if o is not _UNSET)
             raise ValueError(f"panel.set({name}={value!r}): not one of the values this control "

@@ -367,13 +367,13 @@ class Knob:
 def _check_gpu(value: Any) -> str | None:
     if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
         return None
-    from ..backends.sim import GPUS
+    from ..backends.sim import GPUS, resolve_target
 
-    key = str(value).lower()
-    if key not in GPUS:
+    try:  # the card's name, or another of its names ("H100", as --gpu takes)
+        return resolve_target(str(value)).name
+    except ValueError:
         raise KnobError(f"gpu must be one of {', '.join(g.name for g in GPUS.values())}, "
-                        f"not {value!r}")
-    return GPUS[key].name
+                        f"not {value!r}") from None
 
 
 def _gpu_names() -> tuple[str, ...]:
