@@ -30,6 +30,12 @@ def known_ints(t: torch.Tensor, op) -> list[int]:
     return [int(v) for v in real.tolist()]
 
 
+def _transposed(counts: list[int], n: int) -> list[int]:
+    """For i < n, how many of ``counts`` exceed i: lengths (one per sample) to batch sizes
+    (one per step), and batch sizes back to lengths."""
+    return [sum(1 for c in counts if c > i) for i in range(n)]
+
+
 def _check(input, lengths: list[int], batch_first: bool) -> None:
     """What torch's kernel checks of the input and the lengths, with its messages."""
     batch = input.shape[0 if batch_first else 1]
@@ -53,7 +59,7 @@ class _PackPadded(torch.autograd.Function):
     def forward(ctx, input, lengths: list[int], batch_first: bool):
         _check(input, lengths, batch_first)
         steps = max(lengths)
-        sizes = [sum(1 for n in lengths if n > t) for t in range(steps)]
+        sizes = _transposed(lengths, steps)
         ctx.input_shape = input.shape
         data = input.new_empty((sum(lengths), *input.shape[2:]))
         batch_sizes = torch.tensor(sizes, dtype=torch.int64)
@@ -71,8 +77,7 @@ class _PadPacked(torch.autograd.Function):
         steps = max(len(sizes), total_length)
         ctx.data_shape = data.shape
         out = data.new_full((steps, sizes[0], *data.shape[1:]), padding_value)
-        lengths = torch.tensor([sum(1 for b in sizes if b > i) for i in range(sizes[0])],
-                               dtype=torch.int64)
+        lengths = torch.tensor(_transposed(sizes, sizes[0]), dtype=torch.int64)
         ctx.mark_non_differentiable(lengths)
         return (out.transpose(0, 1) if batch_first else out), lengths
 
