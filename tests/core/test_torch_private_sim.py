@@ -564,6 +564,30 @@ def test_op_cache_views_constants_on_their_storage(monkeypatch):
     assert priv.fake_constant(items[1]) is None
 
 
+def test_op_cache_computes_on_constants_given_in_lists(monkeypatch):
+    # generate()'s loop each token: cat([mask, mask.new_ones((b, 1))]), arange(1).view(1, -1);
+    # a data loader's stack of rows: sizes and tensors in lists, every tensor a constant
+    monkeypatch.setattr(*priv.constant_numel_limit_holder(), 4096)  # as the simulation does
+    mode = priv.new_fake_mode()
+    cache = FakeOutputCache(mode, {})
+    with mode:
+        mask = torch.tensor([[1, 1, 0]])
+        rows = [torch.tensor([i, i + 1]) for i in range(3)]
+        slow = (torch.cat([mask, mask.new_ones((1, 2))], dim=-1), torch.stack(rows),
+                mask.view(-1, 1))
+    with mode, _Front(cache):
+        hits, misses = cache.hits, cache.misses
+        ones = mask.new_ones((1, 2))
+        fast = (torch.cat([mask, ones], dim=-1), torch.stack(rows), mask.view(-1, 1))
+        assert (cache.hits, cache.misses) == (hits + 4, misses)  # each computed by the cache
+        mixed = torch.cat([mask, torch.empty(1, 2, dtype=torch.int64)], dim=-1)  # one unknown
+    for f, s in zip(fast, slow):
+        assert _geometry(f) == _geometry(s)
+        assert torch.equal(priv.fake_constant(f), priv.fake_constant(s))
+    assert priv.storage_key(fast[2].untyped_storage()) == priv.storage_key(mask.untyped_storage())
+    assert priv.fake_constant(mixed) is None and mixed.shape == (1, 5)
+
+
 def test_fast_lift_keeps_what_the_mode_keeps(monkeypatch):
     monkeypatch.setattr(*priv.constant_numel_limit_holder(), 4096)  # as the simulation does
     mode = priv.new_fake_mode()

@@ -201,13 +201,23 @@ def _on_constants(mode: FakeTensorMode, rule, func, args, kwargs, template: dict
     real_args, real_kwargs, fakes = [], {}, 0
     for k, a in [(None, a) for a in args] + list((kwargs or {}).items()):
         if isinstance(a, torch.Tensor):
-            const = _priv.fake_constant(a) if isinstance(a, FakeTensor) else None
-            if const is None or a.fake_device.type != "cpu":
+            a = _real_constant(a)
+            if a is None:
                 return None
-            a, fakes = const, fakes + 1
-        elif not isinstance(a, (int, float, bool, str, torch.dtype, torch.device,
-                                torch.memory_format, type(None))):
-            return None  # a list (of tensors?), a SymInt, a generator: FakeTensorMode's
+            fakes += 1
+        elif isinstance(a, (list, tuple)):
+            # sizes (``view(1, -1)``, ``new_ones((b, 1))``) or tensors (``cat``, ``stack``)
+            if all(type(x) is int for x in a):
+                pass
+            elif a and all(isinstance(x, torch.Tensor) for x in a):
+                a = [_real_constant(x) for x in a]
+                if any(x is None for x in a):
+                    return None
+                fakes += len(a)
+            else:
+                return None  # a SymInt, a mixed list: FakeTensorMode's
+        elif not isinstance(a, _PLAIN_ARGS):
+            return None  # a SymInt, a generator: FakeTensorMode's
         if k is None:
             real_args.append(a)
         else:
@@ -228,6 +238,17 @@ def _on_constants(mode: FakeTensorMode, rule, func, args, kwargs, template: dict
         return _priv.constant_fake(mode, out, out.device, template)
     views = [_priv.constant_view(args[0], o, template=template) for o in outs]
     return views if rule == "views" else views[0]
+
+
+_PLAIN_ARGS = (int, float, bool, str, torch.dtype, torch.device, torch.memory_format,
+               torch.layout, type(None))
+
+
+def _real_constant(t: torch.Tensor) -> torch.Tensor | None:
+    """The real tensor a fake tensor carries as its constant (on the CPU FakeTensorMode
+    sees), or None (not fake, no constant)."""
+    const = _priv.fake_constant(t) if isinstance(t, FakeTensor) else None
+    return None if const is None or t.fake_device.type != "cpu" else const
 
 
 def _alias_set(x) -> frozenset | None:
