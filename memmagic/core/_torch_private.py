@@ -19,6 +19,7 @@ __all__ = [
     "in_backward",
     "dispatch_mode_depth",
     "function_mode_enabled",
+    "dispatch_plumbing_files",
     "saved_tensors_hooks_top",
     "made_by_newest_node",
     "next_sequence_nr",
@@ -68,6 +69,21 @@ def in_backward() -> bool:
 def dispatch_mode_depth() -> int:
     """How many TorchDispatchModes are on this thread's stack."""
     return torch._C._len_torch_dispatch_stack()
+
+
+def dispatch_plumbing_files() -> tuple[str, ...]:
+    """The files of torch's Python code that stand between an op's call and a dispatch mode's
+    ``__torch_dispatch__`` (``OpOverload.__call__``, the modes' plumbing, the wrappers that
+    keep dynamo out of it), as absolute paths."""
+    import os
+
+    import torch._compile
+    import torch._dynamo.eval_frame
+    import torch._ops
+    import torch.utils._python_dispatch
+
+    return tuple(os.path.abspath(m.__file__) for m in (
+        torch._ops, torch.utils._python_dispatch, torch._compile, torch._dynamo.eval_frame))
 
 
 def function_mode_enabled() -> bool:

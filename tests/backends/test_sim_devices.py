@@ -250,3 +250,23 @@ def test_cpu_kernels_do_not_check_devices():
     # kernels="cpu" simulates the CPU as the device (to compare with --backend cpu)
     out = run(MISMATCHES["cpu input to a cuda model"][0], kernels="cpu")
     assert out.error is None, out.error
+
+
+def test_a_composite_kernels_own_buffers_are_on_the_gpu_of_its_inputs():
+    """SDPA's math kernel (a T4 in bf16: neither flash nor memory-efficient attention takes
+    it) makes its causal mask with the query's options, on the GPU: the L x S bool mask and
+    the float mask made from it count there, not on the host."""
+    src = """
+        import torch, torch.nn.functional as F
+        q = torch.randn(1, 6, 256, 64, device="cuda")
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            y = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        """
+    out = run(src, gpu="T4")
+    assert out.error is None
+    report = out.report
+    assert any("math 1x" in str(n) for n in report.notes), report.notes
+    assert report.host_peak == 0
+    trace = report.trace
+    device = [n for s, n, _ in trace.events if n > 0 and trace.pool_of.get(s) == "device"]
+    assert 256 * 256 in device and 256 * 256 * 4 in device  # the bool mask, then a float one

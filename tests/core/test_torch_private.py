@@ -267,3 +267,32 @@ def test_tree_flatten_round_trips_nested_outputs():
     leaves, spec = priv.tree_flatten(out)
     assert [x is t for x in leaves] == [True, True]
     assert type(priv.tree_unflatten(leaves, spec)) is type(out)
+
+
+def test_dispatch_plumbing_files_stand_between_an_op_and_a_dispatch_mode():
+    """An op called from Python reaches a dispatch mode's ``__torch_dispatch__`` through
+    frames of these files only (the simulation tells torch's C++ code from Python by them)."""
+    import os
+    import sys
+
+    files = priv.dispatch_plumbing_files()
+    assert files and all(os.path.isfile(f) for f in files)
+    seen: list[list[str]] = []
+
+    class Mode(priv.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            f, names = sys._getframe(1), []
+            while f is not None and f.f_code is not caller:
+                names.append(os.path.abspath(f.f_code.co_filename))
+                f = f.f_back
+            seen.append(names)
+            return func(*args, **(kwargs or {}))
+
+    def call():
+        return torch.ops.aten.add.Tensor(torch.ones(2), torch.ones(2))
+
+    caller = call.__code__
+    x = torch.ones(2)
+    with Mode():
+        call()
+    assert seen and all(name in files for name in seen[-1]), (seen[-1], files)

@@ -13,6 +13,8 @@ recompute, so the tracker (:mod:`.tracker`) rewrites ``device=`` again at the di
 from __future__ import annotations
 
 import copy
+import os
+import sys
 import warnings
 from typing import Callable
 
@@ -58,6 +60,31 @@ def _over_storage(storage, kwargs: dict) -> int:
     nbytes = storage.nbytes()
     dtype = kwargs.get("dtype") or getattr(storage, "dtype", torch.uint8)
     return nbytes // dtype.itemsize
+
+
+# the files whose frames stand between a torch function this mode routed and the ops its
+# C++ code dispatches: this package's kernels and dispatch mode, torch's op and mode plumbing
+_PLUMBING = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+             *_priv.dispatch_plumbing_files())
+
+
+def kernel_call_args() -> tuple | None:
+    """The arguments of the torch function (as :class:`DeviceRewriteMode` routed it) whose
+    C++ code runs the op being dispatched now, with no Python code between them: what a
+    factory torch's C++ code calls takes its device from (SDPA's math kernel makes its
+    causal mask with the query's options). None where Python code runs in between (a
+    saved-tensor hook's ``torch.empty``, a decomposition written in Python: their
+    factories without a device are on the CPU) or no torch function was routed."""
+    f = sys._getframe(1)
+    route = DeviceRewriteMode._route.__code__
+    while f is not None:
+        code = f.f_code
+        if code is route:
+            return f.f_locals.get("args")
+        if not code.co_filename.startswith(_PLUMBING):
+            return None
+        f = f.f_back
+    return None
 
 
 @atomic

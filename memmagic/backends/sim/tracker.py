@@ -40,6 +40,7 @@ from .errors import (
 from .cudnn import CONV_OPS, conv_workspaces
 from .kernels import FIXED_OUTPUT_OPS, fix_outputs
 from .mismatch import check_same_device, device_rule
+from .rewrite import kernel_call_args
 from .state import CPU, META, SimState, is_cuda_device
 from .values import read_scalar
 from .workspaces import BLAS_OPS, REDUCTION_OPS, Workspaces
@@ -671,13 +672,24 @@ class SimTracker(StorageTracker):
             return "device"
         if not seen:
             # a factory called from C++ (a composite op, a backward formula) takes the
-            # device of some tensor's options, which the simulation cannot see
+            # device of some tensor's options, which the simulation cannot see: the GPU
+            # inside backward/recompute, and inside a torch function given a GPU tensor
+            # (SDPA's math kernel makes its causal mask with the query's options)
             self._out_unsure = True
-            if self.s.cuda_seen and _priv.in_backward():
-                return "device"  # factories inside backward/recompute run on the GPU
+            if self.s.cuda_seen and (_priv.in_backward()
+                                     or self._on_device(kernel_call_args() or ())):
+                return "device"
             return "host"
         self._out_unsure = host_unsure
         return "host"
+
+    def _on_device(self, args: tuple) -> bool:
+        """Whether a tensor of ``args`` (or of a list in them) is on the simulated GPU."""
+        for a in args:
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(t, torch.Tensor) and self.s.pool_of(t) == "device":
+                    return True
+        return False
 
     def _check_same_device(self, func, args, kwargs) -> None:
         """Raise what CUDA raises when an op mixes a CPU and a CUDA tensor (:mod:`.mismatch`)."""
