@@ -14,6 +14,7 @@ in ``finally``. While it runs, ``torch.compile``'d code runs eagerly (:class:`Ea
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gc
 import sys
 import time
@@ -146,6 +147,9 @@ class StorageTracker(_priv.TrackerMode):
         self.frames: dict[int, tuple] = {}
         self.peak_label: str | None = None  # backward: the autograd node ("softmax backward")
         self.step_label: str | None = None  # the optimizer whose step runs ("Adam")
+        # (op, (phase, module, label)) a peak reached now is said to be in: a call that was
+        # evaluated, not run, takes the context of the call that ran in its place
+        self.stand_in: tuple | None = None
 
     # -- storage bookkeeping ----------------------------------------------------------
     def _on_free(self, key: int, serial: int) -> None:
@@ -167,9 +171,22 @@ class StorageTracker(_priv.TrackerMode):
                 self._peak_context()
 
     def _peak_context(self) -> None:
-        self.peak_op = self._last_op
-        phase, module, label = self.context()
+        if self.stand_in is not None:
+            self.peak_op, (phase, module, label) = self.stand_in
+        else:
+            self.peak_op = self._last_op
+            phase, module, label = self.context()
         self.peak_phase, self.peak_module, self.peak_label = phase, module, label
+
+    @contextlib.contextmanager
+    def standing_in(self, context: tuple | None):
+        """While it lasts, a peak is said to be reached in ``context`` (op, (phase, module,
+        label)): that of a call that ran, where one evaluated from it stands in its place."""
+        self.stand_in = context
+        try:
+            yield
+        finally:
+            self.stand_in = None
 
     def context(self) -> tuple[str, str | None, str | None]:
         """(phase, module path, autograd node label) of the op running now. In backward the

@@ -7,6 +7,7 @@ call) and must leave the same allocator log, entry by entry, the same peaks and 
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -296,3 +297,94 @@ with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float16):
     a, _ = both(src)
     note = note_of(a)
     assert note is not None and int(note.split()[0]) >= 24, note
+
+
+# -- calls whose sizes grow: decode loops --------------------------------------------------------
+GENERATE = """\
+import torch.nn.functional as F
+
+@torch.no_grad()
+def generate(idx, n):
+    model.eval()
+    for _ in range(n):
+        logits, _ = model(idx)
+        probs = F.softmax(logits[:, -1, :], dim=-1)
+        idx = torch.cat((idx, torch.multinomial(probs, num_samples=1)), dim=1)
+    return idx
+
+out = generate(torch.zeros((2, 1), dtype=torch.long, device="cuda"), {n})
+assert out.shape == (2, {n} + 1)
+"""
+# scores over the tokens so far: sizes that grow with the square of the context
+SCORES = "        x = (x @ x.transpose(1, 2)).softmax(-1) @ x\n"
+
+
+def grew_note(report) -> str | None:
+    note = note_of(report)
+    return note if note and "whose sizes grew at each call" in note else None
+
+
+@pytest.mark.parametrize("extra_forward", ["", SCORES], ids=["linear", "quadratic"])
+def test_a_decode_loop_without_a_cache_is_evaluated_as_running_it_would(extra_forward):
+    """nanoGPT's and minGPT's ``generate``: the model is called on all the tokens so far,
+    one more each time. Four calls in a row draw the curve, the next ones are evaluated,
+    and the run's peak, reached in the last call, keeps the op and module of the calls
+    that ran."""
+    a, b = both(cell(n=60, loop=GENERATE, extra_forward=extra_forward))
+    note = grew_note(a)
+    assert note is not None, note_of(a)
+    grown = re.search(r"(\d+) forward passes with gradients off \(Net\) whose sizes grew", note)
+    assert grown and 45 <= int(grown[1]) <= 56, note
+    assert "ran op by op as checks and did the same" in note
+    assert a.peak_module == b.peak_module is not None and a.peak_phase == b.peak_phase
+    assert len(a.trace.ops) < len(b.trace.ops) // 3
+
+
+def test_a_model_told_its_position_is_evaluated_as_running_it_would():
+    """Meta's Llama reference: the model keeps its cache in a buffer and is told where the
+    new token goes (``start_pos``); its attention reads the cache up to there."""
+    src = MODEL.format(extra_init="", extra_forward="") + """\
+class Cached(nn.Module):
+    def __init__(self, d=64, most=128):
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.register_buffer("cache", torch.zeros(2, most, d))
+
+    def forward(self, x, start_pos):
+        t = x.shape[1]
+        self.cache[:, start_pos:start_pos + t] = self.q(x)
+        keys = self.cache[:, :start_pos + t]
+        return (x @ keys.transpose(1, 2)).softmax(-1) @ keys
+
+m = Cached().cuda()
+x = torch.randn(2, 1, 64, device="cuda")
+with torch.no_grad():
+    for pos in range(100):
+        y = m(x, pos)
+"""
+    a, _ = both(src)
+    note = grew_note(a)
+    assert note is not None and "(Cached) whose sizes grew" in note, note_of(a)
+
+
+def test_a_decode_loop_that_stops_growing_goes_on_without_a_failed_check():
+    """nanoGPT's ``generate`` crops the tokens to the block size: from there the calls stop
+    growing (their inputs leave the curve: no check failed) and repeat each other."""
+    src = cell(n=60, loop=GENERATE.replace("logits, _ = model(idx)",
+                                           "logits, _ = model(idx[:, -24:].contiguous())"))
+    a, _ = both(src)
+    note = note_of(a)
+    assert note is not None and "were evaluated, not run" in note, note
+    assert "whose sizes grew at each call" in note and "did NOT" not in note, note
+
+
+def test_a_decode_loop_whose_calls_change_is_said():
+    """A model that takes another path past 30 tokens (Python the evaluated calls do not
+    run): the check after it does not do what the curve says, the note says so, and the
+    calls run until a new curve holds."""
+    extra = "        if x.shape[1] > 30:\n            x = x * 2\n"
+    src = cell(n=80, loop=GENERATE, extra_forward=extra)
+    out = simulate(src)
+    assert out.error is None
+    note = grew_note(out.report)
+    assert note is not None and "did NOT do what the calls before did" in note, note

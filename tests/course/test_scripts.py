@@ -150,6 +150,27 @@ def test_nanogpt_estimate_loss_lines_say_their_numbers_are_simulated(nanogpt_cli
                             r"val loss 1\.0000\(simulated\)", line), line
 
 
+def test_nanogpt_sampling_evaluates_the_growing_calls_as_running_them_would(tmp_path_factory):
+    """After training, ``--sample_tokens=120`` samples as nanoGPT's sample.py does: each call
+    of the model takes all the tokens so far (cropped to the 64-token block). The calls that
+    grow are read off a curve, the ones past the block repeat each other: the report is the
+    one of running every call (``--decode-steps run``). (Memory-efficient attention pads its
+    logsumexp to 32 positions: a size that steps where the curve cannot see it, which the
+    check after it finds, and the note says.)"""
+    args = (*NANOGPT_ARGS, "--sample_tokens=120", "--eval_iters=1")
+    fast, slow = (run_cli(clean_dir(tmp_path_factory, f"sample-{m}"),
+                          ["--gpu", "T4", "--decode-steps", m], NANOGPT, *args)
+                  for m in ("evaluate", "run"))
+    assert fast.rc == slow.rc == 0, fast.text + slow.text
+    assert "sampled 120 tokens" in fast.out
+    for key in ("peak", "reserved_peak", "after", "breakdown", "peak_module", "peak_op",
+                "host_peak"):
+        assert fast.report[key] == slow.report[key], key
+    note = next(n for n in fast.report["notes"] if "whose sizes grew at each call" in n)
+    assert "(GPT) whose sizes grew" in note and "ran op by op as checks" in note, note
+    assert "1 check did NOT do what the calls before did" in note, note
+
+
 def test_nanogpt_train_py_in_a_gpumem_cell_with_run(ip, clean_state, tmp_path, monkeypatch,
                                                     capsys):
     """The script run by ``%run`` inside a ``%%gpumem --backend sim`` cell: the same numbers as

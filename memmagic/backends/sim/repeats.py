@@ -25,6 +25,14 @@ time; this module runs calls op by op until two in a row did the same things, th
 * a call that would raise the run's peak, or might not fit the card, runs op by op (the
   peak keeps its op and module; an out of memory is the op's own).
 
+Calls of one kind but for their sizes, which grow at each call (a decode loop written by
+hand: nanoGPT's ``generate`` calls the model on all the tokens so far; Meta's Llama
+reference tells its model ``start_pos``), are read off a curve instead (:class:`_Curve`):
+each size a quadratic in the call's place, through three calls that ran in a row and
+checked by the fourth; a call whose inputs are the curve's is evaluated from it, checked as
+above. Such a call may raise the run's peak (a sampling script's last call holds the most):
+the peak is then said to be in the op and module where the calls that ran reached theirs.
+
 A call is never evaluated where it could do something else than the calls that ran: one
 that reads a tensor's values into Python (``.item()``, ``if mask.any():``, ``tolist``) or
 runs an op whose output's shape depends on values (``nonzero``); one that keeps memory past
@@ -44,9 +52,10 @@ any Python side effect of its code (a print, a counter kept outside its modules)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -102,6 +111,7 @@ class _Pass:
     host: int
     attrs: tuple = ()
     starts: tuple = ()
+    peak: tuple | None = None  # (op, (phase, module, label)) of the alloc at its rise
 
     def same(self, other: "_Pass | None") -> bool:
         return other is not None and (self.codes, self.sizes, self.outs, self.spec,
@@ -121,6 +131,97 @@ class _Kind:
     gap: int = _FIRST_CHECK
     left: int = 0
     evaluated: int = 0
+
+
+def _fit(a: tuple, b: tuple, c: tuple) -> tuple:
+    """Each number of three consecutive calls as (its value at the first, its first and second
+    differences): the quadratic through them (:func:`_value`)."""
+    return tuple((x, y - x, z - 2 * y + x) for x, y, z in zip(a, b, c))
+
+
+def _value(curve: tuple, k: int) -> int:
+    x, d1, d2 = curve
+    return x + k * d1 + k * (k - 1) // 2 * d2
+
+
+class _Curve:
+    """Calls of one model whose sizes grow at each call: a decode loop without a cache (the
+    tokens so far, nanoGPT's and minGPT's ``generate``), or one whose model keeps its cache
+    and is told its position (``start_pos``). Each call makes the same allocations and frees
+    in the same order; its inputs' sizes, its allocations' sizes and its outputs' shapes are
+    quadratics in the call's place ``k`` (attention's scores grow with the square of the
+    context), drawn through three calls in a row and checked, byte for byte, by the fourth.
+    A call at place ``k`` whose inputs are the curve's is evaluated as :meth:`at` says."""
+
+    def __init__(self, ran: list[tuple[tuple, _Pass]]) -> None:
+        (n0, p0), (n1, p1), (n2, p2) = ran[:3]
+        same = [(p.codes, p.made, p.spec, p.leaves, p.attrs, p.starts, p.peak,
+                 tuple((dt, dev, len(shape)) for shape, dt, dev in p.outs)) for p in (p0, p1, p2)]
+        if same[0] != same[1] or same[0] != same[2] or len({n0, n1, n2}) < 3:
+            raise _NotRepeatable("its calls differ in more than their sizes")
+        self.base, self.inputs = p0, _fit(n0, n1, n2)
+        self.sizes = _fit(p0.sizes, p1.sizes, p2.sizes)
+        self.host = _fit((p0.host,), (p1.host,), (p2.host,))[0]
+        self.shapes = tuple(_fit(a[0], b[0], c[0]) for a, b, c in zip(p0.outs, p1.outs, p2.outs))
+
+    def inputs_at(self, k: int) -> tuple:
+        return tuple(_value(c, k) for c in self.inputs)
+
+    def at(self, k: int) -> _Pass:
+        """What the call at place ``k`` does, by the curve."""
+        sizes = tuple(_value(c, k) for c in self.sizes)
+        outs = tuple((tuple(_value(c, k) for c in shape), dt, dev)
+                     for shape, (_, dt, dev) in zip(self.shapes, self.base.outs))
+        rise, bound, _ = _rise(self.base.codes, sizes)
+        return dataclasses.replace(self.base, sizes=sizes, outs=outs, rise=rise, bound=bound,
+                                   host=_value(self.host, k))
+
+    def matches(self, k: int, numbers: tuple, done: _Pass) -> bool:
+        """Whether a call that ran at place ``k`` was the curve's."""
+        return numbers == self.inputs_at(k) and self.at(k).same(done)
+
+
+@dataclass
+class _Growth:
+    """The calls of one kind but for their sizes: the last that ran in a row, the curve
+    through them once four agree, the place of the next call on it, and the evaluated calls
+    left before the next check."""
+
+    name: str
+    ran: list = field(default_factory=list)  # (numbers, _Pass) of calls that ran in a row
+    line: _Curve | None = None
+    at: int = 0
+    gap: int = _FIRST_CHECK
+    left: int = 0
+    evaluated: int = 0
+
+    def ran_one(self, numbers: tuple, done: _Pass | None) -> bool | None:
+        """A call ran (None: it could not be read): whether it was the curve's (None: there
+        was no curve); a curve that ended is drawn again from the calls that follow."""
+        if self.line is not None and numbers != self.line.inputs_at(self.at):
+            self.line, self.ran, self.gap = None, [], _FIRST_CHECK  # the loop changed: no check
+        if self.line is not None:
+            ok = done is not None and self.line.at(self.at).same(done)
+            if ok:
+                self.at += 1
+                if self.left <= 0:
+                    self.gap *= 2
+                    self.left = self.gap
+                return True
+            self.line, self.ran, self.gap = None, [], _FIRST_CHECK
+            return False
+        if done is None:
+            self.ran = []
+            return None
+        self.ran = (self.ran + [(numbers, done)])[-4:]
+        if len(self.ran) == 4:
+            try:
+                curve = _Curve(self.ran)
+            except _NotRepeatable:
+                return None
+            if curve.matches(3, *self.ran[3]):
+                self.line, self.at, self.left, self.ran = curve, 4, self.gap, []
+        return None
 
 
 # -- the kind of a call -------------------------------------------------------------------------
@@ -148,11 +249,25 @@ def _leaf_key(x: Any) -> Any:
     raise _NotRepeatable(f"it is given a {type(x).__name__}")
 
 
-def _call_key(model: tuple, args: tuple, kwargs: dict) -> tuple:
+def _call_key(model: tuple, args: tuple, kwargs: dict) -> tuple[tuple, tuple, tuple]:
+    """A call's kind; its kind but for its sizes (a growing call's: see :class:`_Curve`); and
+    those sizes: each tensor's shape and strides, each int argument's value."""
     leaves, spec = _priv.tree_flatten((args, kwargs))
-    return (model, spec, tuple(_leaf_key(x) for x in leaves),
-            torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
-            torch.is_inference_mode_enabled())
+    flags = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+             torch.is_inference_mode_enabled())
+    loose, numbers = [], []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            loose.append((x.dim(), x.dtype, x.device, x.requires_grad, type(x)))
+            numbers += x.shape
+            numbers += (s if n != 1 else 0 for n, s in zip(x.shape, x.stride()))
+        elif type(x) is int:
+            loose.append(int)
+            numbers.append(x)
+        else:
+            loose.append(_leaf_key(x))
+    return ((model, spec, tuple(_leaf_key(x) for x in leaves), *flags),
+            (model, spec, tuple(loose), *flags), tuple(numbers))
 
 
 def _describe(value: Any) -> tuple:
@@ -239,15 +354,17 @@ def _output(tracker: SimTracker, out: Any) -> tuple[dict[int, int], tuple, Any, 
 
 
 def _codes(entries: list[dict], slots: dict[int, int], cached: bool
-           ) -> tuple[tuple, tuple, list, list]:
+           ) -> tuple[tuple, tuple, list, list, list]:
     """A call's allocator entries as codes and alloc sizes (see :class:`_Pass`), the keys of
-    its transient buffers (by number) and the keys it keeps; ``cached``: autocast may keep
-    weight casts (to its exit)."""
+    its transient buffers (by number), the keys it keeps, and the op (the tracker's count)
+    of each code; ``cached``: autocast may keep weight casts (to its exit)."""
     freed = {e["key"] for e in entries if e["action"] == "free_completed"}
     transient: dict[Any, int] = {}
-    codes, sizes, kept = [], [], []
+    codes, sizes, kept, ops = [], [], [], []
     for e in entries:
         action, key = e["action"], e["key"]
+        if action in ("alloc", "free_completed"):
+            ops.append(e.get("op"))
         if action == "alloc":
             if key in freed:
                 codes.append(("a", transient.setdefault(key, len(transient))))
@@ -268,16 +385,17 @@ def _codes(entries: list[dict], slots: dict[int, int], cached: bool
             raise _NotRepeatable("it ran out of memory")
     if sum(c[0] == "o" for c in codes) != len(slots):
         raise _NotRepeatable("its output holds a tensor made before it")
-    return tuple(codes), tuple(sizes), list(transient), kept
+    return tuple(codes), tuple(sizes), list(transient), kept, ops
 
 
-def _rise(codes: tuple, sizes: tuple) -> tuple[int, int]:
+def _rise(codes: tuple, sizes: tuple) -> tuple[int, int, int]:
     """The most bytes a call holds at once above what it began with (as the tracker counts
-    them), and the bytes of segments it could add at most."""
-    held = rise = bound = 0
+    them), the bytes of segments it could add at most, and the code that first holds the
+    most."""
+    held = rise = bound = at = 0
     size_of: dict[int, int] = {}
     it = iter(sizes)
-    for kind, x in codes:
+    for i, (kind, x) in enumerate(codes):
         if kind == "f":
             held -= size_of.pop(x)
             continue
@@ -286,8 +404,9 @@ def _rise(codes: tuple, sizes: tuple) -> tuple[int, int]:
         held += n
         if kind == "a":
             size_of[x] = n
-        rise = max(rise, held)  # ("o" and "k": held past the call)
-    return rise, bound
+        if held > rise:  # ("o" and "k": held past the call)
+            rise, at = held, i
+    return rise, bound, at
 
 
 def _steps(line: _Pass):
@@ -324,6 +443,7 @@ class _Repeats:
         self.tracker, self.state = tracker, state
         self.depth = 0  # module calls under way
         self.kinds: dict[tuple, _Kind] = {}
+        self.growths: dict[tuple, _Growth] = {}  # by kind but for the sizes
         self.calls = 0  # evaluated calls, for their buffers' keys
         self.reasons: dict[str, str] = {}  # model -> why its calls all ran
         self.checks: list[tuple[str, bool]] = []
@@ -353,7 +473,7 @@ class _Repeats:
         __tracebackhide__ = True
         name = type(module).__name__
         try:
-            key = _call_key(model, args, kwargs)
+            key, loose, numbers = _call_key(model, args, kwargs)
         except _NotRepeatable as e:
             self.reasons.setdefault(name, str(e))
             return forward(*args, **kwargs)
@@ -361,13 +481,22 @@ class _Repeats:
         if kind is None:
             kind = self.kinds[key] = _Kind(name)
         if kind.line is not None and kind.left > 0:
-            out = self._evaluate(kind, module)
+            out = self._evaluate(kind, module, kind.line)
             if out is not _RUN:
                 return out
-        return self._run(kind, module, forward, args, kwargs)
+        grow = self.growths.get(loose)
+        if grow is None:
+            grow = self.growths[loose] = _Growth(name)
+        if (grow.line is not None and grow.left > 0
+                and grow.line.inputs_at(grow.at) == numbers):
+            out = self._evaluate(grow, module, grow.line.at(grow.at), grows=True)
+            if out is not _RUN:
+                grow.at += 1
+                return out
+        return self._run(kind, module, forward, args, kwargs, grow, numbers)
 
     def _run(self, kind: _Kind, module: torch.nn.Module, forward: Callable, args: tuple,
-             kwargs: dict) -> Any:
+             kwargs: dict, grow: _Growth, numbers: tuple) -> Any:
         tracker, state = self.tracker, self.state
         a = tracker.allocator
         start, ops, reads = a.log_length, len(tracker.op_log), state.value_reads
@@ -387,18 +516,33 @@ class _Repeats:
             host = _host_rise(tracker, tracker.events[events:])
             attrs, values, starts = _set_attributes(before)
             slots, outs, spec, leaves = _output(tracker, (out, values))
-            codes, sizes, transient, kept = _codes(a.log_since(start), slots, _cast_cache_on())
+            codes, sizes, transient, kept, at = _codes(a.log_since(start), slots,
+                                                       _cast_cache_on())
             made = tuple((tracker.roles.get(k), tracker.frames.get(k)) for k in transient + kept)
-            done = _Pass(codes, sizes, made, outs, spec, leaves, *_rise(codes, sizes), host,
-                         attrs, starts)
+            rise, bound, top = _rise(codes, sizes)
+            peak = None  # (op, (phase, module, label)) where the call reached its rise
+            if codes and at[top]:
+                op, where, phase, label = tracker.op_log[at[top] - 1]
+                peak = op, (phase, where, label)
+            done = _Pass(codes, sizes, made, outs, spec, leaves, rise, bound, host, attrs,
+                         starts, peak)
         except _NotRepeatable as e:
             self.reasons.setdefault(kind.name, str(e))
             kind.last = kind.line = None
+            self._grew(grow, numbers, None)
             return out
         self._ran(kind, done)
+        self._grew(grow, numbers, None if kept else done)
         if kept:  # confirmed once autocast frees them (see autocast_cleared)
             self.unconfirmed.append((kind, kept))
         return out
+
+    def _grew(self, grow: _Growth, numbers: tuple, done: _Pass | None) -> None:
+        """A call ran: a check of its growth's curve, or one more call towards one."""
+        due = grow.left <= 0
+        ok = grow.ran_one(numbers, done)
+        if ok is not None and grow.evaluated and (due or not ok):
+            self.checks.append((grow.name, ok))
 
     def _ran(self, kind: _Kind, done: _Pass) -> None:
         """A call ran: a check of its kind's line (which then holds to the next one, or
@@ -418,9 +562,12 @@ class _Repeats:
             kind.line, kind.left = done, kind.gap
         kind.last = done
 
-    def _evaluate(self, kind: _Kind, module: torch.nn.Module) -> Any:
-        """A call of ``kind`` evaluated (see the module's docstring); _RUN: it must run."""
-        line, tracker = kind.line, self.tracker
+    def _evaluate(self, kind: _Kind | _Growth, module: torch.nn.Module, line: _Pass,
+                  grows: bool = False) -> Any:
+        """A call of ``kind`` evaluated as ``line`` says (see the module's docstring); _RUN: it
+        must run. ``grows``: a growing call's (see :class:`_Curve`), which may raise the run's
+        peak: the peak then takes the op and module of the call that ran at that place."""
+        tracker = self.tracker
         a = tracker.allocator
         modules = list(module.modules()) if line.attrs else []
         if line.attrs and (_starts(modules, line.attrs) != line.starts
@@ -428,7 +575,8 @@ class _Repeats:
             # it starts from other attributes (code outside the calls set them), or frees
             # what its attribute held inside the call
             return _RUN
-        if (tracker.current["device"] + line.rise > tracker.peak["device"]
+        raises = tracker.current["device"] + line.rise > tracker.peak["device"]
+        if (raises and not (grows and line.peak is not None)
                 or tracker.current["host"] + line.host > tracker.peak["host"]):
             return _RUN  # it would raise the run's peak: run, so the peak has its op
         if not a.would_fit(_steps(line), line.bound):
@@ -437,6 +585,19 @@ class _Repeats:
             return _RUN  # autocast still holds the casts of a call before: this one's differ
         kind.left -= 1
         kind.evaluated += 1
+        with tracker.standing_in(line.peak if raises else None):
+            made = self._replay(line)
+        self.calls += 1
+        leaves = [made[v] if code == "o" else v for code, v in line.leaves]
+        out, values = _priv.tree_unflatten(leaves, line.spec)
+        for (i, name), value in zip(line.attrs, values):
+            setattr(modules[i], name, value)
+        return out
+
+    def _replay(self, line: _Pass) -> dict[int, torch.Tensor]:
+        """An evaluated call's allocs and frees as ``line`` says: its buffers as storages the
+        tracker counts, its outputs as simulated tensors (by output slot)."""
+        tracker = self.tracker
         made: dict[int, torch.Tensor] = {}
         todo: list[tuple[Any, int | None, Any]] = []
         live: dict = {}
@@ -461,12 +622,7 @@ class _Repeats:
         finally:
             if live:  # an interrupt or an error: the call's buffers are freed, as on a GPU
                 tracker.replay_storages([(k, None, None) for k in list(live)], live)
-        self.calls += 1
-        leaves = [made[v] if code == "o" else v for code, v in line.leaves]
-        out, values = _priv.tree_unflatten(leaves, line.spec)
-        for (i, name), value in zip(line.attrs, values):
-            setattr(modules[i], name, value)
-        return out
+        return made
 
     def autocast_cleared(self) -> None:
         """Autocast exited and freed its weight casts: those of evaluated calls are freed
@@ -485,15 +641,29 @@ class _Repeats:
     def note(self) -> str | None:
         """The report's note on the calls evaluated, the checks, and why calls all ran."""
         done = sum(k.evaluated for k in self.kinds.values())
-        if not done:
+        grew = sum(g.evaluated for g in self.growths.values())
+        if not done and not grew:
             return None
-        models = sorted({k.name for k in self.kinds.values() if k.evaluated})
-        text = (f"{done} forward passes with gradients off ({', '.join(models)}) were evaluated, "
-                "not run: each one did the allocations and frees of the two calls of its kind "
-                "before it (the same model, inputs of the same shapes), in order on the "
-                "allocator model, and its output was made as simulated tensors; the timeline "
-                "shows those tensors, not their transient buffers, and no Python code of the "
-                "model ran in them (SimBackend(decode='run') runs every call)")
+        parts = []
+        if done:
+            models = sorted({k.name for k in self.kinds.values() if k.evaluated})
+            parts.append(f"{done} forward passes with gradients off ({', '.join(models)}) were "
+                         "evaluated, not run: each one did the allocations and frees of the two "
+                         "calls of its kind before it (the same model, inputs of the same "
+                         "shapes), in order on the allocator model")
+        if grew:
+            models = sorted({g.name for g in self.growths.values() if g.evaluated})
+            parts.append(f"{grew} forward passes with gradients off ({', '.join(models)}) whose "
+                         "sizes grew at each call (a decode loop: the tokens so far, a cache's "
+                         "position) were evaluated, not run: each one did the allocations and "
+                         "frees of the calls of its kind, sized by the quadratic in its place "
+                         "through three calls that ran in a row and checked byte for byte by a "
+                         "fourth, in order on the allocator model; a peak reached in one is "
+                         "said to be in the op and module where the calls that ran reached it")
+        text = "; ".join(parts) + (
+            "; an evaluated call's output was made as simulated tensors; the timeline shows "
+            "those tensors, not their transient buffers, and no Python code of the model ran "
+            "in them (SimBackend(decode='run') runs every call)")
         good = sum(ok for _, ok in self.checks)
         bad = len(self.checks) - good
         if good:

@@ -4,7 +4,9 @@ a GPT is defined in the script, ``estimate_loss()`` averages the loss over a few
 each split under ``torch.no_grad()`` between ``model.eval()`` and ``model.train()``, the
 loop trains in fp16 under ``torch.amp.autocast`` with a ``torch.amp.GradScaler`` and
 gradient accumulation, logs with f-strings, writes ``ckpt.pt`` with ``torch.save`` into
-``out_dir`` and at the end reads it back with ``torch.load`` (as a resumed run would).
+``out_dir`` and at the end reads it back with ``torch.load`` (as a resumed run would); with
+``--sample_tokens=N`` it then samples N tokens as nanoGPT's ``sample.py`` does (``generate``
+calls the model on all the tokens so far, cropped to the block, under ``torch.no_grad()``).
 
 Exercises: a configurator that rewrites ``globals()``; ``.item()`` and a format spec on a
 0-d tensor (the numbers a simulation does not have: they print marked ``(simulated)``);
@@ -53,6 +55,9 @@ min_lr = 1e-4
 device = "cuda"
 dtype = "float16"  # a T4 has no bf16 tensor cores
 compile = True
+sample_tokens = 0  # tokens sampled after training, as sample.py would (0: none)
+temperature = 0.8
+top_k = 200
 
 
 def apply_overrides(argv, namespace):
@@ -202,6 +207,19 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         return logits, loss
 
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):
+        for _ in range(max_new_tokens):
+            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
+            logits, _ = self(idx_cond)
+            logits = logits[:, -1, :] / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("Inf")
+            probs = F.softmax(logits, dim=-1)
+            idx = torch.cat((idx, torch.multinomial(probs, num_samples=1)), dim=1)
+        return idx
+
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
 
@@ -302,3 +320,11 @@ model.load_state_dict(checkpoint["model"])
 optimizer.load_state_dict(checkpoint["optimizer"])
 print(f"resumed from iteration {checkpoint['iter_num']}, best val loss {checkpoint['best_val_loss']:.4f}")
 checkpoint = None  # free the loaded copy
+
+# -- sampling, as sample.py does with the model it loads -------------------------------------------
+if sample_tokens:
+    model.eval()
+    start = torch.zeros((1, 1), dtype=torch.long, device=device)
+    with ctx:
+        y = model.generate(start, sample_tokens, temperature=temperature, top_k=top_k)
+    print(f"sampled {y.size(1) - 1} tokens; the first ten: {y[0, 1:11].tolist()}")
