@@ -8,6 +8,11 @@ simulated run and the process's peak RSS. Three decode steps run op by op (about
 each at this size), most of the others are read off the line through them
 (:mod:`memmagic.backends.sim.decode`): what grows with the tokens is generate()'s own loop
 and each evaluated step's allocations on the allocator model.
+
+Beside it, a decode loop written by hand: the nanoGPT-style training script of
+``tests/course/scripts`` at GPT-2-124M's sizes, one training step, then sampling 8 and 512
+tokens as nanoGPT's ``sample.py`` does (each call of the model on all the tokens so far;
+:mod:`memmagic.backends.sim.repeats` reads the growing calls off a curve).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from typing import Any
 
 from .common import Figure, status_of
 
-__all__ = ["generate_scale_figure", "generate_row", "GENERATE_CELL", "TOKENS"]
+__all__ = ["generate_scale_figure", "generate_row", "sample_row", "GENERATE_CELL", "TOKENS",
+           "SAMPLE_TOKENS"]
 
 GENERATE_CELL = """
 import torch
@@ -32,6 +38,13 @@ out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_
                      do_sample=False)
 """
 TOKENS = (8, 128, 512)
+# a decode loop written by hand: the nanoGPT-style script (tests/course/scripts) at GPT-2-124M's
+# sizes, trained one step, then sampling as nanoGPT's sample.py does (each call of the model
+# on all the tokens so far, no cache)
+SAMPLE_TOKENS = (8, 512)
+SAMPLE_ARGS = ["--batch_size=1", "--block_size=1024", "--vocab_size=50304", "--n_layer=12",
+               "--n_head=12", "--n_embd=768", "--max_iters=1", "--eval_interval=1",
+               "--eval_iters=1", "--gradient_accumulation_steps=1", "--compile=False"]
 # the issue's aim: 512 new tokens cost about what a few do (here: at most 2x the 8-token run)
 RATIO_TARGET = 2.0
 
@@ -51,6 +64,38 @@ def generate_row(tokens: int) -> dict[str, Any]:
             "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def sample_row(tokens: int) -> dict[str, Any]:
+    """``python -m memmagic run --gpu T4`` of the nanoGPT-style script sampling ``tokens``
+    tokens after one training step (:data:`SAMPLE_ARGS`), in this process."""
+    import contextlib
+    import io
+    import os
+    import resource
+    import tempfile
+
+    from memmagic.frontends import cli
+
+    from .figures import DOCTOR_SCRIPT
+
+    argv = ["run", "--gpu", "T4", str(DOCTOR_SCRIPT), *SAMPLE_ARGS, f"--sample_tokens={tokens}"]
+    out = io.StringIO()
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chdir(tmp)
+        try:
+            t0 = time.perf_counter()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+                code = cli.main(argv)
+            wall = time.perf_counter() - t0
+        finally:
+            os.chdir(cwd)
+    sampled = f"sampled {tokens} tokens" in out.getvalue()
+    return {"case": f"nanoGPT-style sampling, GPT-2-124M, {tokens} new tokens", "tokens": tokens,
+            "sample": True, "wall_s": wall, "per_token_s": wall / tokens,
+            "error": None if code == 0 and sampled else f"exit {code}",
+            "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
 def generate_scale_figure(threads: int = 1, against: Any = None) -> Figure:
     """Figure 3g: each token count's wall time beside the 8-token run's; ``against``
     (benchmarks.against.Against): each also with that commit's memmagic, in a process of
@@ -62,7 +107,11 @@ def generate_scale_figure(threads: int = 1, against: Any = None) -> Figure:
         "a cell that builds a Llama of TinyLlama-1.1B's shape in fp16 from its config and "
         "calls generate() greedily on a 64-token prompt, exactly max_new_tokens tokens, on a "
         "simulated T4: the simulated run's wall time (model build included) and the "
-        "process's peak RSS, each in a fresh process" + (against.method if against else ""),
+        "process's peak RSS, each in a fresh process; and the nanoGPT-style training script "
+        "(tests/course/scripts) at GPT-2-124M's sizes, one step at batch 1 x 1024, then "
+        "sampling as nanoGPT's sample.py does (the model called on all the tokens so far), "
+        "python -m memmagic run on a simulated T4, the whole command"
+        + (against.method if against else ""),
         f"512 new tokens within {RATIO_TARGET:.0f}x the 8-token run (the issue's aim: "
         "512 tokens cost about what a few do)",
         [("case", "case", "text"), ("wall_s", "wall", "s"), ("per_token_s", "per token", "s"),
@@ -74,14 +123,22 @@ def generate_scale_figure(threads: int = 1, against: Any = None) -> Figure:
         metric=("wall_s", "s"),
         notes=[_threads_note()],
     )
+    for fn, tokens in (("generate_row", TOKENS), ("sample_row", SAMPLE_TOKENS)):
+        _rows(fig, _beside(against, f"generate_scale:{fn}", [{"tokens": n} for n in tokens],
+                           threads=threads), tokens[-1])
+    return fig
+
+
+def _rows(fig: Figure, pairs, last: int) -> None:
+    """The rows of one case's token counts (each beside ``against``'s, where there is one):
+    each wall time against the fewest tokens'; the target on ``last``'s."""
     rows = []
-    for row, prev in _beside(against, "generate_scale:generate_row",
-                             [{"tokens": n} for n in TOKENS], threads=threads):
+    for row, prev in pairs:
         if prev is not None:
             row.update(prev_wall_s=prev.get("wall_s", prev.get("median_s")),
                        prev_rss_mib=prev.get("rss_mib"))
         rows.append(row)
-    base = rows[0].get("wall_s")
+    base = rows[0].get("wall_s", rows[0].get("median_s"))
     for row in rows:
         wall = row.get("wall_s", row.get("median_s"))
         row["wall_s"] = wall
@@ -92,7 +149,6 @@ def generate_scale_figure(threads: int = 1, against: Any = None) -> Figure:
         for key in ("rss_mib", "prev_rss_mib"):
             if isinstance(row.get(key), float):
                 row[key] = f"{row[key]:.0f}"
-        row["status"] = ("n/a" if row.get("tokens") != TOKENS[-1] or "ratio" not in row
+        row["status"] = ("n/a" if row.get("tokens") != last or "ratio" not in row
                          else status_of(row["ratio"] <= RATIO_TARGET))
         fig.rows.append(row)
-    return fig

@@ -203,6 +203,8 @@ def test_a_figure_of_its_own_module_runs_its_rows_in_a_fresh_process():
     row = _child(None, "generate_scale:generate_row", {"tokens": 2}, 1)
     assert row["tokens"] == 2 and row["error"] is None and row["wall_s"] > 0
     assert row["peak"] > 2 * 1.1e9  # the fp16 weights of a 1.1B model
+    sample = _child(None, "generate_scale:sample_row", {"tokens": 2}, 1)
+    assert sample["error"] is None and sample["sample"] and sample["wall_s"] > 0
     run = {"peak": 5, "reserved": 8, "fits": True, "ran_out": False}
     assert _same(run, dict(run)) == "yes"
     assert _same(run, {**run, "reserved": 9}) == "NO"
