@@ -838,21 +838,20 @@ DOCTOR_CASES = {
 DOCTOR_TARGETS_S = dict(zip(DOCTOR_CASES, (20.0, 30.0, 20.0, 20.0)))
 
 
-def doctor_scale_row(case: str) -> dict[str, Any]:
-    """``python -m memmagic run`` of ``case`` (run, out of memory, the doctor's ranking), in
-    this process: wall time, the process's peak RSS, the doctor's rows."""
+def cli_run(argv: list[str]) -> tuple[int, float, str]:
+    """``python -m memmagic`` with ``argv``, in this process, in an empty folder of its own
+    (the script's out_dir, on the scratch disk anyway): its exit code, wall time and what
+    it printed."""
     import contextlib
     import io
-    import resource
     import tempfile
 
     from memmagic.frontends import cli  # both sides of --against have it (since the rooms)
 
-    argv = ["run", *DOCTOR_CASES[case]]
     out, err = io.StringIO(), io.StringIO()
     cwd = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)  # the script's out_dir, on the scratch disk anyway
+        os.chdir(tmp)
         try:
             t0 = time.perf_counter()
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -860,7 +859,15 @@ def doctor_scale_row(case: str) -> dict[str, Any]:
             wall = time.perf_counter() - t0
         finally:
             os.chdir(cwd)
-    text = out.getvalue()
+    return code, wall, out.getvalue()
+
+
+def doctor_scale_row(case: str) -> dict[str, Any]:
+    """``python -m memmagic run`` of ``case`` (run, out of memory, the doctor's ranking), in
+    this process: wall time, the process's peak RSS, the doctor's rows."""
+    import resource
+
+    code, wall, text = cli_run(["run", *DOCTOR_CASES[case]])
     table = text.split("strategies, by peak (re-run with each):\n", 1)[-1]
     rows = [ln for ln in table.splitlines() if ln.startswith("  ")]
     return {"case": case, "wall_s": wall, "exit": code,

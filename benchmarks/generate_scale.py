@@ -67,29 +67,13 @@ def generate_row(tokens: int) -> dict[str, Any]:
 def sample_row(tokens: int) -> dict[str, Any]:
     """``python -m memmagic run --gpu T4`` of the nanoGPT-style script sampling ``tokens``
     tokens after one training step (:data:`SAMPLE_ARGS`), in this process."""
-    import contextlib
-    import io
-    import os
     import resource
-    import tempfile
 
-    from memmagic.frontends import cli
+    from .figures import DOCTOR_SCRIPT, cli_run
 
-    from .figures import DOCTOR_SCRIPT
-
-    argv = ["run", "--gpu", "T4", str(DOCTOR_SCRIPT), *SAMPLE_ARGS, f"--sample_tokens={tokens}"]
-    out = io.StringIO()
-    cwd = os.getcwd()
-    with tempfile.TemporaryDirectory() as tmp:
-        os.chdir(tmp)
-        try:
-            t0 = time.perf_counter()
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-                code = cli.main(argv)
-            wall = time.perf_counter() - t0
-        finally:
-            os.chdir(cwd)
-    sampled = f"sampled {tokens} tokens" in out.getvalue()
+    code, wall, text = cli_run(["run", "--gpu", "T4", str(DOCTOR_SCRIPT), *SAMPLE_ARGS,
+                                f"--sample_tokens={tokens}"])
+    sampled = f"sampled {tokens} tokens" in text
     return {"case": f"nanoGPT-style sampling, GPT-2-124M, {tokens} new tokens", "tokens": tokens,
             "sample": True, "wall_s": wall, "per_token_s": wall / tokens,
             "error": None if code == 0 and sampled else f"exit {code}",

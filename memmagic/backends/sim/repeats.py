@@ -121,16 +121,29 @@ class _Pass:
 
 
 @dataclass
-class _Kind:
-    """The calls of one kind: the last that ran, the one evaluated calls repeat (once two in
-    a row agree), and how many evaluated calls are left before the next check."""
+class _Checked:
+    """When the evaluated calls of a kind (or a growth) are checked: a call runs once
+    ``left`` reaches 0, after 16 evaluated calls, then 32, 64, ..."""
 
     name: str
-    last: _Pass | None = None
-    line: _Pass | None = None
     gap: int = _FIRST_CHECK
     left: int = 0
     evaluated: int = 0
+
+    def held(self) -> None:
+        """A call that ran did what the line says: a check that was due doubles the gap."""
+        if self.left <= 0:
+            self.gap *= 2
+            self.left = self.gap
+
+
+@dataclass
+class _Kind(_Checked):
+    """The calls of one kind: the last that ran, the one evaluated calls repeat (once two in
+    a row agree), and how many evaluated calls are left before the next check."""
+
+    last: _Pass | None = None
+    line: _Pass | None = None
 
 
 def _fit(a: tuple, b: tuple, c: tuple) -> tuple:
@@ -182,18 +195,14 @@ class _Curve:
 
 
 @dataclass
-class _Growth:
+class _Growth(_Checked):
     """The calls of one kind but for their sizes: the last that ran in a row, the curve
     through them once four agree, the place of the next call on it, and the evaluated calls
     left before the next check."""
 
-    name: str
     ran: list = field(default_factory=list)  # (numbers, _Pass) of calls that ran in a row
     line: _Curve | None = None
     at: int = 0
-    gap: int = _FIRST_CHECK
-    left: int = 0
-    evaluated: int = 0
 
     def ran_one(self, numbers: tuple, done: _Pass | None) -> bool | None:
         """A call ran (None: it could not be read): whether it was the curve's (None: there
@@ -204,9 +213,7 @@ class _Growth:
             ok = done is not None and self.line.at(self.at).same(done)
             if ok:
                 self.at += 1
-                if self.left <= 0:
-                    self.gap *= 2
-                    self.left = self.gap
+                self.held()
                 return True
             self.line, self.ran, self.gap = None, [], _FIRST_CHECK
             return False
@@ -537,32 +544,34 @@ class _Repeats:
             self.unconfirmed.append((kind, kept))
         return out
 
+    def _said(self, kind: _Checked, ok: bool, due: bool) -> None:
+        """A call of ``kind`` that a line could say ran: counted as a check where one was due
+        after evaluated calls, or where it did not do what the line says."""
+        if kind.evaluated and (due or not ok):
+            self.checks.append((kind.name, ok))
+
     def _grew(self, grow: _Growth, numbers: tuple, done: _Pass | None) -> None:
         """A call ran: a check of its growth's curve, or one more call towards one."""
         due = grow.left <= 0
         ok = grow.ran_one(numbers, done)
-        if ok is not None and grow.evaluated and (due or not ok):
-            self.checks.append((grow.name, ok))
+        if ok is not None:
+            self._said(grow, ok, due)
 
     def _ran(self, kind: _Kind, done: _Pass) -> None:
         """A call ran: a check of its kind's line (which then holds to the next one, or
         ends), or one more call towards two that agree."""
         if kind.line is not None:  # a check, or a call the line could not evaluate
             ok = kind.line.same(done)
-            due = kind.left <= 0
-            if kind.evaluated and (due or not ok):
-                self.checks.append((kind.name, ok))
+            self._said(kind, ok, kind.left <= 0)
             if ok:
-                if due:
-                    kind.gap *= 2
-                    kind.left = kind.gap
+                kind.held()
                 return
             kind.line, kind.gap = None, _FIRST_CHECK
         if done.same(kind.last):
             kind.line, kind.left = done, kind.gap
         kind.last = done
 
-    def _evaluate(self, kind: _Kind | _Growth, module: torch.nn.Module, line: _Pass,
+    def _evaluate(self, kind: _Checked, module: torch.nn.Module, line: _Pass,
                   grows: bool = False) -> Any:
         """A call of ``kind`` evaluated as ``line`` says (see the module's docstring); _RUN: it
         must run. ``grows``: a growing call's (see :class:`_Curve`), which may raise the run's
