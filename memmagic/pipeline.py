@@ -72,6 +72,7 @@ class CellRequest:
     rank: int | None = None
     gpus_per_node: int | None = None
     decode_steps: str | None = None  # generate()'s decode steps on the simulated GPU: evaluate | run
+    max_seconds: float | None = None  # how long a simulated run may take (SimBackend's bound)
     backend_options: Mapping[str, Any] = field(default_factory=dict)
     simulate: str = "--backend sim"
     unit: str = "cell"
@@ -190,6 +191,14 @@ def backend_spec(request: CellRequest, *, persistent: bool = True) -> tuple[str,
             raise RequestError("--decode-steps says how the simulated GPU runs generate()'s "
                                "decode steps: add --backend sim, or leave it out")
         options["decode"] = request.decode_steps
+    if request.max_seconds is not None:
+        if name != "sim":
+            raise RequestError("--max-seconds bounds a simulated run: add --backend sim, or "
+                               "leave it out")
+        if not request.max_seconds > 0:
+            raise RequestError(f"--max-seconds needs a positive number of seconds, not "
+                               f"{request.max_seconds:g}")
+        options["max_seconds"] = request.max_seconds
     if real_cuda:
         if request.device is not None:
             options["device"] = request.device

@@ -156,6 +156,9 @@ class Trace:
         # the last event before a request failed (an out of memory), where a backend knows
         # it: what was live then (a kernel's own buffers are let go as the error unwinds)
         self.failure_event: int | None = None
+        # the op whose request failed (1-based; 0: unknown): ops after it ran as the error
+        # unwound (a profiler range's exit, a finally's frees)
+        self.failure_op = 0
         self._storages: list[Storage] | None = None
         self._folded: tuple | None = None  # (key, what _folds read off the trace as it was)
 

@@ -47,6 +47,8 @@ def test_the_card_size_note_is_said_once_with_the_options_as_typed():
     (CellRequest("y = 1", {}, backend="sim", knobs={"nope": 1}), "unknown knob 'nope'"),
     (CellRequest("y = 1", {}, backend="tpu"), "backend must be one of"),
     (CellRequest("y = 1", {}, backend="sim", breakdown=False), "--no-breakdown applies to"),
+    (CellRequest("y = 1", {}, backend="cpu", max_seconds=5), "--max-seconds bounds a simul"),
+    (CellRequest("y = 1", {}, backend="sim", max_seconds=0), "--max-seconds needs a positive"),
 ])
 def test_a_request_that_cannot_run_is_one_line(request_, message):
     with pytest.raises(RequestError, match=message) as info:
@@ -59,3 +61,15 @@ def test_make_cell_gives_the_engine_with_the_requests_knobs_as_baseline():
                                  knobs={"checkpointing": "on", "amp": "fp16"}))
     assert cell.baseline.amp == "fp16" and cell.baseline.checkpointing is True
     assert cell.baseline.gpu == "T4"
+
+
+def test_a_cell_given_longer_runs_longer_and_one_over_its_time_says_how_to_give_it_longer():
+    loop = "x = torch.ones(8, device='cuda')\nfor _ in range(N):\n    x = x + 1\n"
+    slow = run_cell(CellRequest(loop, {"torch": torch, "N": 10**7}, backend="sim",
+                                max_seconds=0.05))
+    assert type(slow.error).__name__ == "SimulationBudgetExceeded"
+    assert "stopped after 0.05 s" in str(slow.error)
+    assert "%%gpumem --max-seconds 0.2 on its first line" in str(slow.error)
+    ok = run_cell(CellRequest(loop, {"torch": torch, "N": 3000}, backend="sim",
+                              max_seconds=600))
+    assert ok.error is None

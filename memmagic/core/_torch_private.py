@@ -610,6 +610,16 @@ def no_python_modes():
 __all__ += ["no_python_modes"]
 
 
+def no_function_modes():
+    """Context manager: no torch function modes nor subclasses' ``__torch_function__``
+    (memmagic's own bookkeeping inside a dispatch mode, where each tensor attribute read
+    would otherwise pass through the run's function mode)."""
+    return torch._C.DisableTorchFunction()
+
+
+__all__ += ["no_function_modes"]
+
+
 def _probe_version_error_style() -> bool:
     x = torch.ones(1, requires_grad=True)
     h = x.sigmoid()
@@ -715,6 +725,15 @@ def adopt_constant(t: torch.Tensor, source: object) -> None:
     if getattr(t, "constant", None) is None:
         return
     t.constant = getattr(source, "constant", None) if is_fake(source) else None
+
+
+def give_constant(t: torch.Tensor, real: torch.Tensor) -> None:
+    """Make fake tensor ``t`` carry ``real`` (a plain CPU tensor of its geometry that owns
+    its storage) as its constant, registered as :func:`constant_fake` registers one: what an
+    in-place op computed for real wrote into it (a DataLoader's ``random_()`` seed)."""
+    drop_constant(t)
+    t.constant = real
+    register_fake_constant(t.fake_mode, real, t)
 
 
 def drop_constant(t: torch.Tensor) -> None:

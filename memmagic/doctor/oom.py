@@ -102,12 +102,12 @@ def _live_holders(namespace: Mapping[str, Any], live: int, unit: str = "cell"
 
 def failure_site(report: MemoryReport, error: BaseException | None = None
                  ) -> tuple[str | None, str | None, str | None]:
-    """(op, phase, module) where ``report``'s run ran out of memory: its last op (or what
-    the error names)."""
+    """(op, phase, module) where ``report``'s run ran out of memory: the op whose request
+    failed where the trace knows it, else its last op (or what the error names)."""
     op = phase = module = None
     trace = report.trace
     if trace is not None and trace.ops:
-        name, module, phase, _label = trace.ops[-1]
+        name, module, phase, _label = trace.op(trace.failure_op) or trace.ops[-1]
         op = name.split(".", 1)[0]
     op = (getattr(error, "op", None) or op or "").split(".", 1)[0] or None
     module = getattr(error, "module", None) or module

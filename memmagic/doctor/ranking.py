@@ -319,10 +319,11 @@ def _progress(r: Any) -> tuple[int, int, int, int] | None:
     if trace is None or not trace.ops:
         return None
     _forward, backward, recompute, step, _other = PHASES
-    phases = {phase for _, _, phase, _ in trace.ops}
-    modules = {module for _, module, _, _ in trace.ops if module}
+    ran = trace.ops[:trace.failure_op] if trace.failure_op else trace.ops  # not the unwinding
+    phases = {phase for _, _, phase, _ in ran}
+    modules = {module for _, module, _, _ in ran if module}
     return (int(step in phases), int(bool(phases & {backward, recompute})), len(modules),
-            len(trace.ops))
+            len(ran))
 
 
 def _helped(s: Strategy, baseline: Strategy) -> bool:

@@ -126,6 +126,9 @@ def run_script(args: argparse.Namespace) -> int:
                           gpu_memory=args.gpu_memory, run=runner, knobs=knobs,
                           world_size=args.world_size, rank=args.rank,
                           gpus_per_node=args.gpus_per_node, decode_steps=args.decode_steps,
+                          # the time limit cuts the script where it is; the simulation's own
+                          # bound must not come first
+                          max_seconds=_sim_bound(args.backend, args.time_limit),
                           unit="script")
     try:
         result = run_job(request, job_ranks(args.world_size, args.rank, args.ranks),
@@ -358,6 +361,17 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
             head.args = list(argv[at + 2:])
             return head
     return parser.parse_args(list(argv))
+
+
+def _sim_bound(backend: str, time_limit: float | None) -> float | None:
+    """The simulated run's bound for ``--time-limit`` (None: the backend's own, 120 s):
+    past it, so that the time limit stops the script first."""
+    from ..backends.sim import SimBackend
+
+    default = SimBackend.DEFAULT_MAX_SECONDS
+    if backend != "sim" or time_limit is None or time_limit < default:
+        return None
+    return time_limit + default
 
 
 def main(argv: Sequence[str] | None = None) -> int:

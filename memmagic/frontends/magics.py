@@ -154,7 +154,8 @@ class MemMagics(Magics):
                            breakdown=not args.no_breakdown, session=session,
                            knobs={k: v for k, v in knobs.items() if v is not None},
                            advise=args.advise, run=run, world_size=args.world_size, rank=args.rank,
-                           gpus_per_node=args.gpus_per_node, decode_steps=args.decode_steps)
+                           gpus_per_node=args.gpus_per_node, decode_steps=args.decode_steps,
+                           max_seconds=args.max_seconds)
 
     def _compile(self, source: str):
         """``run(ns)`` of the cell, IPython's transforms on; a syntax error fails it as in IPython."""

@@ -59,6 +59,10 @@ OPTIONS = [
              "the last; an evaluation loop's forward passes that repeat the two before them are "
              "done on the allocator model, checked by calls that run; a note says so) or run "
              "(every step and every call op by op, about 0.2 s a token on a 1B model).")),
+    (("--max-seconds",), dict(
+        type=float, default=None, metavar="S",
+        help="--backend sim: how long the cell may simulate before it stops (default 120 s); "
+             "a training loop of many steps needs more.")),
     (("--no-breakdown",), dict(action="store_true",
                                help="cuda only: skip the per-category breakdown (lowest overhead).")),
     (("--no-chart",), dict(action="store_true", help="Do not draw the breakdown chart.")),

@@ -7,6 +7,7 @@ they do not depend on data, the simulated run must take the path the GPU run tak
 from __future__ import annotations
 
 import copy
+import textwrap
 
 import torch
 
@@ -340,6 +341,57 @@ def test_one_random_draw_decides_a_path_for_real_and_gpu_draws_leave_the_host_ge
     torch.manual_seed(0)
     assert seen["host"] == torch.randint(0, 100, (4,)).tolist()
     assert "depend on data were read" not in " ".join(out.report.notes)
+
+
+def test_a_shuffled_loader_draws_the_gpu_runs_order_and_leaves_the_generator_as_it_would():
+    """Every ``iter(DataLoader)`` draws its seed with ``torch.empty((), dtype=torch.int64)
+    .random_()``, a shuffling sampler another: drawn for real from the host's generator, a
+    loader that pads each batch to its longest sequence makes the GPU run's batches, and the
+    draws after it (nanoGPT's ``randint`` batch indices) take the GPU run's values."""
+    code = """
+        import torch
+        torch.manual_seed(0)
+        rows = [list(range(n)) for n in (3, 40, 7, 25, 12, 60, 5, 33)]
+        def pad(batch):
+            t = max(len(r) for r in batch)
+            return torch.tensor([r + [0] * (t - len(r)) for r in batch])
+        loader = torch.utils.data.DataLoader(rows, batch_size=2, shuffle=True, collate_fn=pad)
+        seen["shapes"] = [tuple(b.to(DEVICE).shape) for b in loader]
+        seen["after"] = torch.randint(0, 1000, (3,)).tolist()
+        seen["seed"] = torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(1)).item()
+    """
+    real = {}
+    exec(textwrap.dedent(code), {"seen": real, "DEVICE": "cpu"})
+    seen = {}
+    out, _ = run(code, {"seen": Recorder(seen), "DEVICE": "cuda"})
+    assert out.error is None, out.error
+    assert seen == real
+    assert "depend on data were read" not in " ".join(out.report.notes)
+
+
+def test_samples_from_known_probabilities_are_drawn_as_on_a_gpu():
+    """A temperature demo samples a softmax of literal logits a thousand times and counts
+    the draws (``bincount``, whose size follows from the values): drawn for real from the
+    host's generator, the counts are the GPU run's and the cell runs; samples from a
+    model's probabilities stay data."""
+    code = """
+        import torch
+        torch.manual_seed(123)
+        probas = torch.softmax(torch.tensor([4.51, 0.89, -1.90, 6.75, 1.63]) / 0.5, dim=0)
+        sample = [torch.multinomial(probas, num_samples=1).item() for _ in range(200)]
+        seen["counts"] = torch.bincount(torch.tensor(sample), minlength=len(probas)).tolist()
+        seen["after"] = torch.randint(0, 1000, (2,)).tolist()
+    """
+    real = {}
+    exec(textwrap.dedent(code), {"seen": real})
+    seen = {}
+    out, _ = run(code + """
+        model = torch.nn.Linear(4, 5).cuda()
+        seen["model"] = torch.multinomial(model(torch.ones(1, 4, device="cuda")).softmax(-1), 1).item()
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["counts"] == real["counts"] and seen["after"] == real["after"]
+    assert seen["model"] == 0 and "depend on data were read" in " ".join(out.report.notes)
 
 
 def test_a_tensor_formats_as_torch_formats_it():

@@ -119,6 +119,26 @@ def test_no_python_modes_and_loader_iter():
     assert len(list(priv.single_process_loader_iter(loader))) == 2
 
 
+def test_no_function_modes_hides_tensor_reads_from_a_function_mode():
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    t = torch.ones(2)
+    with Count():
+        t.dtype, t.clone()
+        assert len(seen) == 2
+        with priv.no_function_modes():
+            t.dtype, t.clone(), t.untyped_storage()
+        t.dtype
+    assert len(seen) == 3
+
+
 def test_fake_tensor_device_property_exists():
     # the simulation patches FakeTensor.device (a Python property) during a run
     assert isinstance(priv.FakeTensor.__dict__["device"], property)
@@ -730,6 +750,18 @@ def test_drop_constant_forgets_the_values():
     priv.drop_constant(fake)
     assert priv.fake_constant(fake) is None
     priv.drop_constant(fake)  # no constant: nothing to do
+
+
+def test_give_constant_makes_ops_compute_on_the_values():
+    mode = priv.new_fake_mode()
+    with mode:
+        seed = torch.empty((), dtype=torch.int64)
+    assert priv.fake_constant(seed) is None
+    priv.give_constant(seed, torch.tensor(41))
+    with mode:
+        assert (seed + 1).item() == 42  # FakeTensorMode computes on the constant
+        seed.add_(1)
+    assert priv.fake_constant(seed).item() == 42
 
 
 def test_profiler_entry_slots_are_where_profiling_starts():

@@ -4,6 +4,7 @@ out-of-memory descriptions and the ranking of fixes by re-run peaks."""
 from __future__ import annotations
 
 import gc
+import re
 import sys
 import weakref
 
@@ -396,3 +397,20 @@ def test_a_row_that_ran_out_says_where(ip):
     row = _row("as written", {}, out.report)
     assert row.out_of_memory and row.progress[:3] == (0, 0, 0)  # before any module
     assert row.reason.startswith("out of memory asking for ") and "during " in row.reason, row.reason
+
+
+def test_a_row_names_the_op_that_ran_out_not_the_ops_that_ran_as_the_error_unwound():
+    """An optimizer's step runs in a profiler range: its exit is an op too, run after the
+    request failed; the row names the op whose request failed (as the error does)."""
+    from memmagic.doctor.ranking import _row
+    from memmagic.backends.sim import SimBackend
+
+    out = SimBackend(gpu_memory="200MiB").execute(lambda ns: exec(
+        "import torch\nm = torch.nn.Linear(4096, 4096).cuda()\n"
+        "opt = torch.optim.AdamW(m.parameters(), foreach=True)\n"
+        "m(torch.randn(8, 4096, device='cuda')).sum().backward()\nopt.step()\n", ns), {})
+    failed = re.search(r"Ran out at aten\.(\w+)\.", out.report.error).group(1)
+    assert failed == "zeros_like"  # AdamW's state, made at its first step
+    assert out.report.trace.ops[-1][0].startswith("_record_function_exit")
+    row = _row("as written", {}, out.report)
+    assert f" at {failed}, during optimizer" in row.reason, row.reason

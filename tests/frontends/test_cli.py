@@ -323,6 +323,27 @@ def test_a_time_limit_cuts_the_run_and_a_long_run_shows_progress(tmp_path, capsy
                      r"0 forward pass\(es\)", out.err)
 
 
+def test_a_time_limit_past_the_simulations_own_bound_is_the_one_that_stops_it(
+        tmp_path, capsys, monkeypatch, clean_state):
+    from memmagic.backends.sim import SimBackend
+
+    # the time limit cuts within a second of its time (at a step, a forward pass or a line
+    # of the script): the simulation's bound, 2 s here, would have stopped it first
+    monkeypatch.setattr(SimBackend, "DEFAULT_MAX_SECONDS", 2.0)
+    (tmp_path / "ops.py").write_text(textwrap.dedent('''
+        import torch
+        model = torch.nn.Linear(8, 8).cuda()
+        x = torch.ones(8, 8, device="cuda")
+        while True:  # each forward pass ends where the time limit may cut
+            x = model(x).detach()
+    '''))
+    rc = cli.main(["run", "--gpu", "T4", "--time-limit", "3", str(tmp_path / "ops.py")])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "note: stopped at --time-limit 3 s, after" in out.out
+    assert "max_seconds" not in out.out + out.err
+
+
 @pytest.mark.parametrize("options, says", [
     (["--json", "no/such/folder/r.json"],
      "--json no/such/folder/r.json: the folder no/such/folder does not exist"),

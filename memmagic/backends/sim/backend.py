@@ -204,13 +204,16 @@ class SimBackend(Backend):
     (by default most are read off a line through three that ran: :mod:`.decode`).
     ``kernels="cpu"`` selects the CPU's kernels and defaults instead of CUDA's (the
     simulated device then behaves like the CPU: used to check the simulation against
-    ``--backend cpu``). ``max_ops`` and ``max_seconds`` bound a run.
+    ``--backend cpu``). ``max_ops`` and ``max_seconds`` bound a run (``max_seconds``:
+    :attr:`DEFAULT_MAX_SECONDS` when None).
     """
 
     name = "sim"
+    DEFAULT_MAX_SECONDS = 120.0
 
     def __init__(self, gpu: str | CardSpec | None = None, gpu_memory: int | str | None = None,
-                 kernels: str = "cuda", max_ops: int = 2_000_000, max_seconds: float = 120.0,
+                 kernels: str = "cuda", max_ops: int = 2_000_000,
+                 max_seconds: float | None = None,
                  op_cache: bool = True, session: SimSession | None = None,
                  start_from: SimSession | None = None, leave_out: Iterable[str] = (),
                  world_size: int | None = None, rank: int | None = None,
@@ -226,6 +229,8 @@ class SimBackend(Backend):
                              f"read off a line, or each run op by op), not {decode!r}")
         if kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, not {kernels!r}")
+        if max_seconds is None:
+            max_seconds = self.DEFAULT_MAX_SECONDS
         if int(max_ops) <= 0 or float(max_seconds) <= 0:
             raise ValueError("max_ops and max_seconds must be positive")
         self.target = resolve_target(gpu, gpu_memory)
@@ -492,6 +497,7 @@ class SimBackend(Backend):
                                       error, **extra)
         if oom and report.trace is not None and tracker.oom_event >= 0:
             report.trace.failure_event = tracker.oom_event
+            report.trace.failure_op = tracker.oom_op
         return report
 
 

@@ -71,7 +71,18 @@ _RANDOM_DRAWS = {_aten.rand.default: torch.rand, _aten.rand.generator: torch.ran
                  _aten.randn.generator: torch.randn, _aten.randn_like.default: torch.randn}
 _DRAW_NUMEL = 1
 _VALUE_FACTORIES = _VALUE_FACTORIES | set(_RANDOM_DRAWS)
+# draws into a tensor, in place: a DataLoader's seeds (``torch.empty((), dtype=torch.int64)
+# .random_().item()``, at each iter() and in a shuffling sampler) are drawn for real from
+# the host's generator, as a GPU run draws them: the loader's order is the GPU run's, and
+# later draws (nanoGPT's batch indices) take the same values. Integers up to
+# CONSTANT_NUMEL, one float (as _RANDOM_DRAWS)
+_RANDOM_INTS = {_aten.random_.default, _aten.random_.to, getattr(_aten.random_, "from")}
+_RANDOM_FILLS = _RANDOM_INTS | {_aten.uniform_.default, _aten.normal_.default}
 _GPU_DRAWS = torch.Generator().manual_seed(0)
+# samples from probabilities the simulation knows (a temperature demo's softmax of a
+# literal): drawn for real, from the same generators; from a model's probabilities
+# (generate()'s sampling) they are data
+_MULTINOMIAL = _aten.multinomial.default
 # ops whose result a known operand decides alone: x | True, x & False, x * 0 (a GPU's
 # stopping criteria: ``unfinished & ~(max_len_done | eos_hit)``)
 _OR_OPS = {_aten.bitwise_or.Tensor, _aten.logical_or.default}
@@ -89,6 +100,10 @@ def propagate(func, args: tuple, kwargs: dict, out, on_gpu: bool = False):
     random draws leave the host's generator alone)."""
     if func in _VALUE_FACTORIES:
         return _with_values(func, args, kwargs, out, on_gpu)
+    if func in _RANDOM_FILLS:
+        return _drawn_into(func, args, kwargs, out, on_gpu)
+    if func is _MULTINOMIAL:
+        return _sampled(args, kwargs, out, on_gpu)
     if func in _OR_OPS or func in _AND_OPS:
         return _absorbed(func, args, out)
     if func in _UNINITIALIZED and isinstance(out, torch.Tensor):
@@ -163,6 +178,41 @@ def _with_values(func, args, kwargs, out, on_gpu: bool):
         else:
             real = func(*args, **{**kwargs, "device": CPU})
     return _priv.constant_fake(mode, real, out.fake_device)
+
+
+def _drawn_into(func, args, kwargs, out, on_gpu: bool):
+    """``out`` (the fake tensor a random fill wrote into) carrying the values drawn for
+    real, from the host's generator (or the one passed; the simulation's own for a GPU
+    tensor), when small (see _RANDOM_FILLS); else unknown, as FakeTensorMode leaves it."""
+    if not _priv.is_fake(out) or out.dtype.is_complex:
+        return out
+    if out.numel() > (CONSTANT_NUMEL if func in _RANDOM_INTS else _DRAW_NUMEL):
+        return out
+    gen = kwargs.get("generator") or (_GPU_DRAWS if on_gpu else None)
+    try:
+        with _priv.no_python_modes():
+            real = torch.empty(tuple(out.shape), dtype=out.dtype)
+            func(real, *args[1:], **{**kwargs, "generator": gen})
+    except (RuntimeError, TypeError):  # a generator of another device: values unknown
+        return out
+    _priv.give_constant(out, real)
+    return out
+
+
+def _sampled(args, kwargs, out, on_gpu: bool):
+    """``out`` of ``multinomial`` carrying the samples drawn for real where its
+    probabilities carry values (see _MULTINOMIAL) and it is small; else unknown."""
+    probs = _priv.fake_constant(args[0]) if _priv.is_fake(args[0]) else None
+    if probs is None or not _priv.is_fake(out) or out.numel() > CONSTANT_NUMEL:
+        return out
+    gen = kwargs.get("generator") or (_GPU_DRAWS if on_gpu else None)
+    try:
+        with _priv.no_python_modes():
+            real = torch.multinomial(probs, *args[1:], **{**kwargs, "generator": gen})
+    except (RuntimeError, TypeError):  # FakeTensorMode ran it; a generator of another device
+        return out
+    _priv.give_constant(out, real)
+    return out
 
 
 def _drop_unfounded(args, kwargs, out) -> None:

@@ -178,7 +178,11 @@ def _fast_lift(mode: FakeTensorMode, func, args, kwargs, template: dict | None =
     (FakeTensorMode then converts it). ``template``: see :func:`_fake_template`."""
     if kwargs or len(args) != 1:
         return None
-    t = args[0]
+    with _priv.no_function_modes():  # its attribute reads and meta tensor: not the run's
+        return _lift(mode, func, args[0], template)
+
+
+def _lift(mode: FakeTensorMode, func, t, template: dict | None) -> FakeTensor | None:
     if (type(t) is not torch.Tensor or t.requires_grad or t.layout is not torch.strided
             or t.device.type != "cpu" or t.is_quantized or t.dtype.is_complex or t.is_neg()
             or t.is_conj() or not _priv.may_turn_const(mode, t)):

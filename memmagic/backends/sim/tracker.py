@@ -125,6 +125,7 @@ class SimTracker(StorageTracker):
         self.cuda_allocated_peak = 0
         self.oom_live = 0        # device bytes live when the request failed
         self.oom_event = -1      # the last event before it
+        self.oom_op = 0          # the op (1-based) whose request failed
         # torch.cuda.memory._record_memory_history on the simulated allocator: memory_viz
         # entries of earlier cells, and where the recording starts in this cell's log
         self.history: list[dict] | None = None
@@ -171,7 +172,7 @@ class SimTracker(StorageTracker):
         self.module_stack.clear()
         self.phase_override = None
         self._last_op = None
-        self.oom_live, self.oom_event = 0, -1
+        self.oom_live, self.oom_event, self.oom_op = 0, -1, 0
         self.history_from = 0
         self._closed = False
         self.quiet = 0
@@ -313,6 +314,7 @@ class SimTracker(StorageTracker):
                 # the report describes the last one
                 self.oom_live = self.current["device"]
                 self.oom_event = len(self.events) - 1
+                self.oom_op = self.ops
                 # not kept here: code that catches the error must free what the failed
                 # frames held as soon as its handler ends, as on a GPU (the error's
                 # traceback holds those frames)
@@ -497,8 +499,9 @@ class SimTracker(StorageTracker):
                 "a loop that depends on tensor values, or more steps than a simulation "
                 "needs; simulate fewer iterations or raise max_ops")
         return SimulationBudgetExceeded(
-            f"the simulation stopped after {self.max_seconds:g} s (max_seconds): "
-            "simulate fewer iterations or raise max_seconds")
+            f"the simulation stopped after {self.max_seconds:g} s (max_seconds): simulate "
+            f"fewer iterations (a script: memmagic run --steps N), or give a cell longer: "
+            f"%%gpumem --max-seconds {4 * self.max_seconds:g} on its first line")
 
     def _record_outputs(self, func, name: str, mutating: bool, args: tuple, kwargs: dict, out):
         """Count the op and track what it made or changed; ``out``."""
