@@ -257,13 +257,12 @@ def _only_memmagic(source: str, namespace: dict) -> bool:
     re-runs simulate themselves; wrapped, they would be a simulation inside another)."""
     import builtins
 
-    from ..whatif.engine import source_names
+    from ..whatif.engine import namespace_reads
 
     try:
-        loads, stores = source_names(source)
+        used = namespace_reads(source)
     except SyntaxError:
         return False
-    used = loads - stores
     if not used or any(ch in source for ch in "%!"):
         return False
     for name in used:

@@ -124,6 +124,26 @@ def source_names(source: str) -> tuple[set[str], set[str]]:
     return loads, stores
 
 
+def namespace_reads(source: str) -> set[str]:
+    """The names the code reads from the namespace it runs in: loaded in its own (module)
+    scope or as globals inside its functions, classes and comprehensions, less those it
+    binds there itself; a function's parameters and locals are not (``def f(model): ...``
+    then ``f(model)`` reads ``model``). SyntaxError where it does not parse."""
+    import symtable
+
+    top = symtable.symtable(source, "<cell>", "exec")
+    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    reads: set[str] = set()
+    tables = [top]
+    while tables:
+        table = tables.pop()
+        for sym in table.get_symbols():
+            if sym.is_referenced() and (table is top or sym.is_global()):
+                reads.add(sym.get_name())
+        tables.extend(table.get_children())
+    return reads - bound
+
+
 def assigned_names(source: str) -> set[str]:
     """The names the code binds in its own (module) scope: what is left in the namespace
     after it ran, not a function's locals or a comprehension's variables; the regex guess

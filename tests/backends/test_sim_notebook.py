@@ -76,6 +76,24 @@ def test_gpusim_switch_runs_every_cell_simulated(ip, capsys):
     assert res.error_in_exec is None and ip.user_ns["w"] == 2
 
 
+def test_a_cell_whose_function_takes_a_parameter_named_as_the_model_is_simulated(ip, capsys):
+    """``def largest_grad(model): ...`` then ``largest_grad(model)`` reads the notebook's
+    ``model``: the cell runs on the simulated GPU (a function's parameter does not hide the
+    name it is called with)."""
+    ip.run_line_magic("gpusim", "on --gpu T4")
+    try:
+        assert not ip.run_cell(SETUP).error_in_exec
+        res = ip.run_cell("def count(model):\n"
+                          "    return sum(p.numel() for p in model.parameters())\n"
+                          "n = count(model)\n")
+        assert res.error_in_exec is None, res.error_in_exec
+        assert ip.user_ns["n"] == 512 * 512 + 512 + 512 * 10 + 10
+        assert "[sim: simulated cuda:0 (T4)]" in capsys.readouterr().out
+    finally:
+        ip.run_line_magic("gpusim", "off")
+        ip.run_line_magic("gpusim", "reset")
+
+
 def test_gpusim_off_on_top_of_a_cell_runs_it_for_real_and_on_resumes_the_card(ip, capsys):
     """A student's "%gpusim off" above code runs that code for real (as "%gpusim on" above
     code simulates it), and a later bare "%gpusim on" goes back to the card of before with

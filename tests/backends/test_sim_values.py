@@ -394,6 +394,25 @@ def test_samples_from_known_probabilities_are_drawn_as_on_a_gpu():
     assert seen["model"] == 0 and "depend on data were read" in " ".join(out.report.notes)
 
 
+def test_a_number_rounded_from_a_placeholder_keeps_its_mark():
+    """A throughput log (``round(tokens / elapsed)`` with CUDA events' elapsed time, which a
+    simulation does not have) prints marked, never as a measured rate."""
+    seen = {}
+    out, _ = run("""
+        import math
+        import torch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(); end.record(); torch.cuda.synchronize()
+        tps = 32768 / (start.elapsed_time(end) / 1000)
+        seen["log"] = f"tok/sec: {round(tps)} {round(tps, 1)} {math.floor(tps)} {math.ceil(tps)}"
+        seen["parts"] = divmod(tps, 7)
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["log"] == ("tok/sec: 32768000(simulated) 32768000.0(simulated) "
+                           "32768000(simulated) 32768000(simulated)")
+    assert all("simulated" in repr(x) for x in seen["parts"])
+
+
 def test_a_tensor_formats_as_torch_formats_it():
     """``f"{loss:.4f}"`` (nanoGPT's and build-nanogpt's logging): a 0-d tensor formats its
     value, a placeholder with its mark; ``f"{t}"`` prints as ``print(t)`` does."""

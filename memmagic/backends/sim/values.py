@@ -67,18 +67,24 @@ def marked(value: Any) -> Any:
 
 
 def _marked_arith(cls, base):
-    """Arithmetic on a marked placeholder gives a marked result (``total += loss.item()``)."""
+    """Arithmetic on a marked placeholder gives a marked result (``total += loss.item()``),
+    and so does rounding it (``round(tokens / elapsed)``, ``math.floor``): a number made
+    from a placeholder is never printed as a result. (``int(x)`` cannot keep the mark:
+    Python makes its result a plain int.)"""
     def wrap(name):
         op = getattr(base, name)
 
         def method(self, *args):
-            return marked(op(self, *args))
+            out = op(self, *args)
+            return tuple(marked(x) for x in out) if type(out) is tuple else marked(out)
         method.__name__ = name
         return method
 
     for name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
                  "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
-                 "__rmod__", "__pow__", "__rpow__", "__neg__", "__pos__", "__abs__"):
+                 "__rmod__", "__pow__", "__rpow__", "__neg__", "__pos__", "__abs__",
+                 "__round__", "__floor__", "__ceil__", "__trunc__", "__divmod__",
+                 "__rdivmod__"):
         if hasattr(base, name):
             setattr(cls, name, wrap(name))
 
