@@ -138,6 +138,26 @@ def _uses_real_cuda(request: CellRequest) -> bool:
     return request.backend == "cuda" or (request.backend == "auto" and cuda_usable())
 
 
+def _sim_run_options(request: CellRequest, name: str) -> dict[str, Any]:
+    """The options of how a simulated run goes (generate()'s decode steps, its time bound);
+    one-line errors for another backend or a bound that is not a positive time."""
+    options: dict[str, Any] = {}
+    if request.decode_steps is not None:
+        if name != "sim":
+            raise RequestError("--decode-steps says how the simulated GPU runs generate()'s "
+                               "decode steps: add --backend sim, or leave it out")
+        options["decode"] = request.decode_steps
+    if request.max_seconds is not None:
+        if name != "sim":
+            raise RequestError("--max-seconds bounds a simulated run: add --backend sim, or "
+                               "leave it out")
+        if not request.max_seconds > 0:
+            raise RequestError(f"--max-seconds needs a positive number of seconds, not "
+                               f"{request.max_seconds:g}")
+        options["max_seconds"] = request.max_seconds
+    return options
+
+
 def backend_spec(request: CellRequest, *, persistent: bool = True) -> tuple[str, dict[str, Any]]:
     """The backend's name and options; ``persistent``: a sim cell runs on the notebook's
     simulated GPU (``request.session``; what-if re-runs start from a copy of it)."""
@@ -186,19 +206,7 @@ def backend_spec(request: CellRequest, *, persistent: bool = True) -> tuple[str,
         persistent = False  # its process group ends with the run: on a copy of the card
     if name == "sim" and request.session is not None:
         options["session" if persistent else "start_from"] = request.session
-    if request.decode_steps is not None:
-        if name != "sim":
-            raise RequestError("--decode-steps says how the simulated GPU runs generate()'s "
-                               "decode steps: add --backend sim, or leave it out")
-        options["decode"] = request.decode_steps
-    if request.max_seconds is not None:
-        if name != "sim":
-            raise RequestError("--max-seconds bounds a simulated run: add --backend sim, or "
-                               "leave it out")
-        if not request.max_seconds > 0:
-            raise RequestError(f"--max-seconds needs a positive number of seconds, not "
-                               f"{request.max_seconds:g}")
-        options["max_seconds"] = request.max_seconds
+    options.update(_sim_run_options(request, name))
     if real_cuda:
         if request.device is not None:
             options["device"] = request.device

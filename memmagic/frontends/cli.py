@@ -286,9 +286,10 @@ def _run_notes(runner: Any, args: argparse.Namespace, error: BaseException | Non
                      "calls before it exactly (the others are evaluated, as a note says), and "
                      "each re-run of the doctor repeats them; fewer evaluation batches in the "
                      "script's own options shorten every run")
-    for var, (line, value) in runner.assigned_only().items():
-        notes.append(f"the script sets {var} = {value} at line {line}: the doctor's re-runs "
-                     "set smaller ones there (in memory; the file is not changed)")
+    for var, (line, _value) in runner.assigned_only().items():
+        notes.append(f"the script sets {runner.numbers.written(var)} at line {line}: the "
+                     "doctor's re-runs set smaller ones there (in memory; the file is not "
+                     "changed)")
     for var, (flag, value) in runner.found.items():
         given = flag_value(runner.argv, flag) is not None
         notes.append(f"the script takes {var} on its command line ({flag}=N; it ran with "

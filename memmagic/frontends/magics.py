@@ -24,6 +24,7 @@ from ..pipeline import CellRequest, RequestError, make_cell
 from ..report import MemoryReport
 
 __all__ = ["MemMagics"]
+_AS_GIVEN = ("world_size", "rank", "gpus_per_node", "decode_steps", "max_seconds")
 
 
 def _with_options(func):
@@ -153,9 +154,7 @@ class MemMagics(Magics):
                            gpu_memory=gpu_memory, device=args.device,
                            breakdown=not args.no_breakdown, session=session,
                            knobs={k: v for k, v in knobs.items() if v is not None},
-                           advise=args.advise, run=run, world_size=args.world_size, rank=args.rank,
-                           gpus_per_node=args.gpus_per_node, decode_steps=args.decode_steps,
-                           max_seconds=args.max_seconds)
+                           advise=args.advise, run=run, **{k: getattr(args, k) for k in _AS_GIVEN})
 
     def _compile(self, source: str):
         """``run(ns)`` of the cell, IPython's transforms on; a syntax error fails it as in IPython."""

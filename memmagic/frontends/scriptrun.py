@@ -393,7 +393,8 @@ class ScriptRun:
                     f"{self.flags[var]} as its option for {var}, from its first run): give "
                     f"the script its {var} on its own command line") from error
         for var, value in set_at.items():
-            if flags.ns.get(var) != value:
+            # (a settings dict's entry has no variable to look at: its value is the dict's)
+            if var not in self.numbers.keyed and flags.ns.get(var) != value:
                 line = self.assigned[var][0]
                 raise ScriptError(
                     f"the script changed {var} after line {line} (memmagic set {var} = "

@@ -252,9 +252,10 @@ def _code_after_switch(cell: str, line: str) -> bool:
 
 
 def _only_memmagic(source: str, namespace: dict) -> bool:
-    """Whether the code uses nothing but memmagic's own objects of the namespace (a what-if
-    panel, a Cell, a report) and builtins: such a cell runs for real under %gpusim on (its
-    re-runs simulate themselves; wrapped, they would be a simulation inside another)."""
+    """Whether the code uses memmagic's own objects of the namespace (a what-if panel, a
+    Cell, a report) and nothing else but builtins and names it binds itself: such a cell
+    runs for real under %gpusim on (its re-runs simulate themselves; wrapped, they would be
+    a simulation inside another)."""
     import builtins
 
     from ..whatif.engine import namespace_reads
@@ -263,7 +264,7 @@ def _only_memmagic(source: str, namespace: dict) -> bool:
         used = namespace_reads(source)
     except SyntaxError:
         return False
-    if not used or any(ch in source for ch in "%!"):
+    if not any(name in namespace for name in used) or any(ch in source for ch in "%!"):
         return False
     for name in used:
         if name in namespace:

@@ -596,9 +596,9 @@ class Cell:
         applier.install()
         values = self._variables(setting, batch)
         for var, value in self.numbers.changed(values).items():
-            line, number = self.assigned[var]
+            line = self.assigned[var][0]
             applier.note(f"{var} {value}: set where the cell sets it (line {line}: "
-                         f"{var} = {number} as written)")
+                         f"{self.numbers.written(var)} as written)")
         if self.function is None:
             for name, v in values.items():
                 changed.setdefault(name, ns.get(name, _MISSING))

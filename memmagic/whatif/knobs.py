@@ -443,8 +443,8 @@ SCRIPT_BATCH_HINT = ("no smaller batch was tried: the script does not take its b
                      "its command line. Pass it one (--batch_size N or --batch_size=N, or "
                      "--batch-size; a script without such an option needs one, e.g. argparse's "
                      "add_argument('--batch_size', type=int)), or set it as a number at the "
-                     "script's top level (batch_size = 64), and the doctor re-runs it with "
-                     "smaller batches")
+                     "script's top level (batch_size = 64, or one settings dict's entry: "
+                     "{\"batch_size\": 64}), and the doctor re-runs it with smaller batches")
 
 _NO_BATCH = ("batch_size: the cell does not read batch_size and names no batch tensor of the "
              "namespace: make the batch with batch_size in the cell (e.g. "

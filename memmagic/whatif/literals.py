@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["Numbers", "assigned_constants", "with_assignments", "module_scope"]
+__all__ = ["Numbers", "assigned_constants", "keyed_literals", "with_assignments", "module_scope"]
 
 
 class Numbers:
@@ -31,7 +31,14 @@ class Numbers:
         self.source, self._compile = source, compile
         sized = {k.var for k in KNOBS.values() if k.script_flags}
         self.at = assigned_constants(source, sized) if source is not None else {}
+        # those of a settings dict's entries (``{"batch_size": 8}``): no variable holds them
+        self.keyed = keyed_literals(source, sized) if source is not None else set()
         self._compiled: dict[tuple, Any] = {}
+
+    def written(self, var: str) -> str:
+        """How the source sets ``var``: ``batch_size = 8`` or ``"batch_size": 8``."""
+        number = self.at[var][1]
+        return f'"{var}": {number}' if var in self.keyed else f"{var} = {number}"
 
     def changed(self, values: dict[str, Any]) -> dict[str, int]:
         """The whole numbers of ``values`` that differ from the ones written at :attr:`at`."""
@@ -78,7 +85,9 @@ def _literals(source: str, names: Iterable[str]) -> dict[str, ast.Constant]:
     """variable of ``names`` -> the whole-number literal ``source``'s top level sets it to,
     once (``b = 16``, ``b, s = 16, 1024``; no other binding of it in the module's scope: a
     loop's, a ``with``'s, a walrus's, an unpacking's of a value, an augmented
-    assignment's)."""
+    assignment's); where no variable of that name is bound there, the one entry of a
+    settings dict written out under that name (``{"batch_size": 32}``, ``dict(batch_size=32)``:
+    see :func:`keyed_literals`)."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -86,16 +95,54 @@ def _literals(source: str, names: Iterable[str]) -> dict[str, ast.Constant]:
     names = set(names)
     found: dict[str, ast.Constant] = {}
     bound: dict[str, int] = {}
+    keyed: dict[str, list[ast.AST]] = {}
     for node in module_scope(tree):
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) and node.id in names:
             bound[node.id] = bound.get(node.id, 0) + 1
+        for name, value in _entries(node):
+            if name in names:
+                keyed.setdefault(name, []).append(value)
         target = (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1
                   else node.target if isinstance(node, ast.AnnAssign) else None)
         for name, value in _pairs(target, getattr(node, "value", None)):
-            if (name.id in names and isinstance(value, ast.Constant)
-                    and isinstance(value.value, int) and not isinstance(value.value, bool)):
+            if name.id in names and _whole(value):
                 found[name.id] = value
-    return {var: node for var, node in found.items() if bound.get(var) == 1}
+    out = {var: node for var, node in found.items() if bound.get(var) == 1}
+    for var, values in keyed.items():
+        if var not in bound and len(values) == 1 and _whole(values[0]):
+            out[var] = values[0]  # type: ignore[assignment]
+    return out
+
+
+def keyed_literals(source: str, names: Iterable[str]) -> set[str]:
+    """The variables of :func:`_literals` that are a settings dict's entries (rasbt's
+    ``OTHER_SETTINGS = {"batch_size": 8, ...}``), not variables: no variable holds the
+    value the run is given."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    names = set(names)
+    bound = {n.id for n in module_scope(tree)
+             if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    return set(_literals(source, names)) - bound
+
+
+def _whole(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Constant) and isinstance(node.value, int)
+            and not isinstance(node.value, bool))
+
+
+def _entries(node: ast.AST) -> list[tuple[str, ast.AST]]:
+    """(key, value) of a dict written out: ``{"batch_size": 8}``'s string keys, or the
+    keywords of ``dict(batch_size=8)``."""
+    if isinstance(node, ast.Dict):
+        return [(k.value, v) for k, v in zip(node.keys, node.values)
+                if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "dict"):
+        return [(kw.arg, kw.value) for kw in node.keywords if kw.arg is not None]
+    return []
 
 
 def _pairs(target: ast.AST | None, value: ast.AST | None) -> list[tuple[ast.Name, ast.AST]]:

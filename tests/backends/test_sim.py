@@ -427,6 +427,45 @@ def test_global_state_restored_after_success():
     assert sim_state() == before
 
 
+def _tf32_settings() -> dict:
+    b = torch.backends
+    paths = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul")
+    out = {}
+    for path in paths:
+        obj = b
+        for part in filter(None, path.split(".")):
+            obj = getattr(obj, part)
+        out[path] = obj.fp32_precision
+    return out
+
+
+@pytest.mark.parametrize("setup", ["", "torch.backends.fp32_precision = 'tf32'",
+                                   "torch.set_float32_matmul_precision('high')"])
+def test_tf32_settings_in_either_api_are_put_back(setup):
+    """torch's newer TF32 API (``torch.backends.fp32_precision = "tf32"``, what transformers'
+    ``TrainingArguments(tf32=True)`` sets) beside the older flags: torch refuses to read the
+    older ones once the two mix, which failed every simulated cell after such a setting;
+    either way a cell's settings are put back after it."""
+    saved = _tf32_settings(), torch.get_float32_matmul_precision()
+    try:
+        exec(setup)
+        before = _tf32_settings()
+        for cell in ("torch.backends.fp32_precision = 'tf32'",
+                     "torch.set_float32_matmul_precision('medium')",
+                     "torch.backends.cuda.matmul.allow_tf32 = True",
+                     "y = torch.ones(2, device='cuda') @ torch.ones(2, device='cuda')"):
+            out, _ = run("import torch\n" + cell + "\n")
+            assert out.error is None, (setup, cell, out.error)
+            assert _tf32_settings() == before, (setup, cell)
+    finally:
+        torch.set_float32_matmul_precision(saved[1])
+        for path, value in saved[0].items():
+            obj = torch.backends
+            for part in filter(None, path.split(".")):
+                obj = getattr(obj, part)
+            obj.fp32_precision = value
+
+
 def test_options_are_checked():
     with pytest.raises(TypeError):
         SimBackend(device=0)

@@ -237,10 +237,12 @@ def test_values_a_known_operand_decides_and_fills_and_real_small_tensors():
         ids = torch.randint(0, 128, (2, 16), device="cuda")
         seen["fills"] = (torch.ones_like(ids).all().item(), torch.zeros_like(ids).any().item(),
                          torch.full_like(ids, 3).max().item(), ids.new_zeros(2).tolist())
-        done = torch.full((2,), True, device="cuda") | (ids[:, 0] == 5)   # True | data
-        none = torch.zeros(2, dtype=torch.bool, device="cuda") & (ids[:, 0] == 5)
+        # (random indices are drawn for real: data is what a model computes)
+        hit = torch.nn.Linear(16, 2).cuda()(ids.float()) > 5
+        done = torch.full((2,), True, device="cuda") | hit[:, 0]   # True | data
+        none = torch.zeros(2, dtype=torch.bool, device="cuda") & hit[:, 0]
         seen["decided"] = (done.all().item(), none.any().item())
-        seen["mixed"] = ((ids[:, 0] == 5) | (ids[:, 1] == 5)).tolist()   # data | data: unknown
+        seen["mixed"] = (hit[:, 0] | hit[:, 1]).tolist()   # data | data: unknown
         seen["host"] = host.to("cuda").all().item()
         host.zero_()                                  # the cell's copy, not the real tensor
     """, {"seen": Recorder(seen), "host": host})
@@ -411,6 +413,26 @@ def test_a_number_rounded_from_a_placeholder_keeps_its_mark():
     assert seen["log"] == ("tok/sec: 32768000(simulated) 32768000.0(simulated) "
                            "32768000(simulated) 32768000(simulated)")
     assert all("simulated" in repr(x) for x in seen["parts"])
+
+
+def test_a_seeded_cell_draws_the_same_gpu_indices_at_every_run():
+    """``torch.manual_seed`` seeds the GPU's generator too: random indices drawn on the
+    simulated GPU after it are the same at every run of the cell (whatever ran between),
+    as on a GPU; unseeded draws go on."""
+    code = """
+        import torch
+        torch.manual_seed(7)
+        seen["a"] = torch.randint(0, 10**6, (4,), device="cuda").tolist()
+        torch.cuda.manual_seed(8)
+        seen["b"] = torch.randint(0, 10**6, (4,), device="cuda").tolist()
+        seen["c"] = torch.randint(0, 10**6, (4,), device="cuda").tolist()
+    """
+    first, again = {}, {}
+    out, _ = run(code, {"seen": Recorder(first)})
+    run("import torch\nx = torch.randint(0, 9, (8,), device='cuda')\n")
+    run(code, {"seen": Recorder(again)})
+    assert out.error is None, out.error
+    assert first == again and first["b"] != first["c"]
 
 
 def test_a_tensor_formats_as_torch_formats_it():

@@ -455,22 +455,50 @@ ASSIGNED = CONFIGURED.replace("""for arg in sys.argv[1:]:
 """, "")
 
 
-def test_the_doctor_sets_a_batch_size_the_script_sets_at_its_top_level(tmp_path, capsys,
-                                                                        clean_state):
-    """``batch_size = 64`` at the script's top level and no option: the doctor's re-runs
-    set smaller numbers at that line, in memory (the file stays as it is), and --whatif
-    takes it too."""
+# hyperparameters in a settings dict passed to a main function (rasbt/LLMs-from-scratch's
+# OTHER_SETTINGS), under the script's __main__ guard
+SETTINGS_DICT = textwrap.dedent('''
+    import torch
+    from memmagic import zoo
+
+    def main(settings):
+        model, _ = zoo.build("nanogpt", device="cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"])
+        for it in range(1000):
+            xb = torch.randint(0, 1000, (settings["batch_size"], 128), device="cuda")
+            model.loss(xb, xb).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    if __name__ == "__main__":
+        SETTINGS = {
+            "learning_rate": 3e-4,
+            "batch_size": 64,
+        }
+        main(SETTINGS)
+''')
+
+
+@pytest.mark.parametrize("source,written,line", [
+    (ASSIGNED, "batch_size = 64", 6), (SETTINGS_DICT, '"batch_size": 64', 17)],
+    ids=["variable", "settings dict"])
+def test_the_doctor_sets_a_batch_size_the_script_sets_at_its_top_level(
+        source, written, line, tmp_path, capsys, clean_state):
+    """``batch_size = 64`` at the script's top level and no option, or the one entry of that
+    name of a settings dict written out there (``{"batch_size": 64}``): the doctor's re-runs
+    set smaller numbers there, in memory (the file stays as it is), and --whatif takes it
+    too."""
     path = tmp_path / "train.py"
-    path.write_text(ASSIGNED)
+    path.write_text(source)
     rc = cli.main(["run", "--gpu-memory", "256MiB", "--steps", "1", str(path)])
     out = capsys.readouterr()
     assert rc == 1 and "out of memory" in out.err
-    assert ("note: the script sets batch_size = 64 at line 6: the doctor's re-runs set smaller "
-            "ones there (in memory; the file is not changed)") in out.out
-    rows = [line for line in out.out.splitlines() if "(from 64)" in line]
-    assert rows and any(line.rstrip().endswith("fits") for line in rows), out.out
-    assert "no smaller batch was tried" not in out.out
-    assert path.read_text() == ASSIGNED
+    assert (f"note: the script sets {written} at line {line}: the doctor's re-runs set "
+            "smaller ones there (in memory; the file is not changed)") in out.out
+    rows = [ln for ln in out.out.splitlines() if "(from 64)" in ln]
+    assert rows and any(ln.rstrip().endswith("fits") for ln in rows), out.out
+    assert "no smaller batch was tried" not in out.out and "ScriptError" not in out.out
+    assert path.read_text() == source
     peaks = {}
     for whatif in (["--whatif", "batch_size=8"], []):
         assert cli.main(["run", "--gpu", "T4", "--steps", "1", "--json", str(tmp_path / "r.json"),

@@ -79,3 +79,23 @@ def test_a_number_set_once_at_the_top_level_is_found_and_set_where_it_stands():
     assert (ns["batch_size"], ns["seq_len"], ns["f"](), ns["line"]) == (16, 32, 3, 8)
     assert ns["f"].__code__.co_filename == "train.py"
     assert numbers.compiled({"batch_size": 64, "seq_len": 256}) is None  # as written
+
+
+def test_a_settings_dicts_entry_is_a_number_set_where_it_stands():
+    """``{"batch_size": 8}`` or ``dict(batch_size=8)``, once at the top level, with no
+    variable of that name: the entry is where the size is set; two such entries, a
+    variable of that name, or a value that is not a whole number written out are not."""
+    source = ('if __name__ == "__main__":\n'
+              '    CFG = {"lr": 5e-4, "batch_size": 8}\n'
+              '    OPT = dict(accum_steps=4)\n')
+    numbers = Numbers(source, compile)
+    assert numbers.at == {"batch_size": (2, 8), "accum_steps": (3, 4)}
+    assert numbers.keyed == {"batch_size", "accum_steps"}
+    assert numbers.written("batch_size") == '"batch_size": 8'
+    assert with_assignments(source, {"batch_size": 2}) == source.replace('": 8', '": 2')
+    for not_one in ('a = {"batch_size": 8}\nb = {"batch_size": 4}\n',
+                    'a = {"batch_size": 8 * 2}\n', 'a = {"batch_size": n}\n',
+                    'def f():\n    return {"batch_size": 8}\n'):
+        assert "batch_size" not in Numbers(not_one, compile).at, not_one
+    both = Numbers('batch_size = 4\ncfg = {"batch_size": 8}\n', compile)
+    assert both.at == {"batch_size": (1, 4)} and not both.keyed

@@ -766,9 +766,8 @@ def _save_globals() -> dict[str, Any]:
         "dtype": torch.get_default_dtype(), "grad": torch.is_grad_enabled(),
         "det": torch.are_deterministic_algorithms_enabled(),
         "det_warn": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "matmul_precision": torch.get_float32_matmul_precision(),
-        "cudnn": (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
-                  torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32),
+        "tf32": _tf32_state(),
+        "cudnn": (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic),
         "sdp": (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
                 torch.backends.cuda.math_sdp_enabled()),
         "autocast": [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu",)],
@@ -780,15 +779,55 @@ def _save_globals() -> dict[str, Any]:
     return out
 
 
+# torch's TF32 settings in its newer API (torch.backends.<backend>.fp32_precision, per
+# backend and op; "" is torch.backends itself), beside the older flags
+_FP32_PRECISIONS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn",
+                    "mkldnn.matmul", "mkldnn.conv", "mkldnn.rnn")
+
+
+def _precision_holder(path: str) -> Any:
+    obj: Any = torch.backends
+    for part in filter(None, path.split(".")):
+        obj = getattr(obj, part, None)
+    return obj if hasattr(obj, "fp32_precision") else None
+
+
+def _tf32_state() -> tuple:
+    """(the older flags: float32 matmul precision, cuDNN's and cuBLAS's allow_tf32; None
+    where the settings mix the two APIs, which torch then refuses to read: a cell or a
+    library set ``torch.backends.fp32_precision = "tf32"`` (transformers'
+    ``TrainingArguments(tf32=True)`` does), the newer API's value per backend)."""
+    newer = {path: holder.fp32_precision for path in _FP32_PRECISIONS
+             if (holder := _precision_holder(path)) is not None}
+    b = torch.backends
+    try:
+        older = (torch.get_float32_matmul_precision(), b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32)
+    except RuntimeError:
+        older = None
+    return older, newer
+
+
+def _set_tf32_state(state: tuple) -> None:
+    """Put back what :func:`_tf32_state` read: the older flags first (setting them sets the
+    newer values too), then each newer value as it was."""
+    older, newer = state
+    b = torch.backends
+    if older is not None:
+        torch.set_float32_matmul_precision(older[0])
+        b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32 = older[1], older[2]
+    for path, value in newer.items():
+        _precision_holder(path).fp32_precision = value
+
+
 def _restore_globals(saved: dict[str, Any]) -> None:
     torch.set_rng_state(saved["rng"])
     random.setstate(saved["py_rng"])
     torch.set_default_dtype(saved["dtype"])
     torch.set_grad_enabled(saved["grad"])
     torch.use_deterministic_algorithms(saved["det"], warn_only=saved["det_warn"])
-    torch.set_float32_matmul_precision(saved["matmul_precision"])
+    _set_tf32_state(saved["tf32"])
     b = torch.backends
-    (b.cudnn.benchmark, b.cudnn.deterministic, b.cudnn.allow_tf32, b.cuda.matmul.allow_tf32) = saved["cudnn"]
+    b.cudnn.benchmark, b.cudnn.deterministic = saved["cudnn"]
     flash, eff, math = saved["sdp"]
     b.cuda.enable_flash_sdp(flash)
     b.cuda.enable_mem_efficient_sdp(eff)

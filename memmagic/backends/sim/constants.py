@@ -16,7 +16,8 @@ import torch
 from ...core import _torch_private as _priv
 from .state import CPU
 
-__all__ = ["CONSTANT_NUMEL", "INDEX_NUMEL", "numel_bound", "propagate", "drop_unfounded_in_place"]
+__all__ = ["CONSTANT_NUMEL", "INDEX_NUMEL", "numel_bound", "propagate", "drop_unfounded_in_place",
+           "seed_gpu_draws"]
 
 _aten = torch.ops.aten
 
@@ -91,6 +92,17 @@ _UNINITIALIZED = {_aten.empty.memory_format, _aten.empty_like.default, _aten.new
                   _aten.new_empty_strided.default, _aten.empty_strided.default,
                   _aten.empty_permuted.default}
 _AND_OPS = {_aten.bitwise_and.Tensor, _aten.logical_and.default, _aten.mul.Tensor}
+
+
+def seed_gpu_draws(seed: int | None) -> None:
+    """``torch.manual_seed(seed)`` (which seeds the GPU's generators too) or
+    ``torch.cuda.manual_seed``: the simulated GPU's draws start again from ``seed``, so a
+    seeded cell draws the same values at every run, as on a GPU (not the GPU's own values:
+    its generator is another); None: from a seed of its own (``torch.cuda.seed()``)."""
+    if seed is None:
+        _GPU_DRAWS.seed()
+    else:
+        _GPU_DRAWS.manual_seed(int(seed))
 
 
 def propagate(func, args: tuple, kwargs: dict, out, on_gpu: bool = False):

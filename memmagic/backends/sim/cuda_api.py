@@ -36,6 +36,7 @@ from ...core import _torch_private as _priv
 from ...core.interrupts import atomic
 from ...report import format_bytes
 from ...core.snapshot import PICKLE_PROTOCOL
+from .constants import seed_gpu_draws
 from .values import SimulatedFloat
 from .errors import RERUN_HINT, SimulationUnsupported
 from .state import local_gpu
@@ -43,12 +44,15 @@ from .gpus import DEFAULT_CAPABILITY, GPUS, CardSpec
 from ...core.patching import Patches
 
 __all__ = ["SimDeviceProperties", "SimulatedCuda", "check_device", "install_default_card_note",
-           "DEFAULT_CARD"]
+           "DEFAULT_CARD", "SIMULATED_CUDA_VERSION"]
 
 # The card the size queries (``mem_get_info``, ``get_device_properties``) answer for when
 # none is named: the sm_80 card whose kernels the simulation picks by default.
 DEFAULT_CARD: CardSpec = GPUS.get("a100-40gb") or CardSpec("A100-40GB", 40_536 << 20, (8, 0), 108)
 _CARD_QUERIES = ("mem_get_info", "get_device_properties", "get_device_name")
+# ``torch.version.cuda`` in a simulated run: the CUDA runtime of the build the simulation's
+# recorded figures were measured with (docs/fidelity.md: torch 2.11.0+cu130 on the H200)
+SIMULATED_CUDA_VERSION = "13.0"
 
 
 @dataclass(frozen=True)
@@ -361,6 +365,9 @@ class SimulatedCuda:
                             "mark": lambda msg: None}.items():
             patches.set(nvtx, attr, value)
         patches.set(_READS, "note", self.streams.state.note_read)
+        # the CUDA runtime of a CUDA build: libraries ask it before a GPU feature
+        # (transformers' TrainingArguments(tf32=True) refuses to run where it is None)
+        patches.set(torch.version, "cuda", SIMULATED_CUDA_VERSION)
         self.install_accelerator(patches)
         # the device-generic classes (torch.Stream(0), torch.Event()): the simulated GPU's
         patches.set(torch, "Stream", self.streams.Stream)
@@ -457,18 +464,18 @@ class SimulatedCuda:
     def is_current_stream_capturing(self) -> bool:
         return False
 
-    # -- seeds and RNG state: a simulation has no values -------------------------------------
+    # -- seeds: the simulation's own draws on the GPU (random indices); no state to save --
     def manual_seed(self, seed) -> None:
-        return None
+        seed_gpu_draws(seed)
 
     def manual_seed_all(self, seed) -> None:
-        return None
+        seed_gpu_draws(seed)
 
     def seed(self) -> None:
-        return None
+        seed_gpu_draws(None)
 
     def seed_all(self) -> None:
-        return None
+        seed_gpu_draws(None)
 
     # checkpoint saves and restores the CUDA RNG state
     def get_rng_state(self, device="cuda") -> torch.Tensor:
