@@ -187,7 +187,9 @@ def _read_off(cell: Any, ran: dict[Setting, Any], unit: str, notes: list[str]
     if own is None or own.fits is not False or getattr(own.trace, "allocator_log", None) is None:
         return []  # it fits, or no simulated allocator logged the runs (a real GPU's)
     planes: dict = {}  # the lines found, each checked once (evaluated.evaluate)
-    for _ in range(2):  # smaller runs that fit, for a line (or a parabola): both sizes' at once
+    # smaller runs that fit, for a line (or a parabola): both sizes' at once; where none
+    # fits yet, halvings first (a batch far too big), up to two more rounds
+    for _ in range(4):
         wanted = [(dim, n) for dim in (BATCH_DIM, SEQ_DIM)
                   if (n := run_wanted(ran, setting, dim, planes)) is not None]
         if not wanted:

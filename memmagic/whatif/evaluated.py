@@ -271,15 +271,17 @@ def run_wanted(runs: Mapping[Setting, MemoryReport], setting: Setting, dim: int,
     """The value of the size knob of ``dim`` to run next so that :func:`largest_fitting`
     has a line (or a parabola): where some of the runs that differ from ``setting`` in
     that size ran out of memory and too few fit (the batch: one; the context: one, or two
-    that give no checked line), half the smallest that fits (the batch: in whole
-    micro-batches, at least 2 of them, since a dimension of 1 takes another path); else
-    None. ``planes``: as for :func:`evaluate`."""
+    that give no checked line), half the smallest that fits; where none fits, half the
+    smallest that ran (the batch: in whole micro-batches, at least 2 of them, since a
+    dimension of 1 takes another path); else None. ``planes``: as for :func:`evaluate`."""
     knob, k = resizing(dim).name, _per_size(setting, dim)
     if getattr(setting, knob) is None:
         return None
     family, stopped = _family(runs, setting, dim, None)
     fitting = sorted(x for x, r in family.items() if r.fits)
-    if not stopped or not fitting or len(fitting) > (1 if dim == BATCH_DIM else 2):
+    if stopped and not fitting:  # a batch far too big: smaller ones first
+        fitting = [min([*family, *stopped])]
+    elif not stopped or not fitting or len(fitting) > (1 if dim == BATCH_DIM else 2):
         return None
     if len(fitting) == 2 and _cached(planes, family, stopped, dim) is not None:
         return None

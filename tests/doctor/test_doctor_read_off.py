@@ -72,6 +72,20 @@ def test_no_read_off_where_the_cell_fits_or_the_runs_give_no_line():
     assert "batch_size" not in _read(rows)
 
 
+def test_a_batch_far_too_big_is_halved_until_one_fits_then_read_off():
+    """Batch 256 where its halvings 128 and 64 run out too: the doctor halves on (32, 16,
+    8) until two fit, and reads the largest batch that fits off their line."""
+    cell = _cell(MANUAL, 256, 1024)
+    _, rows, notes = doctor.rank(cell)
+    s = _read(rows)["batch_size"]
+    n = s.knobs["batch_size"]
+    assert n < 64 and not any(x.fits for x in rows if x.knobs in ({"batch_size": 128},
+                                                                   {"batch_size": 64}))
+    run = cell.run(batch_size=n)
+    assert (s.peak, s.reserved_peak, s.fits) == (run.peak, run.reserved_peak, True)
+    assert cell.run(batch_size=n + 1).fits is False
+
+
 def test_a_context_with_scores_in_its_square_is_read_off_a_parabola():
     # the contexts 256 and 512 fit and draw a line the run at 1024 does not bear out:
     # the doctor runs 128 too, and the parabola through the three holds up to where the
