@@ -256,15 +256,19 @@ def _only_memmagic(source: str, namespace: dict) -> bool:
     Cell, a report) and nothing else but builtins and names it binds itself: such a cell
     runs for real under %gpusim on (its re-runs simulate themselves; wrapped, they would be
     a simulation inside another)."""
+    import ast
     import builtins
 
     from ..whatif.engine import namespace_reads
 
     try:
         used = namespace_reads(source)
+        tree = ast.parse(source)
     except SyntaxError:
         return False
-    if not any(name in namespace for name in used) or any(ch in source for ch in "%!"):
+    imports = any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(tree))
+    # (a cell that imports a library works with it: ``import torch as _torch``)
+    if imports or not any(name in namespace for name in used) or any(ch in source for ch in "%!"):
         return False
     for name in used:
         if name in namespace:

@@ -340,27 +340,3 @@ def test_nvtx_ranges_are_markers_that_answer_their_depth():
         """, gpu="T4")
         assert out.error is None, out.error
 
-
-def test_a_simulated_run_is_a_cuda_build_and_transformers_lets_it_use_tf32(tmp_path):
-    """``torch.version.cuda`` is a CUDA build's inside a simulated run (the CPU build's
-    None outside): transformers' ``TrainingArguments(tf32=True)`` asks it and refused to
-    run on a simulated A100; on a simulated T4 (no TF32) it refuses as on the card."""
-    pytest.importorskip("transformers")
-    from transformers import TrainingArguments
-
-    from memmagic.backends.sim.cuda_api import SIMULATED_CUDA_VERSION
-
-    real = torch.version.cuda
-    seen: dict = {}
-    code = """
-        args = TrainingArguments(output_dir=OUT, tf32=True, report_to=[])
-        seen["cuda"], seen["tf32"] = torch.version.cuda, torch.backends.cuda.matmul.fp32_precision
-    """
-    ns = {"seen": Recorder(seen), "TrainingArguments": TrainingArguments, "torch": torch,
-          "OUT": str(tmp_path)}
-    out, _ = run(code, dict(ns), gpu="A100-40GB")
-    assert out.error is None, out.error
-    assert seen == {"cuda": SIMULATED_CUDA_VERSION, "tf32": "tf32"}
-    assert torch.version.cuda == real
-    out, _ = run(code, dict(ns), gpu="T4")
-    assert "--tf32 requires Ampere" in str(out.error)

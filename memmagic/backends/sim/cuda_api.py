@@ -44,15 +44,12 @@ from .gpus import DEFAULT_CAPABILITY, GPUS, CardSpec
 from ...core.patching import Patches
 
 __all__ = ["SimDeviceProperties", "SimulatedCuda", "check_device", "install_default_card_note",
-           "DEFAULT_CARD", "SIMULATED_CUDA_VERSION"]
+           "DEFAULT_CARD"]
 
 # The card the size queries (``mem_get_info``, ``get_device_properties``) answer for when
 # none is named: the sm_80 card whose kernels the simulation picks by default.
 DEFAULT_CARD: CardSpec = GPUS.get("a100-40gb") or CardSpec("A100-40GB", 40_536 << 20, (8, 0), 108)
 _CARD_QUERIES = ("mem_get_info", "get_device_properties", "get_device_name")
-# ``torch.version.cuda`` in a simulated run: the CUDA runtime of the build the simulation's
-# recorded figures were measured with (docs/fidelity.md: torch 2.11.0+cu130 on the H200)
-SIMULATED_CUDA_VERSION = "13.0"
 
 
 @dataclass(frozen=True)
@@ -365,9 +362,6 @@ class SimulatedCuda:
                             "mark": lambda msg: None}.items():
             patches.set(nvtx, attr, value)
         patches.set(_READS, "note", self.streams.state.note_read)
-        # the CUDA runtime of a CUDA build: libraries ask it before a GPU feature
-        # (transformers' TrainingArguments(tf32=True) refuses to run where it is None)
-        patches.set(torch.version, "cuda", SIMULATED_CUDA_VERSION)
         self.install_accelerator(patches)
         # the device-generic classes (torch.Stream(0), torch.Event()): the simulated GPU's
         patches.set(torch, "Stream", self.streams.Stream)
