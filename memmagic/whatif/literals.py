@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["Numbers", "assigned_constants", "keyed_literals", "with_assignments", "module_scope"]
+__all__ = ["Numbers", "assigned_constants", "with_assignments", "module_scope"]
 
 
 class Numbers:
@@ -30,9 +30,10 @@ class Numbers:
 
         self.source, self._compile = source, compile
         sized = {k.var for k in KNOBS.values() if k.script_flags}
-        self.at = assigned_constants(source, sized) if source is not None else {}
+        nodes, keyed = _found(source, sized) if source is not None else ({}, set())
+        self.at = {var: (node.lineno, node.value) for var, node in nodes.items()}
         # those of a settings dict's entries (``{"batch_size": 8}``): no variable holds them
-        self.keyed = keyed_literals(source, sized) if source is not None else set()
+        self.keyed = keyed
         self._compiled: dict[tuple, Any] = {}
 
     def written(self, var: str) -> str:
@@ -82,16 +83,23 @@ def with_assignments(source: str, values: dict[str, int]) -> str:
 
 
 def _literals(source: str, names: Iterable[str]) -> dict[str, ast.Constant]:
-    """variable of ``names`` -> the whole-number literal ``source``'s top level sets it to,
+    """variable of ``names`` -> the whole-number literal ``source``'s top level sets it to
+    (see :func:`_found`)."""
+    return _found(source, names)[0]
+
+
+def _found(source: str, names: Iterable[str]) -> tuple[dict[str, ast.Constant], set[str]]:
+    """(variable of ``names`` -> the whole-number literal ``source``'s top level sets it to,
     once (``b = 16``, ``b, s = 16, 1024``; no other binding of it in the module's scope: a
     loop's, a ``with``'s, a walrus's, an unpacking's of a value, an augmented
     assignment's); where no variable of that name is bound there, the one entry of a
-    settings dict written out under that name (``{"batch_size": 32}``, ``dict(batch_size=32)``:
-    see :func:`keyed_literals`)."""
+    settings dict written out under that name (``{"batch_size": 32}``, ``dict(batch_size=32)``,
+    rasbt's ``OTHER_SETTINGS``), the variables found as such entries: no variable holds the
+    value a run is given)."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
-        return {}
+        return {}, set()
     names = set(names)
     found: dict[str, ast.Constant] = {}
     bound: dict[str, int] = {}
@@ -108,24 +116,9 @@ def _literals(source: str, names: Iterable[str]) -> dict[str, ast.Constant]:
             if name.id in names and _whole(value):
                 found[name.id] = value
     out = {var: node for var, node in found.items() if bound.get(var) == 1}
-    for var, values in keyed.items():
-        if var not in bound and len(values) == 1 and _whole(values[0]):
-            out[var] = values[0]  # type: ignore[assignment]
-    return out
-
-
-def keyed_literals(source: str, names: Iterable[str]) -> set[str]:
-    """The variables of :func:`_literals` that are a settings dict's entries (rasbt's
-    ``OTHER_SETTINGS = {"batch_size": 8, ...}``), not variables: no variable holds the
-    value the run is given."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return set()
-    names = set(names)
-    bound = {n.id for n in module_scope(tree)
-             if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
-    return set(_literals(source, names)) - bound
+    entries = {var: values[0] for var, values in keyed.items()
+               if var not in bound and len(values) == 1 and _whole(values[0])}
+    return {**out, **entries}, set(entries)  # type: ignore[dict-item]
 
 
 def _whole(node: ast.AST) -> bool:

@@ -180,8 +180,7 @@ def _with_values(func, args, kwargs, out, on_gpu: bool):
         return out
     with _priv.no_python_modes():
         if draw is not None:
-            gen = kwargs.get("generator") or (_GPU_DRAWS if on_gpu else None)
-            real = draw(tuple(out.shape), dtype=out.dtype, generator=gen)
+            real = draw(tuple(out.shape), dtype=out.dtype, generator=_generator(kwargs, on_gpu))
         elif fill is not None:
             real = torch.full(tuple(out.shape), fill(args, kwargs), dtype=out.dtype)
         elif func in _RANDOM_INDICES and on_gpu and kwargs.get("generator") is None:
@@ -200,15 +199,9 @@ def _drawn_into(func, args, kwargs, out, on_gpu: bool):
         return out
     if out.numel() > (CONSTANT_NUMEL if func in _RANDOM_INTS else _DRAW_NUMEL):
         return out
-    gen = kwargs.get("generator") or (_GPU_DRAWS if on_gpu else None)
-    try:
-        with _priv.no_python_modes():
-            real = torch.empty(tuple(out.shape), dtype=out.dtype)
-            func(real, *args[1:], **{**kwargs, "generator": gen})
-    except (RuntimeError, TypeError):  # a generator of another device: values unknown
-        return out
-    _priv.give_constant(out, real)
-    return out
+    gen = _generator(kwargs, on_gpu)
+    return _carrying(out, lambda: func(torch.empty(tuple(out.shape), dtype=out.dtype),
+                                       *args[1:], **{**kwargs, "generator": gen}))
 
 
 def _sampled(args, kwargs, out, on_gpu: bool):
@@ -217,11 +210,25 @@ def _sampled(args, kwargs, out, on_gpu: bool):
     probs = _priv.fake_constant(args[0]) if _priv.is_fake(args[0]) else None
     if probs is None or not _priv.is_fake(out) or out.numel() > CONSTANT_NUMEL:
         return out
-    gen = kwargs.get("generator") or (_GPU_DRAWS if on_gpu else None)
+    gen = _generator(kwargs, on_gpu)
+    return _carrying(out, lambda: torch.multinomial(probs, *args[1:],
+                                                    **{**kwargs, "generator": gen}))
+
+
+def _generator(kwargs: dict, on_gpu: bool):
+    """The generator a draw takes: the one passed, else the host's (None) or, on the GPU,
+    the simulation's own."""
+    return kwargs.get("generator") or (_GPU_DRAWS if on_gpu else None)
+
+
+def _carrying(out, draw):
+    """``out`` carrying what ``draw()`` makes for real (outside the run's modes) as its
+    constant; ``out`` as it is where the draw fails (a generator of another device: the
+    values are unknown; FakeTensorMode ran the op and says what is wrong with it)."""
     try:
         with _priv.no_python_modes():
-            real = torch.multinomial(probs, *args[1:], **{**kwargs, "generator": gen})
-    except (RuntimeError, TypeError):  # FakeTensorMode ran it; a generator of another device
+            real = draw()
+    except (RuntimeError, TypeError):
         return out
     _priv.give_constant(out, real)
     return out
