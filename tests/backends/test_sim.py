@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -464,6 +465,26 @@ def test_tf32_settings_in_either_api_are_put_back(setup):
             for part in filter(None, path.split(".")):
                 obj = getattr(obj, part)
             obj.fp32_precision = value
+
+
+def test_cuda_autocast_to_float32_is_entered_as_on_a_gpu():
+    """llm.c's train_gpt2.py enters ``torch.amp.autocast("cuda", dtype=torch.float32)`` by
+    default: CUDA autocast takes it (ops cast to or stay in fp32), without the warning and
+    the disabling of CPU autocast's check."""
+    seen: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, _ = run("""
+            import torch
+            w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+            with torch.amp.autocast(device_type="cuda", dtype=torch.float32):
+                seen["on"] = torch.is_autocast_enabled("cuda")
+                seen["dtype"] = torch.get_autocast_dtype("cuda")
+                seen["mm"] = (w @ w).dtype  # a bf16 matmul is cast up to the target
+            seen["after"] = torch.is_autocast_enabled("cuda")
+            """, {"seen": Recorder(seen)}, gpu="T4")
+    assert out.error is None, out.error
+    assert seen == {"on": True, "dtype": torch.float32, "mm": torch.float32, "after": False}
 
 
 def test_options_are_checked():

@@ -138,6 +138,25 @@ def test_events_and_streams_run_as_one_stream():
     assert "events time nothing" in notes and "elapsed_time" in notes
 
 
+@pytest.mark.parametrize("sync", ["torch.cuda.synchronize()", "torch.accelerator.synchronize()",
+                                  None])
+def test_a_script_timing_around_synchronize_is_told_the_time_is_the_simulations(sync):
+    # llm.c's train_gpt2.py: t0 = time.time(); a step; torch.cuda.synchronize();
+    # print(f"({(t1 - t0) * 1000:.2f} ms | {tokens_per_second:.0f} tok/s)")
+    out, _ = run(f"""
+        import time, torch
+        t0 = time.time()
+        x = torch.randn(256, 256, device="cuda") @ torch.randn(256, 256, device="cuda")
+        {sync or "pass"}
+        print(f"{{(time.time() - t0) * 1000:.2f}} ms")
+    """, {}, gpu="T4")
+    assert out.error is None, out.error
+    said = [n for n in out.report.notes if "host's clock" in n]
+    assert len(said) == (sync is not None)
+    if sync:
+        assert "not a GPU's" in said[0] and "synchronize" in said[0]
+
+
 @pytest.mark.parametrize("gpu,emulated,native", [("T4", True, False), ("A100", True, True)])
 def test_bf16_support_answers_as_torch_does_on_the_card(gpu, emulated, native):
     seen: dict = {}
@@ -340,3 +359,34 @@ def test_nvtx_ranges_are_markers_that_answer_their_depth():
         """, gpu="T4")
         assert out.error is None, out.error
 
+
+
+def test_code_outside_torch_reads_a_cuda_build_and_transformers_lets_it_use_tf32(tmp_path):
+    """``torch.version.cuda`` says a CUDA build's to code outside torch in a simulated run:
+    transformers' ``TrainingArguments(tf32=True)`` asks it and refused a simulated A100. On
+    a simulated T4 (no TF32) it refuses as on the card, with transformers' own error. torch's
+    own modules, imported in the run, read the CPU build's None (they would take the CUDA
+    path for good), and so does everyone after the run, a kept reference too."""
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+
+    from memmagic.backends.sim.cuda_api import SIMULATED_CUDA_VERSION
+
+    real = torch.version.cuda
+    seen: dict = {}
+    code = """
+        seen["torch's"] = eval("torch.version.cuda", {"__name__": "torch.utils.x", "torch": torch})
+        seen["kept"] = torch.version
+        args = TrainingArguments(output_dir=OUT, tf32=True, report_to=[])
+        seen["cuda"], seen["tf32"] = torch.version.cuda, torch.backends.cuda.matmul.fp32_precision
+    """
+    ns = {"seen": Recorder(seen), "TrainingArguments": TrainingArguments, "torch": torch,
+          "OUT": str(tmp_path)}
+    out, _ = run(code, dict(ns), gpu="A100-40GB")
+    assert out.error is None, out.error
+    assert (seen["cuda"], seen["tf32"], seen["torch's"]) == (SIMULATED_CUDA_VERSION, "tf32", real)
+    assert torch.version.cuda == seen["kept"].cuda == real
+    assert torch.version.__version__ == torch.__version__
+    out, _ = run(code, dict(ns), gpu="T4")
+    assert type(out.error).__name__ == "ValueError", out.error
+    assert "--tf32 requires Ampere" in str(out.error)

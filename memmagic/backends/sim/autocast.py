@@ -33,6 +33,8 @@ from ...core import _torch_private as _priv
 
 __all__ = ["make_autocast_classes", "install_cuda_autocast_policy", "CUDA_POLICY"]
 
+_CPU_AUTOCAST_DTYPES = (torch.float16, torch.bfloat16)  # what CPU autocast's check takes
+
 # (op name, overload) -> policy; mirrors AT_FORALL_* in ATen/autocast_mode.h (torch 2.13).
 _LOWER = ["_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc",
           "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input", "convolution",
@@ -250,11 +252,20 @@ def make_autocast_classes(cuda: bool, on_enter: Callable[[], None] | None = None
 
         def __init__(self, device_type: str, dtype: torch.dtype | None = None,
                      enabled: bool = True, cache_enabled: bool | None = None) -> None:
+            wide = None
             if device_type == "cuda":
                 device_type = "cpu"
                 if dtype is None:
                     dtype = torch.float16 if cuda else torch.get_autocast_dtype("cpu")
+                if enabled and dtype not in _CPU_AUTOCAST_DTYPES:
+                    # CUDA autocast takes any dtype as its target (llm.c's train_gpt2.py
+                    # enters it with float32 by default: ops cast to or stay in fp32); CPU
+                    # autocast's check would warn and disable itself, which a GPU never
+                    # does. Its kernels take the dtype once the check is passed.
+                    wide, dtype = dtype, torch.bfloat16
             super().__init__(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+            if wide is not None:
+                self.fast_dtype = wide
 
         def __enter__(self):
             if on_enter is not None:

@@ -848,6 +848,10 @@ _MESH_TOO_BIG = re.compile(r"Mesh should not be bigger than default world size (
 _SMELLS = ("not compiled with CUDA", "NVIDIA driver", "CUDA driver", "Cannot access data pointer",
            "FakeTensor", "fake tensor", "data-dependent", "data dependent", "Cannot access storage",
            "accelerator", "CUDA", "cuda")
+# what a library says when the card is too old for a feature (transformers' "--tf32 requires
+# Ampere or a newer GPU arch, cuda>=11"): the simulated card's answer, as on that card, not a
+# failure of the simulation, though the message names CUDA
+_CARD_TOO_OLD = ("Ampere", "Hopper", "Blackwell", "compute capability", "GPU arch")
 
 
 def _explain(exc: BaseException, world_size: int | None = None) -> BaseException:
@@ -885,7 +889,8 @@ def _explain(exc: BaseException, world_size: int | None = None) -> BaseException
         return exc
     fake_error = isinstance(exc, (_priv.UnsupportedOperatorException, _priv.DataDependentOutputException,
                                   _priv.DynamicOutputShapeException))
-    if not fake_error and not any(s in msg for s in _SMELLS):
+    if not fake_error and (not any(s in msg for s in _SMELLS)
+                           or any(s in msg for s in _CARD_TOO_OLD)):
         return exc
     where = _cell_line(exc.__traceback__) or "the cell"
     first = msg.strip().splitlines()[0] if msg.strip() else ""

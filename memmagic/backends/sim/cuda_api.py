@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import sys
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -44,12 +45,16 @@ from .gpus import DEFAULT_CAPABILITY, GPUS, CardSpec
 from ...core.patching import Patches
 
 __all__ = ["SimDeviceProperties", "SimulatedCuda", "check_device", "install_default_card_note",
-           "DEFAULT_CARD"]
+           "DEFAULT_CARD", "SIMULATED_CUDA_VERSION"]
 
 # The card the size queries (``mem_get_info``, ``get_device_properties``) answer for when
 # none is named: the sm_80 card whose kernels the simulation picks by default.
 DEFAULT_CARD: CardSpec = GPUS.get("a100-40gb") or CardSpec("A100-40GB", 40_536 << 20, (8, 0), 108)
 _CARD_QUERIES = ("mem_get_info", "get_device_properties", "get_device_name")
+# ``torch.version.cuda`` that code outside torch reads in a simulated run: the CUDA runtime
+# of the build the simulation's recorded figures were measured with (docs/fidelity.md:
+# torch 2.11.0+cu130 on the H200)
+SIMULATED_CUDA_VERSION = "13.0"
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,39 @@ _TORCH_MEMORY_SUMMARY = torch.cuda.memory.memory_summary
 _STREAMS_NOTE = ("CUDA streams and events ran as one stream: work on a side stream ran as "
                  "on the default one (on a GPU the allocator caches blocks per stream, so "
                  "reserved memory can be higher there), and events time nothing")
+_CLOCK_NOTE = ("torch.cuda.synchronize() waited for nothing: a simulation runs no kernels, so "
+               "the times the script takes with the host's clock (time.time, "
+               "time.perf_counter) and what it reckons from them (tokens a second) are the "
+               "simulation's own, not a GPU's")
+
+
+class _CudaBuildVersion(types.ModuleType):
+    """``torch.version`` for a simulated run: a CUDA build's to code outside torch, the
+    build's own to torch and memmagic.
+
+    Libraries ask ``torch.version.cuda`` before a GPU feature (transformers'
+    ``TrainingArguments(tf32=True)`` refuses a simulated A100 where it is None), so it must
+    say CUDA; but torch's own modules read it as they are first imported (``flop_counter``
+    then takes the Triton path for the rest of the process), so torch keeps reading the
+    CPU build's None. Once the run ends (``done``) everyone reads the build's own again:
+    a module that kept this object answers as torch does."""
+
+    def __init__(self, real: types.ModuleType) -> None:
+        super().__init__(real.__name__, real.__doc__)
+        self.__dict__.update(_real=real, _on=True)
+
+    def __getattribute__(self, name: str) -> Any:
+        d = types.ModuleType.__getattribute__(self, "__dict__")
+        if name == "cuda" and d["_on"]:
+            caller = sys._getframe(1).f_globals.get("__name__", "") or ""
+            if caller.partition(".")[0] not in ("torch", "memmagic"):
+                return SIMULATED_CUDA_VERSION
+        if name in ("__dict__", "done"):
+            return types.ModuleType.__getattribute__(self, name)
+        return getattr(d["_real"], name)
+
+    def done(self) -> None:
+        self.__dict__["_on"] = False
 
 
 class _Reads:
@@ -215,8 +253,11 @@ class _SimStreamEvents:
         self.current = self.default
 
     def side_stream_used(self) -> None:
-        if _STREAMS_NOTE not in self.notes:
-            self.notes.append(_STREAMS_NOTE)
+        self.say(_STREAMS_NOTE)
+
+    def say(self, note: str) -> None:
+        if note not in self.notes:
+            self.notes.append(note)
 
     def current_stream(self, device=None):
         return self.current
@@ -362,6 +403,9 @@ class SimulatedCuda:
                             "mark": lambda msg: None}.items():
             patches.set(nvtx, attr, value)
         patches.set(_READS, "note", self.streams.state.note_read)
+        version = _CudaBuildVersion(torch.version)
+        patches.set(torch, "version", version)
+        patches.call_on_restore(version.done)
         self.install_accelerator(patches)
         # the device-generic classes (torch.Stream(0), torch.Event()): the simulated GPU's
         patches.set(torch, "Stream", self.streams.Stream)
@@ -382,7 +426,8 @@ class SimulatedCuda:
             "current_device_index": lambda: 0, "current_device_idx": lambda: 0,
             "set_device_index": check_device, "set_device_idx": check_device,
             "device_index": self.device,  # ``with torch.accelerator.device_index(0):``
-            "synchronize": lambda device=None, /: check_device(device),
+            "synchronize": lambda device=None, /: (check_device(device),
+                                                   self.synchronize(device))[-1],
             "current_stream": lambda device=None, /: self.streams.current_stream(device),
             "set_stream": self.streams.set_stream, "empty_host_cache": lambda: None,
             "get_memory_info": lambda device_index=None, /: self.mem_get_info(device_index),
@@ -447,7 +492,8 @@ class SimulatedCuda:
         return self.props.major >= 8 or bool(including_emulation)
 
     def synchronize(self, device=None) -> None:
-        return None
+        """Waits for nothing; the report says that host-clock timings are the simulation's."""
+        self.streams.say(_CLOCK_NOTE)
 
     def ipc_collect(self) -> None:
         return None
