@@ -464,7 +464,8 @@ class _Repeats:
         :meth:`forward` in place of the module's forward."""
         __tracebackhide__ = True
         a = self.tracker.allocator
-        model = _model_key(module) if a is not None and a.logging else None
+        with _priv.no_function_modes():  # (each tensor attribute read would pass the run's mode)
+            model = _model_key(module) if a is not None and a.logging else None
         if model is None:
             return original(module, *args, **kwargs)
         patches = Patches()
@@ -480,7 +481,8 @@ class _Repeats:
         __tracebackhide__ = True
         name = type(module).__name__
         try:
-            key, loose, numbers = _call_key(model, args, kwargs)
+            with _priv.no_function_modes():
+                key, loose, numbers = _call_key(model, args, kwargs)
         except _NotRepeatable as e:
             self.reasons.setdefault(name, str(e))
             return forward(*args, **kwargs)
