@@ -36,6 +36,14 @@ def name_rank(path: str) -> int:
     return 1
 
 
+def _readable(path: str) -> tuple[int, int]:
+    """The order in which holders' names are shown: the most readable first."""
+    return name_rank(path), len(path)
+
+
+_MODULE = " (module)"  # the walk's group of a module's parameters and buffers
+
+
 @dataclass
 class _Found:
     """What the walk saw: for each storage key, the tensor and the paths holding it."""
@@ -83,8 +91,13 @@ def found_in(roots: Iterable[tuple[str, Any]]) -> _Found:
         if path not in paths:
             paths.append(path)
         found.kind.setdefault(key, _KINDS.get(category, "tensor"))
-        if group is not None:
-            found.groups.setdefault(key, group)
+        old = found.groups.get(key)
+        if group is not None and (old is None or _MODULE in old and _MODULE in group
+                                  and _readable(group) < _readable(old)):
+            # of two modules that hold it, the one named as the user would (``model``, not
+            # a submodule reached through a bound method: peft's
+            # ``model.base_model_prepare_inputs_for_generation.__self__``)
+            found.groups[key] = group
 
     found.truncated = not walk(roots, add, names=True, internals=False)
     return found
@@ -271,7 +284,7 @@ def retained(namespace: Mapping[str, Any], *, since: NamespaceSnapshot | None = 
     rows: list[dict[str, Any]] = []
     by_group: dict[str, dict[str, Any]] = {}
     for key, t in new.items():
-        paths = sorted(found.paths[key], key=lambda p: (name_rank(p), len(p)))
+        paths = sorted(found.paths[key], key=_readable)
         group = found.groups.get(key)
         nbytes = storage_of(t)[1]
         if group is not None and (group.endswith("(module)") or group.endswith("(optimizer state)")

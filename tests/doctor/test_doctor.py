@@ -48,6 +48,25 @@ def test_each_holder_kind_is_named(ip):
     assert "model" not in {n for h in r.rows for n in h.names}
 
 
+def test_a_wrapped_model_is_named_as_the_user_named_it(ip):
+    """A wrapper that keeps a bound method of the model it wraps (peft's ``PeftModel``
+    keeps ``base_model_prepare_inputs_for_generation``) reaches the model's parameters a
+    second way, walked first: the row is still ``model``'s, not
+    ``model.prepare.__self__``'s."""
+    _cell(ip, "import torch\n"
+              "class Wrapper(torch.nn.Module):\n"
+              "    def __init__(self, inner):\n"
+              "        super().__init__()\n"
+              "        self.inner = inner\n"
+              "        self.prepare = inner.forward\n"
+              "before = None\n")
+    before = doctor.snapshot(ip.user_ns)
+    _cell(ip, "model = Wrapper(torch.nn.Linear(100, 100))\n")
+    r = doctor.retained(ip.user_ns, since=before)
+    assert [h.name for h in r.rows] == ["model"]
+    assert r["model"].nbytes == (100 * 100 + 100) * 4
+
+
 def test_out_and_underscore_hold_a_models_output_with_its_graph(ip):
     _cell(ip, SETUP)
     before = doctor.snapshot(ip.user_ns)
