@@ -390,3 +390,25 @@ def test_code_outside_torch_reads_a_cuda_build_and_transformers_lets_it_use_tf32
     out, _ = run(code, dict(ns), gpu="T4")
     assert type(out.error).__name__ == "ValueError", out.error
     assert "--tf32 requires Ampere" in str(out.error)
+
+
+@pytest.mark.parametrize("reads", [True, False])
+def test_a_run_that_reads_its_peak_is_told_how_torchs_count_differs(reads):
+    """llm.c prints ``max_memory_allocated()``, which counts the allocator's blocks: a
+    19.5 MiB request takes a whole 20 MiB segment's block (what is left is too small to
+    split off in the large pool), where the report's peak counts the storage's 19.5 MiB."""
+    seen: dict = {}
+    out, _ = run(f"""
+        import torch
+        x = torch.empty(39 * 2**19, dtype=torch.uint8, device="cuda")
+        if {reads}:
+            seen["max"] = torch.cuda.max_memory_allocated()
+    """, {"seen": Recorder(seen)}, gpu="T4")
+    assert out.error is None, out.error
+    assert out.report.peak == 39 * 2**19
+    said = [n for n in out.report.notes if "counts the allocator's blocks" in n]
+    if reads:
+        assert seen["max"] == 20 * 2**20
+        assert len(said) == 1 and "20.00 MiB at the run's peak, 512.00 KiB above" in said[0]
+    else:
+        assert not said

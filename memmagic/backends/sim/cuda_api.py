@@ -372,6 +372,7 @@ class SimulatedCuda:
             minor=capability[1], multi_processor_count=card.multi_processor_count)
         self.streams = _SimStreamEvents(tracker.s, notes if notes is not None else [])
         self._nvtx_depth = 0  # the run's open NVTX ranges
+        self._peak_read = False  # the run asked max_memory_allocated()
 
     # -- installing ------------------------------------------------------------------------
     def api(self) -> dict[str, Any]:
@@ -403,6 +404,7 @@ class SimulatedCuda:
                             "mark": lambda msg: None}.items():
             patches.set(nvtx, attr, value)
         patches.set(_READS, "note", self.streams.state.note_read)
+        patches.call_on_restore(self._blocks_note)
         version = _CudaBuildVersion(torch.version)
         patches.set(torch, "version", version)
         patches.call_on_restore(version.done)
@@ -441,6 +443,22 @@ class SimulatedCuda:
                     patches.set(mod, attr, value)
         owner, attr = _priv.accelerator_slot()  # what torch's own code asks (FSDP2's mesh)
         patches.set(owner, attr, lambda check=False: torch.device("cuda"))
+
+    def _blocks_note(self) -> None:
+        """Where the run asked ``max_memory_allocated()`` (a script printing its peak), what
+        torch's count of the run's peak is beside the report's: they differ by the blocks'
+        rounding."""
+        a, tracker = self.tracker.allocator, self.tracker
+        if not self._peak_read or a is None:
+            return
+        blocks, storages = a.allocated_peak, tracker.peak["device"]
+        if blocks > storages:
+            self.streams.say(
+                f"torch.cuda.max_memory_allocated() counts the allocator's blocks: "
+                f"{format_bytes(blocks)} at the run's peak, {format_bytes(blocks - storages)} "
+                f"above the peak shown here, which counts the tensors' storages (what the "
+                f"breakdown adds up to); a block in the large pool can be up to 1 MiB larger "
+                f"than its request, where what is left is too small to split off")
 
     # -- NVTX ranges: the depth of the range started or ended, from 0, as torch answers ----
     def range_push(self, msg: str) -> int:
@@ -540,6 +558,7 @@ class SimulatedCuda:
 
     def max_memory_allocated(self, device=None) -> int:
         check_device(device)
+        self._peak_read = True
         tracker = self.tracker
         return tracker.cuda_allocated_peak if tracker.allocator is not None else tracker.cuda_peak
 
