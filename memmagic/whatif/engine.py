@@ -227,6 +227,17 @@ def _resize(value: Any, size: int, n: int, dim: int = 0) -> Any:
     return out
 
 
+def _backend_options(options: Mapping[str, Any] | None, gpu: str | None) -> dict[str, Any]:
+    """A Cell's ``backend_options`` with its ``gpu=`` in them."""
+    out = dict(options or {})
+    if gpu is not None:
+        if out.get("gpu", gpu) != gpu:
+            raise ValueError(f"Cell was given gpu={gpu!r} and backend_options with gpu="
+                             f"{out['gpu']!r}: give the card once")
+        out["gpu"] = gpu
+    return out
+
+
 class Cell:
     """A cell's code (source text or a Python function) that re-runs under a backend with
     knobs: :meth:`run` returns the :class:`MemoryReport` of one setting.
@@ -243,14 +254,15 @@ class Cell:
     still changed for real (a training step trains the model). ``compile``: turns
     source into ``run(ns)`` (the magic passes IPython's, with its transforms).
     ``checkpoint_module``: the class name of the blocks checkpointing wraps (default:
-    the repeated children of a ModuleList / Sequential).
+    the repeated children of a ModuleList / Sequential). ``gpu``: the card, as
+    ``backend_options={"gpu": ...}`` (``fit_map(cell, gpu=...)`` takes it so too).
     """
 
     def __init__(self, code: str | Callable[..., Any], namespace: dict | None = None, *,
                  backend: str = "sim", backend_options: Mapping[str, Any] | None = None,
                  defaults: Setting | Mapping[str, Any] | None = None, isolated: bool = True,
                  compile: Callable[[str], Callable[[dict], Any]] | None = None,
-                 checkpoint_module: str | None = None) -> None:
+                 checkpoint_module: str | None = None, gpu: str | None = None) -> None:
         if isinstance(code, str):
             if not code.strip():
                 raise ValueError("a Cell needs code to run")
@@ -289,7 +301,7 @@ class Cell:
         self.reads: frozenset[str] = frozenset(
             ((loads - stores) | extra | set(self.assigned)) & variables)
         self.backend_name = backend
-        self.backend_options = dict(backend_options or {})
+        self.backend_options = _backend_options(backend_options, gpu)
         self.isolated = bool(isolated)
         self.checkpoint_module = checkpoint_module
         if isinstance(defaults, Setting):

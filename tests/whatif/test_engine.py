@@ -236,3 +236,14 @@ def test_a_batch_size_the_cell_sets_once_is_a_knob_set_where_it_stands(clean_sta
     for src2 in (src.replace("# set here, once", "\nbatch_size = 32"),
                  src.replace("batch_size = 64", "batch_size = 8 * 8")):
         assert "batch_size" not in Cell(src2, {}).reads
+
+
+def test_a_cell_takes_its_card_as_fit_map_does():
+    """``Cell(code, gpu="T4")`` names the card as ``fit_map(cell, gpu="T4")`` does (a user
+    wrote it so and got "unexpected keyword argument 'gpu'"); named twice, differently, it
+    is one line that says what to do."""
+    src = "import torch\nx = torch.empty(1 << 30, dtype=torch.uint8, device='cuda')\n"
+    assert Cell(src, {}, gpu="T4").run().gpu_name == "T4"
+    assert Cell(src, {}, gpu="T4", backend_options={"gpu": "T4"}).backend_options == {"gpu": "T4"}
+    with pytest.raises(ValueError, match="give the card once"):
+        Cell(src, {}, gpu="T4", backend_options={"gpu": "A100-40GB"})
