@@ -169,6 +169,11 @@ def rank(engine: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = 
 
 # the contexts the doctor reads off: multiples of this many tokens
 _CONTEXT_STEP = 64
+# why no size between the runs that fit and the one that ran out is named
+_UNREAD = ("{noun}: no {most} that fits was read off between {fits} (fit) and {out} (runs "
+           "out): the {unit}'s runs at these sizes made allocations that are not on one "
+           "line (as where its own code changes with the {noun}: an accumulation count "
+           "derived from it); a size between them is yours to try")
 
 
 def _read_off(cell: Any, ran: dict[Setting, Any], unit: str, notes: list[str]
@@ -180,7 +185,7 @@ def _read_off(cell: Any, ran: dict[Setting, Any], unit: str, notes: list[str]
     confirm it (a cell may round a size the line cannot see). Where too few smaller runs
     fit for a line (the context: a parabola, for attention scores), smaller ones are run
     first (at most two per size)."""
-    from ..whatif.evaluated import evaluate, largest_fitting, run_wanted
+    from ..whatif.evaluated import evaluate, largest_fitting, run_wanted, unread_gap
 
     setting = cell.setting()
     own = ran.get(setting)
@@ -204,6 +209,10 @@ def _read_off(cell: Any, ran: dict[Setting, Any], unit: str, notes: list[str]
     for dim, step, noun, most in ((BATCH_DIM, 1, "batch", "largest"),
                                   (SEQ_DIM, _CONTEXT_STEP, "context", "longest")):
         got = largest_fitting(ran, setting, dim, step, planes)
+        gap = unread_gap(ran, setting, dim, step, planes) if got is None else None
+        if gap is not None:
+            notes.append(_UNREAD.format(noun=noun, most=most, fits=", ".join(map(str, gap[0])),
+                                        out=gap[1], unit=unit))
         if got is not None:
             (n, line), knob = got, resizing(dim)
             plain = f"{noun} {n} (from {getattr(setting, knob.name)})"

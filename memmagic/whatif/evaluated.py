@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .plane import SizePlane
 
 __all__ = ["EvaluatedReport", "evaluate", "evaluated_report", "largest_fitting", "peaks_at",
-           "remember", "run_wanted"]
+           "remember", "run_wanted", "unread_gap"]
 
 # bytes a replay may reserve when it answers what a setting that does not fit needs
 _NO_LIMIT = 1 << 62
@@ -264,6 +264,26 @@ def largest_fitting(runs: Mapping[Setting, MemoryReport], setting: Setting, dim:
         return None
     report = evaluated_report(*_at(found, setting, dim, n * k))
     return None if report is None else (n * k, report)
+
+
+def unread_gap(runs: Mapping[Setting, MemoryReport], setting: Setting, dim: int, step: int,
+               planes: dict | None = None) -> tuple[list[int], int] | None:
+    """Where ``setting`` does not fit and values of the size knob of ``dim`` lie untried
+    between the largest run that fits and the smallest that ran out, but the runs give no
+    checked line (:func:`largest_fitting` then reads nothing off): the values of the
+    runs that fit, and the smallest that ran out. None elsewhere. ``step``: as for
+    :func:`largest_fitting`."""
+    knob, k = resizing(dim).name, _per_size(setting, dim)
+    v, own = getattr(setting, knob), runs.get(setting)
+    if v is None or own is None or own.fits is not False:
+        return None
+    family, stopped = _family(runs, setting, dim, v)
+    fitting = sorted(x * k for x, r in family.items() if r.fits and x * k < v)
+    out = sorted({x * k for x in stopped} | {v})
+    if not fitting or out[0] - fitting[-1] <= step * k or _cached(planes, family, stopped,
+                                                                   dim) is not None:
+        return None
+    return fitting, out[0]
 
 
 def run_wanted(runs: Mapping[Setting, MemoryReport], setting: Setting, dim: int,

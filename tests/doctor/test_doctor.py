@@ -433,3 +433,27 @@ def test_a_row_names_the_op_that_ran_out_not_the_ops_that_ran_as_the_error_unwou
     assert out.report.trace.ops[-1][0].startswith("_record_function_exit")
     row = _row("as written", {}, out.report)
     assert f" at {failed}, during optimizer" in row.reason, row.reason
+
+
+@pytest.mark.parametrize("loops", ["128 // batch_size", "2"])
+def test_a_size_the_runs_cannot_read_off_is_said_so(loops):
+    """llm.c's train_gpt2.py derives its accumulation count from the batch: its runs at
+    batch 2, 4 and 8 make different allocations, on no line, so the doctor names no
+    largest batch between 4 (fits) and 8 (runs out), and says why instead of nothing.
+    With a fixed loop the line holds and the row is read off."""
+    from memmagic.doctor.ranking import rank
+    from memmagic.whatif.engine import Cell
+
+    src = ("import torch\n"
+           "batch_size = 64\n"
+           f"for _ in range({loops}):\n"
+           "    x = torch.randn(batch_size, 1 << 20, device='cuda', requires_grad=True)\n"
+           "    (x * 2).sum().backward()\n")
+    _, rows, notes = rank(Cell(src, {}, backend_options={"gpu_memory": "400MiB"}))
+    said = [n for n in notes if "no largest that fits was read off" in n]
+    read = [r for r in rows if "the largest that fits" in r.label]
+    if loops == "2":
+        assert read and not said
+    else:
+        assert not read and len(said) == 1
+        assert "between 16, 32 (fit) and 64 (runs out)" in said[0] and "not on one line" in said[0]
