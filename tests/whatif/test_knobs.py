@@ -68,6 +68,7 @@ NOT_THE_KNOB = {
                                        "knobs (Sweep.figure passes its knob)",
     ("pipeline.py", "gpu"): "the simulated backend's gpu= option",
     ("doctor/ranking.py", "gpu"): "the simulated backend's gpu= option: the FSDP2 rows' card",
+    ("whatif/engine.py", "gpu"): "Cell(gpu=...), the simulated backend's gpu= option",
     ("report.py", "gpu_name"): "the report's field for the card's name",
     ("whatif/sweeps.py", "gpu_name"): "the report field an interpolated point shares with its runs",
 }
