@@ -92,7 +92,7 @@ def found_in(roots: Iterable[tuple[str, Any]]) -> _Found:
             paths.append(path)
         found.kind.setdefault(key, _KINDS.get(category, "tensor"))
         old = found.groups.get(key)
-        if group is not None and (old is None or _MODULE in old and _MODULE in group
+        if group is not None and (old is None or old.endswith(_MODULE) and group.endswith(_MODULE)
                                   and _readable(group) < _readable(old)):
             # of two modules that hold it, the one named as the user would (``model``, not
             # a submodule reached through a bound method: peft's
@@ -287,7 +287,7 @@ def retained(namespace: Mapping[str, Any], *, since: NamespaceSnapshot | None = 
         paths = sorted(found.paths[key], key=_readable)
         group = found.groups.get(key)
         nbytes = storage_of(t)[1]
-        if group is not None and (group.endswith("(module)") or group.endswith("(optimizer state)")
+        if group is not None and (group.endswith(_MODULE) or group.endswith("(optimizer state)")
                                   or group.endswith("[...]")):
             g = by_group.get(group)
             if g is None:
@@ -422,7 +422,7 @@ def _holder(r: dict[str, Any]) -> Holder:
     name = names[0]
     members = r["members"]
     t0 = members[0][1]
-    if r["group"] is not None and r["group"].endswith("(module)"):
+    if r["group"] is not None and r["group"].endswith(_MODULE):
         what = f"{r['tensors']} parameters and buffers"
     elif r["group"] is not None and r["group"].endswith("(optimizer state)"):
         what = f"optimizer state, {r['tensors']} tensors"

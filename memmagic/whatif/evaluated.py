@@ -248,13 +248,10 @@ def largest_fitting(runs: Mapping[Setting, MemoryReport], setting: Setting, dim:
     a value that was run. Else (the value, its report). Not held to the runs' multiples
     (:func:`evaluate` is): the doctor runs the value it names. ``planes``: as for
     :func:`evaluate`."""
-    knob, k = resizing(dim).name, _per_size(setting, dim)
-    v = getattr(setting, knob)
-    family, stopped = _family(runs, setting, dim, v) if v is not None else ({}, {})
-    fitting = [x for x, r in family.items() if r.fits and x * k < v]
-    own = runs.get(setting)
-    if not fitting or own is None or own.fits is not False:
+    below = _below(runs, setting, dim)
+    if below is None:
         return None
+    v, k, family, stopped, fitting = below
     found = _cached(planes, family, stopped, dim)
     if found is None:
         return None
@@ -273,17 +270,30 @@ def unread_gap(runs: Mapping[Setting, MemoryReport], setting: Setting, dim: int,
     checked line (:func:`largest_fitting` then reads nothing off): the values of the
     runs that fit, and the smallest that ran out. None elsewhere. ``step``: as for
     :func:`largest_fitting`."""
+    below = _below(runs, setting, dim)
+    if below is None:
+        return None
+    v, k, family, stopped, fitting = below
+    out = min([x * k for x in stopped] + [v])
+    if out - max(fitting) * k <= step * k or _cached(planes, family, stopped, dim) is not None:
+        return None
+    return sorted(x * k for x in fitting), out
+
+
+def _below(runs: Mapping[Setting, MemoryReport], setting: Setting, dim: int
+           ) -> tuple[int, int, dict, dict, list[int]] | None:
+    """What :func:`largest_fitting` and :func:`unread_gap` start from: ``setting``'s value
+    of the size knob of ``dim``, the micro-steps it is divided by (:func:`_per_size`), the
+    runs that differ from it only in that size (:func:`_family`) and the values among them
+    that fit below it. None where ``setting`` has no such value, was not run or fits, or
+    no smaller run fits."""
     knob, k = resizing(dim).name, _per_size(setting, dim)
     v, own = getattr(setting, knob), runs.get(setting)
     if v is None or own is None or own.fits is not False:
         return None
     family, stopped = _family(runs, setting, dim, v)
-    fitting = sorted(x * k for x, r in family.items() if r.fits and x * k < v)
-    out = sorted({x * k for x in stopped} | {v})
-    if not fitting or out[0] - fitting[-1] <= step * k or _cached(planes, family, stopped,
-                                                                   dim) is not None:
-        return None
-    return fitting, out[0]
+    fitting = [x for x, r in family.items() if r.fits and x * k < v]
+    return (v, k, family, stopped, fitting) if fitting else None
 
 
 def run_wanted(runs: Mapping[Setting, MemoryReport], setting: Setting, dim: int,
