@@ -169,11 +169,16 @@ def rank(engine: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = 
 
 # the contexts the doctor reads off: multiples of this many tokens
 _CONTEXT_STEP = 64
-# why no size between the runs that fit and the one that ran out is named
-_UNREAD = ("{noun}: no {most} that fits was read off between {fits} (fit) and {out} (runs "
-           "out): the {unit}'s runs at these sizes made allocations that are not on one "
-           "line (as where its own code changes with the {noun}: an accumulation count "
-           "derived from it); a size between them is yours to try")
+# why no size between the runs that fit and the one that ran out is read off: too few fit
+# for a line (a batch of 1 takes another path, so is never one of them), or they are on none
+_UNREAD = ("no {most} that fits was read off between {fits} (fit) and {out} (runs out): ",
+           "one run that fits draws no line (a {noun} of 1 takes another path)",
+           "the {unit}'s runs at these sizes made allocations that are not on one line (as "
+           "where its own code changes with the {noun}: an accumulation count derived from "
+           "it, data trimmed to a multiple of it)")
+# runs that halve such a gap, one after another: at most the first, then on while the gap
+# is wider than an eighth of the size that fits, up to the second
+_HALVINGS = (3, 5)
 
 
 def _read_off(cell: Any, ran: dict[Setting, Any], unit: str, notes: list[str]
@@ -184,7 +189,8 @@ def _read_off(cell: Any, ran: dict[Setting, Any], unit: str, notes: list[str]
     evaluated), and the largest batch (longest context) that fits by the line, run to
     confirm it (a cell may round a size the line cannot see). Where too few smaller runs
     fit for a line (the context: a parabola, for attention scores), smaller ones are run
-    first (at most two per size)."""
+    first (at most two per size). Where the runs are on no line, runs halve the gap
+    between the largest that fits and the smallest that ran out (:func:`_halved`)."""
     from ..whatif.evaluated import evaluate, largest_fitting, run_wanted, unread_gap
 
     setting = cell.setting()
@@ -206,13 +212,15 @@ def _read_off(cell: Any, ran: dict[Setting, Any], unit: str, notes: list[str]
                      f"card's {format_bytes(whole.gpu_memory)} (evaluated, not run: "
                      f"{whole.read_off})")
     found = []  # (plain label, step, line, the row's label, knobs) per size read off
+    halved: list[Strategy] = []  # rows of runs that halved a gap no line reads off
     for dim, step, noun, most in ((BATCH_DIM, 1, "batch", "largest"),
                                   (SEQ_DIM, _CONTEXT_STEP, "context", "longest")):
         got = largest_fitting(ran, setting, dim, step, planes)
         gap = unread_gap(ran, setting, dim, step, planes) if got is None else None
         if gap is not None:
-            notes.append(_UNREAD.format(noun=noun, most=most, fits=", ".join(map(str, gap[0])),
-                                        out=gap[1], unit=unit))
+            unread = (_UNREAD[0] + _UNREAD[1 if len(gap[0]) < 2 else 2]).format(
+                noun=noun, most=most, fits=", ".join(map(str, gap[0])), out=gap[1], unit=unit)
+            halved += _halved(cell, ran, setting, dim, step, gap, notes, (noun, most, unread))
         if got is not None:
             (n, line), knob = got, resizing(dim)
             plain = f"{noun} {n} (from {getattr(setting, knob.name)})"
@@ -230,7 +238,46 @@ def _read_off(cell: Any, ran: dict[Setting, Any], unit: str, notes: list[str]
                          f"{format_bytes(line.reserved_peak)} reserved; its run gave other "
                          f"figures (the cell's sizes are not on that line there: {line.read_off})")
         rows.append(row)
-    return rows
+    return rows + halved
+
+
+def _halved(cell: Any, ran: dict[Setting, Any], setting: Setting, dim: int, step: int,
+            gap: tuple[list[int], int], notes: list[str], words: tuple[str, str, str]
+            ) -> list[Strategy]:
+    """Where no line reads the largest size that fits off the runs (``gap``: the values
+    that fit, the smallest that ran out): runs halving the gap, one after another, at
+    most :data:`_HALVINGS`, until it is one ``step`` (of whole micro-batches) wide. The
+    row of the largest that fits among them (none where every one ran out), and a note
+    of what they found and why they ran (``words``: the size's noun, "largest" or
+    "longest", and why no line reads it off)."""
+    (noun, most, unread), knob = words, resizing(dim)
+    grain = step * (setting.micro_steps if dim == BATCH_DIM else 1)
+    good, bad = max(gap[0]), gap[1]
+    best, tried = None, []
+    while bad - good > grain and len(tried) < _HALVINGS[(bad - good) * 8 > good]:
+        mid = (good + bad) // 2 // grain * grain
+        if mid <= good:
+            break
+        row, = _measure_all(cell, [("", {knob.name: mid})], ran)
+        tried.append(mid)
+        if row.fits is None and not row.out_of_memory:
+            break  # it could not be measured: nothing more to halve by
+        if row.fits:
+            good, best = mid, row
+        else:
+            bad = mid
+    if not tried:
+        notes.append(f"{noun}: {unread}")
+        return []
+    exact = bad - good <= grain
+    found = (f"the {most} that fits is {good} ({bad} runs out)" if exact
+             else f"{good} fits and {bad} runs out")
+    notes.append(f"{noun}: {found}, found by {len(tried)} run{'s' * (len(tried) > 1)} "
+                 f"halving the gap one after another ({', '.join(map(str, tried))}): {unread}")
+    if best is None:
+        return []
+    plain = f"{noun} {good} (from {getattr(setting, knob.name)})"
+    return [replace(best, label=f"{plain}, the {most} that fits" if exact else plain)]
 
 
 def _worth_running(applicable: list[str], baseline: Strategy, info: Any, unit: str,

@@ -438,9 +438,10 @@ def test_a_row_names_the_op_that_ran_out_not_the_ops_that_ran_as_the_error_unwou
 @pytest.mark.parametrize("loops", ["128 // batch_size", "2"])
 def test_a_size_the_runs_cannot_read_off_is_said_so(loops):
     """llm.c's train_gpt2.py derives its accumulation count from the batch: its runs at
-    batch 2, 4 and 8 make different allocations, on no line, so the doctor names no
-    largest batch between 4 (fits) and 8 (runs out), and says why instead of nothing.
-    With a fixed loop the line holds and the row is read off."""
+    batch 2, 4 and 8 make different allocations, on no line, so no largest batch between
+    4 (fits) and 8 (runs out) is read off; the doctor says why, and halves the gap by runs
+    (at most three where the gap is then within an eighth). With a fixed loop the line
+    holds and the row is read off."""
     from memmagic.doctor.ranking import rank
     from memmagic.whatif.engine import Cell
 
@@ -457,3 +458,33 @@ def test_a_size_the_runs_cannot_read_off_is_said_so(loops):
     else:
         assert not read and len(said) == 1
         assert "between 16, 32 (fit) and 64 (runs out)" in said[0] and "not on one line" in said[0]
+        # the runs that halved the gap: 48, 40 and 36 ran out, so 32 stays the largest run
+        assert said[0].startswith("batch: 32 fits and 36 runs out, found by 3 runs halving")
+        assert "(48, 40, 36)" in said[0]
+        assert not any(r.label.startswith(("batch 48", "batch 40", "batch 36")) for r in rows)
+
+
+@pytest.mark.parametrize("memory, largest", [("300MiB", 6), ("340MiB", 7)])
+def test_a_gap_no_line_reads_is_halved_by_runs_to_the_largest_that_fits(memory, largest):
+    """pytorch/examples' word_language_model trims its token stream to a multiple of the
+    batch (on no line through the runs): the doctor's runs halve the gap between the
+    largest run that fits and the smallest that ran out, one after another, and name the
+    largest that fits once the gap closes, as a row of the run that found it. The row's
+    figures are a run's; the batch above it runs out."""
+    from memmagic.doctor.ranking import rank
+    from memmagic.whatif.engine import Cell
+
+    src = ("import torch\n"
+           "batch_size = 8\n"
+           "for _ in range(64 // batch_size):\n"
+           "    x = torch.randn(batch_size, 1 << 22, device='cuda', requires_grad=True)\n"
+           "    (x * 2).sum().backward()\n")
+    cell = Cell(src, {}, backend_options={"gpu_memory": memory})
+    _, rows, notes = rank(cell)
+    said = [n for n in notes if "halving the gap" in n]
+    assert len(said) == 1 and said[0].startswith(
+        f"batch: the largest that fits is {largest} ({largest + 1} runs out)"), said
+    row, = [r for r in rows if "the largest that fits" in r.label]
+    assert row.label == f"batch {largest} (from 8), the largest that fits" and row.fits
+    assert (row.peak, row.fits) == (cell.run(batch_size=largest).peak, True)
+    assert cell.run(batch_size=largest + 1).fits is False

@@ -65,11 +65,20 @@ def test_no_read_off_where_the_cell_fits_or_the_runs_give_no_line():
     _, rows, notes = doctor.rank(_cell(GPT2, 2, 128))
     assert not _read(rows) and not any("line" in n for n in notes)
     # batch 2 fits and 4 does not: a line needs two batches that fit, and batch 1 takes
-    # another path, so no batch row
-    _, rows, _ = doctor.rank(_cell(MANUAL, 8, 2048))
+    # another path, so nothing is read off; a run halves the gap: batch 3
+    cell = _cell(MANUAL, 8, 2048)
+    _, rows, notes = doctor.rank(cell)
     assert [s.knobs for s in rows if s.fits and set(s.knobs) == {"batch_size"}] == [
-        {"batch_size": 2}]
-    assert "batch_size" not in _read(rows)
+        {"batch_size": 2}, {"batch_size": 3}]
+    said, = [n for n in notes if n.startswith("batch: ")]
+    assert said.startswith("batch: the largest that fits is 3 (4 runs out), found by 1 run "
+                           "halving the gap one after another (3): no largest that fits was "
+                           "read off between 2 (fit) and 4 (runs out): one run that fits "
+                           "draws no line"), said
+    s = _read(rows)["batch_size"]
+    assert s.label == "batch 3 (from 8), the largest that fits"
+    assert (s.peak, s.reserved_peak) == (cell.run(batch_size=3).peak,
+                                         cell.run(batch_size=3).reserved_peak)
 
 
 def test_a_batch_far_too_big_is_halved_until_one_fits_then_read_off():
