@@ -296,7 +296,7 @@ class Cell:
         # takes there: a run at another value runs the cell with that number replaced; not
         # where ``compile`` is ``fixed`` (a run of its own, a script's, sets its own)
         fixed = self.source is None or getattr(self._compile, "fixed", False)
-        self.numbers = Numbers(None if fixed else self.source, self._compile)
+        self.numbers = Numbers(None if fixed else self.source, self._compile, self.namespace)
         self.assigned = self.numbers.at
         self.reads: frozenset[str] = frozenset(
             ((loads - stores) | extra | set(self.assigned)) & variables)

@@ -437,14 +437,17 @@ def _checkpointing_option(text: str) -> tuple[bool, dict[str, Any]]:
 # why the doctor tried no smaller batch, and how to let it try them
 BATCH_HINT = ("no smaller batch was tried: the cell makes its batch with a fixed size. Write "
               "the size as a variable (batch_size = 4096, once, at the top of this cell or "
-              "in an earlier one, then torch.randn(batch_size, ...)), or make the batch in an "
-              "earlier cell, and the doctor re-runs the cell with smaller batches")
+              "in an earlier one, then torch.randn(batch_size, ...)), pass it by name "
+              "(DataLoader(ds, batch_size=4096), or to a function of yours whose parameter "
+              "is batch_size), or make the batch in an earlier cell, and the doctor re-runs "
+              "the cell with smaller batches")
 SCRIPT_BATCH_HINT = ("no smaller batch was tried: the script does not take its batch size on "
                      "its command line. Pass it one (--batch_size N or --batch_size=N, or "
                      "--batch-size; a script without such an option needs one, e.g. argparse's "
                      "add_argument('--batch_size', type=int)), or set it as a number at the "
                      "script's top level (batch_size = 64, or one settings dict's entry: "
-                     "{\"batch_size\": 64}), and the doctor re-runs it with smaller batches")
+                     "{\"batch_size\": 64}, or a call's: DataLoader(ds, batch_size=64)), and "
+                     "the doctor re-runs it with smaller batches")
 
 _NO_BATCH = ("batch_size: the cell does not read batch_size and names no batch tensor of the "
              "namespace: make the batch with batch_size in the cell (e.g. "

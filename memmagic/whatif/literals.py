@@ -1,5 +1,7 @@
 """Knob sizes written out as numbers: ``batch_size = 64`` at the top level of a cell or a
-script, set once.
+script, set once (or, where no variable of that name is set there, one number given under
+that name: ``{"batch_size": 64}``, ``DataLoader(ds, batch_size=64)``, ``train(64)`` for a
+``def train(batch_size)`` of the same source).
 
 A cell or a script that sets a knob's variable (``batch_size``, ``seq_len``,
 ``accum_steps``) once, at its top level, to a whole number written out takes that knob
@@ -14,7 +16,7 @@ top level. Knows nothing of IPython or of scripts."""
 from __future__ import annotations
 
 import ast
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 __all__ = ["Numbers", "assigned_constants", "with_assignments", "module_scope"]
 
@@ -25,21 +27,26 @@ class Numbers:
     ``seq_len``, ``accum_steps``) and its text compiled with other values there, once for
     each set of values (``compile``: text -> what runs it). None: no source, no numbers."""
 
-    def __init__(self, source: str | None, compile: Callable[[str], Any]) -> None:
+    def __init__(self, source: str | None, compile: Callable[[str], Any],
+                 namespace: Mapping[str, Any] | None = None) -> None:
         from .knobs import KNOBS
 
         self.source, self._compile = source, compile
+        # functions the source may call by name that an earlier cell defined
+        self._functions = _parameters(namespace or {}) if source is not None else {}
         sized = {k.var for k in KNOBS.values() if k.script_flags}
-        nodes, keyed = _found(source, sized) if source is not None else ({}, set())
-        self.at = {var: (node.lineno, node.value) for var, node in nodes.items()}
-        # those of a settings dict's entries (``{"batch_size": 8}``): no variable holds them
+        nodes, keyed = (_found(source, sized, self._functions) if source is not None
+                        else ({}, {}))
+        self.at = {var: (node[0].lineno, node[0].value) for var, node in nodes.items()}
+        # those given under the name, not set to a variable (a settings dict's entry, a
+        # call's argument): no variable holds them; var -> how the source writes them
         self.keyed = keyed
         self._compiled: dict[tuple, Any] = {}
 
     def written(self, var: str) -> str:
-        """How the source sets ``var``: ``batch_size = 8`` or ``"batch_size": 8``."""
-        number = self.at[var][1]
-        return f'"{var}": {number}' if var in self.keyed else f"{var} = {number}"
+        """How the source sets ``var``: ``batch_size = 8``, ``"batch_size": 8``,
+        ``batch_size=8`` (a call's keyword) or ``train(8)``."""
+        return self.keyed.get(var) or f"{var} = {self.at[var][1]}"
 
     def changed(self, values: dict[str, Any]) -> dict[str, int]:
         """The whole numbers of ``values`` that differ from the ones written at :attr:`at`."""
@@ -56,23 +63,28 @@ class Numbers:
         key = tuple(sorted(new.items()))
         if key not in self._compiled:
             assert self.source is not None
-            self._compiled[key] = self._compile(with_assignments(self.source, new))
+            self._compiled[key] = self._compile(with_assignments(self.source, new,
+                                                                 self._functions))
         return self._compiled[key]
 
 
 def assigned_constants(source: str, names: Iterable[str]) -> dict[str, tuple[int, int]]:
     """variable of ``names`` -> (line, value) where ``source``'s top level sets it, once, to a
     whole number written out; {} where ``source`` is not Python (a cell of IPython syntax)."""
-    return {var: (node.lineno, node.value) for var, node in _literals(source, names).items()}
+    return {var: (nodes[0].lineno, nodes[0].value)
+            for var, nodes in _literals(source, names).items()}
 
 
-def with_assignments(source: str, values: dict[str, int]) -> str:
+def with_assignments(source: str, values: dict[str, int],
+                     functions: Mapping[str, list[str]] | None = None) -> str:
     """``source`` with the number each variable of ``values`` is set to (see
-    :func:`assigned_constants`) replaced by its value there, the rest of the text as it is."""
-    nodes = _literals(source, values)
+    :func:`assigned_constants`) replaced by its value there, the rest of the text as it is
+    (``functions``: as :func:`_found` takes them)."""
+    nodes = [(var, node) for var, each in _found(source, values, functions)[0].items()
+             for node in each]
     lines = source.splitlines(keepends=True)
     # from the last line and column back, so that earlier positions stay valid
-    for var, node in sorted(nodes.items(), key=lambda kv: (kv[1].lineno, kv[1].col_offset),
+    for var, node in sorted(nodes, key=lambda vn: (vn[1].lineno, vn[1].col_offset),
                             reverse=True):
         if node.lineno != node.end_lineno:
             continue
@@ -82,43 +94,54 @@ def with_assignments(source: str, values: dict[str, int]) -> str:
     return "".join(lines)
 
 
-def _literals(source: str, names: Iterable[str]) -> dict[str, ast.Constant]:
-    """variable of ``names`` -> the whole-number literal ``source``'s top level sets it to
-    (see :func:`_found`)."""
+def _literals(source: str, names: Iterable[str]) -> dict[str, list[ast.Constant]]:
+    """variable of ``names`` -> the whole-number literals where ``source``'s top level sets
+    it (see :func:`_found`)."""
     return _found(source, names)[0]
 
 
-def _found(source: str, names: Iterable[str]) -> tuple[dict[str, ast.Constant], set[str]]:
+def _found(source: str, names: Iterable[str], functions: Mapping[str, list[str]] | None = None
+           ) -> tuple[dict[str, list[ast.Constant]], dict[str, str]]:
     """(variable of ``names`` -> the whole-number literal ``source``'s top level sets it to,
     once (``b = 16``, ``b, s = 16, 1024``; no other binding of it in the module's scope: a
     loop's, a ``with``'s, a walrus's, an unpacking's of a value, an augmented
-    assignment's); where no variable of that name is bound there, the one entry of a
-    settings dict written out under that name (``{"batch_size": 32}``, ``dict(batch_size=32)``,
-    rasbt's ``OTHER_SETTINGS``), the variables found as such entries: no variable holds the
-    value a run is given)."""
+    assignment's), as a list of one; where no variable of that name is bound there, the
+    numbers given under that name (:func:`_entries`: a settings dict's entry, rasbt's
+    ``OTHER_SETTINGS``; a call's keyword, ``DataLoader(ds, batch_size=32)``; an argument
+    of a function the source defines, or ``functions`` (name -> positional parameters: an
+    earlier cell's) where the source binds no such name, ``train(32)``), where each is the
+    same whole number
+    written out (two loaders of one batch size: both are set); and those variables found
+    given so, each with how the source writes it: no variable holds the value a run is
+    given)."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
-        return {}, set()
+        return {}, {}
     names = set(names)
     found: dict[str, ast.Constant] = {}
     bound: dict[str, int] = {}
-    keyed: dict[str, list[ast.AST]] = {}
+    keyed: dict[str, list[tuple[ast.AST, str]]] = {}
+    defs = _defined(tree, functions or {})
     for node in module_scope(tree):
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) and node.id in names:
             bound[node.id] = bound.get(node.id, 0) + 1
-        for name, value in _entries(node):
+        for name, value, how in _entries(node, defs):
             if name in names:
-                keyed.setdefault(name, []).append(value)
+                keyed.setdefault(name, []).append((value, how))
         target = (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1
                   else node.target if isinstance(node, ast.AnnAssign) else None)
         for name, value in _pairs(target, getattr(node, "value", None)):
             if name.id in names and _whole(value):
                 found[name.id] = value
-    out = {var: node for var, node in found.items() if bound.get(var) == 1}
-    entries = {var: values[0] for var, values in keyed.items()
-               if var not in bound and len(values) == 1 and _whole(values[0])}
-    return {**out, **entries}, set(entries)  # type: ignore[dict-item]
+    out = {var: [node] for var, node in found.items() if bound.get(var) == 1}
+    entries = {var: sorted(given, key=lambda vh: (vh[0].lineno, vh[0].col_offset))
+               for var, given in keyed.items() if var not in bound
+               and all(_whole(v) for v, _ in given)
+               and len({v.value for v, _ in given}) == 1}  # type: ignore[attr-defined]
+    return ({**out, **{var: [v for v, _ in given] for var, given in entries.items()}},
+            {var: given[0][1].format(given[0][0].value)  # type: ignore[attr-defined]
+             for var, given in entries.items()})
 
 
 def _whole(node: ast.AST) -> bool:
@@ -126,16 +149,61 @@ def _whole(node: ast.AST) -> bool:
             and not isinstance(node.value, bool))
 
 
-def _entries(node: ast.AST) -> list[tuple[str, ast.AST]]:
-    """(key, value) of a dict written out: ``{"batch_size": 8}``'s string keys, or the
-    keywords of ``dict(batch_size=8)``."""
+def _entries(node: ast.AST, defs: dict[str, list[str]]) -> list[tuple[str, ast.AST, str]]:
+    """(name, value, how it is written: a format of the number) of what ``node`` gives
+    under a name: a dict written out's string keys (``{"batch_size": 8}``), a call's
+    keywords (``dict(batch_size=8)``, ``DataLoader(ds, batch_size=8)``), and the
+    positional arguments of a call of a function of ``defs`` (the source's own
+    ``def train(batch_size)``: ``train(8)``) by its parameters' names."""
     if isinstance(node, ast.Dict):
-        return [(k.value, v) for k, v in zip(node.keys, node.values)
+        return [(k.value, v, f'"{k.value}": {{}}') for k, v in zip(node.keys, node.values)
                 if isinstance(k, ast.Constant) and isinstance(k.value, str)]
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-            and node.func.id == "dict"):
-        return [(kw.arg, kw.value) for kw in node.keywords if kw.arg is not None]
-    return []
+    if not isinstance(node, ast.Call):
+        return []
+    out = [(kw.arg, kw.value, f"{kw.arg}={{}}") for kw in node.keywords if kw.arg is not None]
+    params = defs.get(node.func.id, ()) if isinstance(node.func, ast.Name) else ()
+    for param, arg in zip(params, node.args):
+        if isinstance(arg, ast.Starred):
+            break
+        out.append((param, arg, f"{node.func.id}({{}})"))  # type: ignore[union-attr]
+    return out
+
+
+def _defined(tree: ast.Module, functions: Mapping[str, list[str]]) -> dict[str, list[str]]:
+    """Function name -> its positional parameters' names, of each function the module's
+    scope defines once (and binds that name nowhere else: an import, an assignment), and of
+    ``functions`` whose names it does not bind."""
+    defs: dict[str, list[str]] = {}
+    seen: dict[str, int] = {}
+    for node in module_scope(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            seen[node.name] = seen.get(node.name, 0) + 1
+            a = node.args
+            defs[node.name] = [p.arg for p in (*a.posonlyargs, *a.args)]
+        elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            seen[node.id] = seen.get(node.id, 0) + 1
+        elif isinstance(node, ast.alias):
+            name = (node.asname or node.name).split(".")[0]
+            seen[name] = seen.get(name, 0) + 1
+    return {**{name: params for name, params in functions.items() if name not in seen},
+            **{name: params for name, params in defs.items() if seen[name] == 1}}
+
+
+def _parameters(namespace: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Name -> positional parameters' names of each Python function in ``namespace``."""
+    import inspect
+    import types
+
+    out = {}
+    for name, f in list(namespace.items()):
+        if isinstance(f, types.FunctionType) and not name.startswith("_"):
+            try:
+                params = inspect.signature(f).parameters.values()
+            except (TypeError, ValueError):
+                continue
+            out[name] = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY,
+                                                                p.POSITIONAL_OR_KEYWORD)]
+    return out
 
 
 def _pairs(target: ast.AST | None, value: ast.AST | None) -> list[tuple[ast.Name, ast.AST]]:

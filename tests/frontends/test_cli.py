@@ -479,15 +479,33 @@ SETTINGS_DICT = textwrap.dedent('''
 ''')
 
 
+# a tutorial's loop over a DataLoader whose batch size is written in the call
+LOADER = textwrap.dedent('''
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from memmagic import zoo
+
+    model, _ = zoo.build("nanogpt", device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    tokens = torch.randint(0, 1000, (512, 128))
+    loader = DataLoader(TensorDataset(tokens), batch_size=64, shuffle=True)
+    for (xb,) in loader:
+        xb = xb.cuda()
+        model.loss(xb, xb).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+''')
+
+
 @pytest.mark.parametrize("source,written,line", [
-    (ASSIGNED, "batch_size = 64", 6), (SETTINGS_DICT, '"batch_size": 64', 17)],
-    ids=["variable", "settings dict"])
+    (ASSIGNED, "batch_size = 64", 6), (SETTINGS_DICT, '"batch_size": 64', 17),
+    (LOADER, "batch_size=64", 9)], ids=["variable", "settings dict", "loader"])
 def test_the_doctor_sets_a_batch_size_the_script_sets_at_its_top_level(
         source, written, line, tmp_path, capsys, clean_state):
-    """``batch_size = 64`` at the script's top level and no option, or the one entry of that
-    name of a settings dict written out there (``{"batch_size": 64}``): the doctor's re-runs
-    set smaller numbers there, in memory (the file stays as it is), and --whatif takes it
-    too."""
+    """``batch_size = 64`` at the script's top level and no option, the one entry of that
+    name of a settings dict written out there (``{"batch_size": 64}``), or a call's keyword
+    (``DataLoader(ds, batch_size=64)``): the doctor's re-runs set smaller numbers there, in
+    memory (the file stays as it is), and --whatif takes it too."""
     path = tmp_path / "train.py"
     path.write_text(source)
     rc = cli.main(["run", "--gpu-memory", "256MiB", "--steps", "1", str(path)])

@@ -90,8 +90,9 @@ def test_a_settings_dicts_entry_is_a_number_set_where_it_stands():
               '    OPT = dict(accum_steps=4)\n')
     numbers = Numbers(source, compile)
     assert numbers.at == {"batch_size": (2, 8), "accum_steps": (3, 4)}
-    assert numbers.keyed == {"batch_size", "accum_steps"}
+    assert set(numbers.keyed) == {"batch_size", "accum_steps"}
     assert numbers.written("batch_size") == '"batch_size": 8'
+    assert numbers.written("accum_steps") == "accum_steps=4"
     assert with_assignments(source, {"batch_size": 2}) == source.replace('": 8', '": 2')
     for not_one in ('a = {"batch_size": 8}\nb = {"batch_size": 4}\n',
                     'a = {"batch_size": 8 * 2}\n', 'a = {"batch_size": n}\n',
@@ -99,3 +100,37 @@ def test_a_settings_dicts_entry_is_a_number_set_where_it_stands():
         assert "batch_size" not in Numbers(not_one, compile).at, not_one
     both = Numbers('batch_size = 4\ncfg = {"batch_size": 8}\n', compile)
     assert both.at == {"batch_size": (1, 4)} and not both.keyed
+
+
+def test_a_calls_argument_under_the_name_is_a_number_set_where_it_stands():
+    """``DataLoader(ds, batch_size=1024)`` (a keyword of any call) and ``train(64)`` (the
+    source's own ``def train(batch_size)``), with no variable of that name: the argument is
+    where the size is set. Two loaders of one batch size are both set; two of different
+    sizes, a function defined twice or also imported, a starred argument before it, or one
+    inside a function are not; a variable of that name is the one set."""
+    loaders = ("from torch.utils.data import DataLoader\n"
+               "train = DataLoader(ds, batch_size=1024, shuffle=True)\n"
+               "val = DataLoader(vs, batch_size=1024)\n")
+    numbers = Numbers(loaders, compile)
+    assert numbers.at == {"batch_size": (2, 1024)}
+    assert numbers.written("batch_size") == "batch_size=1024"
+    assert with_assignments(loaders, {"batch_size": 96}) == loaders.replace("=1024", "=96")
+    call = ("def step(batch_size, seq_len=128):\n"
+            "    return batch_size * seq_len\n"
+            "out = step(512, 64)\n")
+    numbers = Numbers(call, lambda text: compile(text, "cell", "exec"))
+    assert numbers.at == {"batch_size": (3, 512), "seq_len": (3, 64)}
+    assert numbers.written("batch_size") == "step(512)"
+    ns: dict = {}
+    exec(numbers.compiled({"batch_size": 8, "seq_len": 64}), ns)
+    assert ns["out"] == 8 * 64 and numbers.compiled({"batch_size": 512, "seq_len": 64}) is None
+    for not_one in ("a = DataLoader(ds, batch_size=64)\nb = DataLoader(vs, batch_size=256)\n",
+                    "DataLoader(ds, batch_size=n)\n",
+                    "def step(batch_size): pass\ndef step(batch_size): pass\nstep(64)\n",
+                    "from x import step\ndef step(batch_size): pass\nstep(64)\n",
+                    "def step(a, batch_size): pass\nstep(*xs, 64)\n",
+                    "def f():\n    DataLoader(ds, batch_size=64)\n"):
+        assert "batch_size" not in Numbers(not_one, compile).at, not_one
+    both = Numbers("batch_size = 8\nDataLoader(ds, batch_size=64)\n", compile)
+    assert both.at == {"batch_size": (1, 8)} and not both.keyed  # the variable's
+

@@ -238,6 +238,33 @@ def test_a_batch_size_the_cell_sets_once_is_a_knob_set_where_it_stands(clean_sta
         assert "batch_size" not in Cell(src2, {}).reads
 
 
+def test_a_batch_size_passed_to_an_earlier_cells_function_is_a_knob_where_it_stands(
+        clean_state):
+    """A notebook's ``def step(batch_size)`` in an earlier cell, then ``loss = step(512)``:
+    the number is where the cell sets the batch (a ViT notebook ran out of memory there and
+    the doctor tried no smaller batch); a run at another size passes that number, the
+    namespace's names are left as they were, and the doctor tries smaller batches."""
+    from memmagic.doctor.ranking import rank
+
+    ns: dict = {}
+    exec("import torch\n"
+         "def step(batch_size, width=1 << 20):\n"
+         "    x = torch.randn(batch_size, width, device='cuda', requires_grad=True)\n"
+         "    (x * 2).sum().backward()\n"
+         "    return x.shape[0]\n", ns)
+    c = Cell("n = step(64)\n", ns, backend_options={"gpu_memory": "400MiB"})
+    assert c.reads == {"batch_size"} and c.baseline == Setting(batch_size=64)
+    small = c.run(batch_size=16)
+    assert small.fits and any("batch_size 16: set where the cell sets it (line 1: step(64) as "
+                              "written)" in str(n) for n in small.notes)
+    assert "n" not in ns
+    _, rows, notes = rank(c)
+    assert any(r.label.startswith("batch ") and r.fits for r in rows), rows
+    assert not any("no smaller batch was tried" in n for n in notes)
+    # a function of the cell's own name binding, or a class: not the namespace's function
+    assert "batch_size" not in Cell("step = print\nstep(64)\n", ns).reads
+
+
 def test_a_cell_takes_its_card_as_fit_map_does():
     """``Cell(code, gpu="T4")`` names the card as ``fit_map(cell, gpu="T4")`` does (a user
     wrote it so and got "unexpected keyword argument 'gpu'"); named twice, differently, it
