@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence, Union
 
 from .evaluated import peaks_at
-from .knobs import BATCH_DIM, KNOBS, SEQ_DIM, KnobError, Setting, resizing
+from .knobs import BATCH_DIM, KNOBS, SEQ_DIM, KnobError, Setting, resizing, targeting
 from .plane import CONTEXT_CURVE, bisect_largest, largest_within, line_through, point
 from ..report import MemoryReport, format_bytes, needed
 
@@ -486,30 +486,42 @@ class BatchSearch:
 
 def find_batch_size(cell: "Cell", *, budget: int | str | None = None, margin: float = 0.1,
                     setting: Setting | Mapping[str, Any] | None = None, low: int = 1,
-                    high: int = 1 << 16, method: str = "simulation") -> BatchSearch:
+                    high: int = 1 << 16, method: str = "simulation",
+                    gpu: Any = None) -> BatchSearch:
     """The largest batch size (a multiple of the setting's accumulation steps) whose run
     needs at most ``budget * (1 - margin)`` bytes (the reserved peak on the simulated GPU,
     with the CUDA context where the card counts one: ``MemoryReport.card_need``).
 
-    ``budget`` defaults to the target card's memory (``gpu=`` of the cell or setting; on a
+    ``gpu``: the card to fit ("T4"; as ``fit_map(cell, gpu=...)`` takes it), else the
+    cell's or the setting's. ``budget`` defaults to the target card's memory (on a
     real GPU, ``torch.cuda.get_device_properties().total_memory``). ``method``:
     "simulation" runs the cell on the simulated GPU (the cell's backend must be "sim");
     "trials" runs it for real on a CUDA GPU, catching each out-of-memory error and
     emptying the allocator's cache after every run. Doubles from ``low`` until a run does
     not fit (or ``high``), then bisects."""
-    return _find_largest(cell, resizing(BATCH_DIM).name, budget, margin, setting, low, high,
-                         method)
+    return _find_largest(cell, resizing(BATCH_DIM).name, budget, margin,
+                         _on_gpu(cell, setting, gpu), low, high, method)
 
 
 def find_seq_len(cell: "Cell", *, budget: int | str | None = None, margin: float = 0.1,
                  setting: Setting | Mapping[str, Any] | None = None, low: int = 16,
-                 high: int = 1 << 17, step: int = 16, method: str = "simulation") -> BatchSearch:
+                 high: int = 1 << 17, step: int = 16, method: str = "simulation",
+                 gpu: Any = None) -> BatchSearch:
     """The longest context: the largest sequence length (a multiple of ``step``) whose run
     needs at most ``budget * (1 - margin)`` bytes, at the setting's batch size. The cell
     reads ``seq_len``, or memmagic cuts or repeats the token tensors it names (see
-    :func:`find_batch_size` for ``budget``, ``margin`` and ``method``)."""
-    return _find_largest(cell, resizing(SEQ_DIM).name, budget, margin, setting, low, high,
-                         method, step)
+    :func:`find_batch_size` for ``gpu``, ``budget``, ``margin`` and ``method``)."""
+    return _find_largest(cell, resizing(SEQ_DIM).name, budget, margin,
+                         _on_gpu(cell, setting, gpu), low, high, method, step)
+
+
+def _on_gpu(cell: "Cell", setting: Setting | Mapping[str, Any] | None, gpu: Any
+            ) -> Setting | Mapping[str, Any] | None:
+    """``setting`` on the card ``gpu`` (its target card knob; ``setting`` as it is where
+    ``gpu`` is None)."""
+    if gpu is None:
+        return setting
+    return cell.setting(setting).replace(**{targeting().name: gpu})
 
 
 def _find_largest(cell: "Cell", knob: str, budget: int | str | None, margin: float,

@@ -127,6 +127,27 @@ def test_find_batch_size_respects_accumulation():
     assert found.batch_size > plain.batch_size
 
 
+def test_the_finders_take_the_card_as_fit_map_does():
+    """``find_batch_size(cell, gpu="T4")`` (a user wrote it so after ``fit_map(cell,
+    gpu="T4")`` and got "unexpected keyword argument 'gpu'"): the card of the search, as a
+    cell made for that card searches it; an unknown card is one line."""
+    from memmagic.whatif.knobs import KnobError
+    import torch
+
+    from memmagic.whatif.sweeps import find_seq_len
+
+    src = ("x = torch.randn(batch_size, seq_len, 1 << 14, device='cuda', requires_grad=True)\n"
+           "(x * 2).sum().backward()\n")
+    ns = {"torch": torch, "batch_size": 8, "seq_len": 64}
+    asked = find_batch_size(Cell(src, ns), gpu="T4")
+    assert asked.value == find_batch_size(Cell(src, ns, gpu="T4")).value
+    assert asked.report.gpu_name == "T4" and asked.value > 8
+    assert (find_seq_len(Cell(src, ns), gpu="T4").value
+            == find_seq_len(Cell(src, ns, gpu="T4")).value)
+    with pytest.raises(KnobError, match="not 'T5'"):
+        find_batch_size(Cell(src, ns), gpu="T5")
+
+
 def test_find_batch_size_misuse(cell):
     with pytest.raises(ValueError, match="margin"):
         find_batch_size(cell, margin=1.5)
