@@ -304,6 +304,38 @@ def test_a_run_on_a_copy_matches_a_run_on_the_card_and_leaves_it_alone():
     assert nb.ns["allocated"] == on_card.report.after  # the real run's value, not the copy's
 
 
+def test_a_run_on_a_copy_leaves_the_notebooks_plain_objects_as_they_were():
+    """A what-if run works on copies of plain data too: a GradScaler made before its first
+    step (it makes its scale at that step) and a list the step appends its losses to stay
+    as they were in the notebook. (A ViT notebook's scaler held a simulated scale after the
+    doctor's first re-run that fitted, and every re-run after it took another path, so the
+    doctor found no line through them.) The notebook's own cell still works on them."""
+    nb = Notebook()
+    nb.sim(STUDENT[0])
+    nb.sim("""
+        scaler = torch.amp.GradScaler("cuda")
+        losses = []
+        def step(n):
+            x = torch.randn(n, config["width"], device=device)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt); scaler.update(); opt.zero_grad()
+            losses.append(loss.item())
+        """)
+    scaler, losses = nb.ns["scaler"], nb.ns["losses"]
+    runs = [_copy_run(nb, "step(32)") for _ in range(2)]
+    assert all(r.error is None for r in runs), runs[0].error
+    assert nb.ns["scaler"] is scaler and scaler._scale is None and losses == []
+    # the second run did what the first did: it found the notebook as the first did
+    logs = [[e["size"] for e in r.report.trace.allocator_log.entries if e["action"] == "alloc"]
+            for r in runs]
+    assert logs[0] == logs[1] and 4 in logs[0]  # the scale, made at the step
+    assert runs[0].report.peak == runs[1].report.peak
+    assert nb.sim("step(32)").error is None  # the notebook's own cell: for real
+    assert losses == [1.0] and "scaler" in nb.session.card.shadow
+
+
 def test_copies_leave_no_fake_behind():
     nb = Notebook()
     nb.sim(STUDENT[0])

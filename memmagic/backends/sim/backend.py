@@ -356,14 +356,15 @@ class SimBackend(Backend):
         card = box.pop()
         try:
             return self._run_on(card, run, namespace, notes,
-                                card.shadow if (self.session is not None or copied) else None)
+                                card.shadow if (self.session is not None or copied) else None,
+                                copied)
         finally:
             if copied:
                 card.discard()
             del card
 
     def _run_on(self, card: Card, run: Callable[[dict], Any], namespace: dict,
-                notes: list[str], shadow: dict | None) -> Outcome:
+                notes: list[str], shadow: dict | None, whatif: bool = False) -> Outcome:
         cuda = self.kernels == "cuda"
         state, tracker = card.state, card.tracker
         state.begin_run()
@@ -375,7 +376,7 @@ class SimBackend(Backend):
         tracking = _SimTracking(tracker, namespace)
         installs = _Installs(cuda)
         autocast = make_autocast_classes(cuda, installs.install_policy)
-        sandbox = Sandbox(namespace, card.fake_mode, self._replacements(autocast), shadow)
+        sandbox = Sandbox(namespace, card.fake_mode, self._replacements(autocast), shadow, whatif)
         value = error = shown = None
         try:
             value, shown = self._simulate(card, run, namespace, tracking, sandbox, installs,

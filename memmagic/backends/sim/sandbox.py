@@ -16,6 +16,12 @@ simulated objects are kept in the shadow for the next simulated cell; real objec
 earlier real cells are still restored bit-identical, and values that reach no tensor are
 not copied at all (the cell works on them for real, as on a GPU).
 
+A what-if run (the doctor's, the panel's, a sweep's) starts from a *copy* of the notebook's
+simulated GPU and must leave the notebook as it found it: its sandbox (``whatif``) copies
+plain data too (a GradScaler before its first step, which makes its scale then; a list a
+training loop appends its losses to), up to :data:`PLAIN_COPY_LIMIT` objects each, so
+that the run works on the copy, as on that copy of the card.
+
 Objects reachable only from elsewhere (a closure cell, a default argument, a module
 attribute) are not swapped: tensor *ops* on them still run on fakes (the fake mode turns
 real inputs into fakes), but Python-level assignments to them would stick.
@@ -41,6 +47,9 @@ __all__ = ["Sandbox", "Shadow", "sanitize_value", "contains_fake", "reachable_te
 _SKIP_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_ih", "_oh", "_dh", "_", "__", "___",
                "__builtins__", "__builtin__", "__name__", "__doc__", "__spec__", "__loader__",
                "__package__"}
+# the most objects a plain value a what-if run copies may hold (a larger one, a corpus kept
+# as a list of ints, is worked on as it is)
+PLAIN_COPY_LIMIT = 100_000
 _ATOMIC = (type(None), bool, int, float, complex, str, bytes, range, type, types.ModuleType,
            types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.dtype,
            torch.device, torch.Size)
@@ -117,6 +126,31 @@ def sanitize_value(value: Any, name: str = "the cell's value", shown: str | None
     return value
 
 
+def _within(value: Any, limit: int) -> bool:
+    """Whether ``value`` holds at most ``limit`` objects (a walk over containers, dict keys
+    and ``__dict__``, as :func:`_reachable_tensors` walks)."""
+    seen: set[int] = set()
+    stack, count = [value], 0
+    while stack:
+        v = stack.pop()
+        count += 1
+        if count > limit:
+            return False
+        if isinstance(v, _ATOMIC) or id(v) in seen:
+            continue
+        seen.add(id(v))
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            stack.extend(v)
+        else:
+            d = getattr(v, "__dict__", None)
+            if isinstance(d, dict):
+                stack.extend(d.values())
+    return True
+
+
 def _worth_swapping(value: Any) -> bool:
     if isinstance(value, _ATOMIC) or isinstance(value, SimulatedValue):
         return False
@@ -130,10 +164,12 @@ class Sandbox:
     """Swap the namespace's values for fake copies during a simulated run (see module doc)."""
 
     def __init__(self, namespace: dict, fake_mode, replacements: dict[int, Any] | None = None,
-                 shadow: dict | None = None) -> None:
+                 shadow: dict | None = None, whatif: bool = False) -> None:
         """``shadow``: the persistent simulated GPU's name -> Shadow map (see .session),
-        or None for a one-off run (every name is restored afterwards)."""
+        or None for a one-off run (every name is restored afterwards); ``whatif``: the run
+        is on a copy of it (plain data is copied too: see the module's docstring)."""
         self.ns = namespace
+        self.whatif = whatif
         self.fake_mode = fake_mode
         self.replacements = replacements or {}
         self.shadow = shadow
@@ -192,7 +228,8 @@ class Sandbox:
                 continue
             if not _worth_swapping(value):
                 continue
-            if persistent and not contains_tensor(value):
+            if persistent and not contains_tensor(value) and not (
+                    self.whatif and _within(value, PLAIN_COPY_LIMIT)):
                 continue  # plain data: the cell works on the real thing, as on a GPU
             try:
                 ns[key] = self._copy(value, memo)
