@@ -412,3 +412,28 @@ def test_a_run_that_reads_its_peak_is_told_how_torchs_count_differs(reads):
         assert len(said) == 1 and "20.00 MiB at the run's peak, 512.00 KiB above" in said[0]
     else:
         assert not said
+
+
+def test_what_nvidia_smi_reads_answers_from_the_card():
+    """``torch.cuda.list_gpu_processes()`` and ``device_memory_used()`` (NVML's used memory:
+    the CUDA context and what the allocator reserved) answer from the simulated card; NVML's
+    readings of the device (utilization, temperature, power, clock) are marked placeholders
+    counted as reads of values a simulation has not. A CPU build without nvidia-ml-py
+    raised ModuleNotFoundError for each, ending the script."""
+    out, _ = run("""
+        import os, torch
+        x = torch.empty(2**28, dtype=torch.uint8, device="cuda")
+        used = torch.cuda.device_memory_used()
+        assert used == 400_000_000 + torch.cuda.memory_reserved() == 668_435_456, used
+        listing = torch.cuda.list_gpu_processes()
+        assert listing == (f"GPU:0\\nprocess {os.getpid():>10d} uses "
+                           f"{used / 2**20:>12.3f} MB GPU memory"), listing
+        readings = [torch.cuda.utilization(), torch.cuda.temperature(), torch.cuda.power_draw(),
+                    torch.cuda.memory_usage(), torch.cuda.clock_rate()]
+        assert readings == [0] * 5, readings
+        assert f"{torch.cuda.utilization()}%" == "0(simulated)%"
+    """, {}, gpu="T4")
+    assert out.error is None, out.error
+    read = [n for n in out.report.notes if "torch.cuda.utilization (a simulation measures no "
+            "device)" in n]
+    assert len(read) == 1

@@ -38,7 +38,7 @@ from ...core.interrupts import atomic
 from ...report import format_bytes
 from ...core.snapshot import PICKLE_PROTOCOL
 from .constants import seed_gpu_draws
-from .values import SimulatedFloat
+from .values import SimulatedFloat, SimulatedInt
 from .errors import RERUN_HINT, SimulationUnsupported
 from .state import local_gpu
 from .gpus import DEFAULT_CAPABILITY, GPUS, CardSpec
@@ -203,6 +203,20 @@ class SimEvent:
         return SimulatedFloat(1.0)
 
 
+def _nvml_reading(name: str) -> Callable[..., int]:
+    """``torch.cuda.<name>()`` (NVML's reading of the device: its utilization, temperature,
+    power, clock): a marked 0, a read of a value the simulation does not have."""
+
+    def reading(device=None) -> int:
+        check_device(device)
+        if _READS.note is not None:
+            _READS.note(f"torch.cuda.{name} (a simulation measures no device)")
+        return SimulatedInt(0)
+
+    reading.__name__ = name
+    return reading
+
+
 class SimStream(torch.Stream):
     """A CUDA stream in a simulation: everything runs in order on one stream. A
     ``torch.Stream`` (of the CPU underneath) so that ops taking a stream
@@ -340,8 +354,12 @@ _CUDA_NAMES = (
     "_record_memory_history", "_snapshot", "_dump_snapshot", "memory_snapshot", "manual_seed",
     "manual_seed_all", "seed", "seed_all", "get_rng_state", "set_rng_state",
     "get_rng_state_all", "set_rng_state_all", "is_current_stream_capturing", "device",
-    "device_of", "_clear_cublas_workspaces",
+    "device_of", "_clear_cublas_workspaces", "device_memory_used", "list_gpu_processes",
+    "utilization", "memory_usage", "temperature", "power_draw", "clock_rate",
 )
+# NVML's readings of the device (torch.cuda.utilization() ...): a marked placeholder each,
+# counted as a read of values the simulation does not have
+_NVML_READINGS = ("utilization", "memory_usage", "temperature", "power_draw", "clock_rate")
 _STREAM_NAMES = ("Event", "Stream", "stream", "set_stream", "current_stream", "default_stream")
 _UNSUPPORTED_CLASSES = ("ExternalStream", "CUDAGraph", "graph", "MemPool")
 _UNSUPPORTED_FUNCTIONS = ("make_graphed_callables", "graph_pool_handle", "use_mem_pool")
@@ -377,7 +395,8 @@ class SimulatedCuda:
     # -- installing ------------------------------------------------------------------------
     def api(self) -> dict[str, Any]:
         """torch.cuda's name -> what answers it in the simulation."""
-        out = {name: getattr(self, _RENAMED.get(name, name)) for name in _CUDA_NAMES}
+        out = {name: (_nvml_reading(name) if name in _NVML_READINGS
+                      else getattr(self, _RENAMED.get(name, name))) for name in _CUDA_NAMES}
         out.update((name, getattr(self.streams, name)) for name in _STREAM_NAMES)
         out.update((name, _unsupported_class(f"torch.cuda.{name}")) for name in _UNSUPPORTED_CLASSES)
         out.update((name, _unsupported(f"torch.cuda.{name}")) for name in _UNSUPPORTED_FUNCTIONS)
@@ -629,6 +648,22 @@ class SimulatedCuda:
                     f"{format_bytes(self.memory_reserved())} "
                     f"(peak {format_bytes(self.max_memory_reserved())})")
         return head + "\n" + _TORCH_MEMORY_SUMMARY(device=0, abbreviated=abbreviated)
+
+    def device_memory_used(self, device=None) -> int:
+        """What NVML (nvidia-smi) says the card uses: the CUDA context and what the
+        allocator model reserved (this process alone on the card)."""
+        check_device(device)
+        return self.tracker.context_bytes + self.memory_reserved()
+
+    def list_gpu_processes(self, device=None) -> str:
+        """torch's listing of the card's processes: this one, with
+        :meth:`device_memory_used`."""
+        import os
+
+        check_device(device)
+        mib = self.device_memory_used() / (1024 * 1024)
+        return "\n".join([f"GPU:{self.current_device()}",
+                          f"process {os.getpid():>10d} uses {mib:>12.3f} MB GPU memory"])
 
     def mem_get_info(self, device=None) -> tuple[int, int]:
         """(free, total) bytes of the card: total less the CUDA context (a published
