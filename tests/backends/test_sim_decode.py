@@ -228,11 +228,42 @@ class SeenToken(StoppingCriteria):
                                              "stopping criterion reads the tokens (SeenToken))")
 
 
-def test_beam_search_runs_every_step_and_says_so():
-    evaluated, ran = both(cell("gpt2", tokens=12, extra=", num_beams=2"))
-    assert_same(evaluated, ran)
-    assert decode_note(evaluated.report) == ("generate() ran every decode step op by op (beam "
-                                             "search: its steps are not read off)")
+BEAMS_OUT = """
+calls = []
+model.register_forward_pre_hook(lambda module, args: calls.append(1))
+out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                     min_new_tokens=12, num_beams=3, num_return_sequences=2, pad_token_id=0,
+                     return_dict_in_generate=True, output_scores=True)
+assert len(calls) == 12, len(calls)
+assert tuple(out.sequences.shape) == (4, 22), out.sequences.shape
+assert tuple(out.beam_indices.shape) == (4, 12), out.beam_indices.shape
+"""
+
+
+@pytest.mark.parametrize("returns", ["tokens", "dict"])
+def test_beam_search_runs_every_step_to_the_maximum_length_and_says_so(returns):
+    """Beam search asks whether a beam is still open from the beams' scores (values a
+    simulation has not): the placeholder ended it after one step and its crop, read off
+    the beams' indices, left sequences of no tokens ((2, 0) where a GPU gives (2, 22)).
+    As for sampling, no beam ends before the maximum length (min_new_tokens makes it so on
+    a GPU too): every step runs and the sequences are whole, as the same code run for real
+    on the CPU gives them."""
+    if returns == "tokens":
+        src = cell("gpt2", tokens=12, extra=", num_beams=2") + (
+            "assert tuple(out.shape) == (2, 22), out.shape\n")
+    else:
+        src = MODELS["gpt2"] + "ids = torch.randint(0, 256, (2, 10), device='cuda')\n" + BEAMS_OUT
+    evaluated, ran = both(src)
+    assert evaluated.error is None, evaluated.error
+    a, b = evaluated.report, ran.report
+    assert log_of(a) == log_of(b) and (a.peak, a.reserved_peak) == (b.peak, b.reserved_peak)
+    said = ("no beam was taken to end before the maximum length (a simulation reads no "
+            "token, so no end-of-sequence), so every step ran and its sequences are "
+            "max_length long)")
+    assert decode_note(a) == ("generate() ran every decode step op by op (beam search: its "
+                              "steps are not read off; " + said)
+    assert decode_note(b) == "generate() ran every decode step op by op (beam search: " + said
+    exec(textwrap.dedent(src).replace("cuda", "cpu"), {})  # the same, for real
 
 
 def test_the_sampler_and_the_model_are_put_back():

@@ -513,8 +513,7 @@ def _install(patches: Patches, state: SimState, tracker: SimTracker, target: Car
     _install_devices(patches, state)
     SimulatedCuda(tracker, target, notes).install(patches, autocast)
     # generate()'s decode steps read off a line (.decode), unless each is to run
-    install_compat(patches, notes, target,
-                   decode_targets(tracker, notes) if decode == "evaluate" else ())
+    install_compat(patches, notes, target, decode_targets(tracker, notes, decode == "evaluate"))
     if decode == "evaluate":  # repeated forward passes with gradients off, likewise
         install_repeats(patches, tracker, state, notes)
     install_ddp(patches, state, notes)

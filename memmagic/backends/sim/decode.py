@@ -58,6 +58,12 @@ _FIRST_CHECK = 16  # evaluated steps before the first that runs as a check (then
 _CRITERIA = frozenset({"MaxLengthCriteria", "EosTokenCriteria"})  # none reads a token's value
 # generate()'s other decoding methods: they run every step (a note says so)
 _NOT_READ = {"_beam_search": "beam search", "_assisted_decoding": "assisted decoding"}
+# beam search reads whether a beam is still open off the beams' scores and finished flags,
+# values a simulation has not: as for sampling (no end-of-sequence token is read), no beam
+# is taken to end before the maximum length ends them all (with steps read off or not)
+_BEAMS_OPEN = ("no beam was taken to end before the maximum length (a simulation reads no "
+               "token, so no end-of-sequence), so every step ran and its sequences are "
+               "max_length long")
 _MODULE = "transformers.generation.utils"
 # what a decode step's new token comes in (an encoder-decoder's decoder takes its own)
 _TOKENS = ("input_ids", "decoder_input_ids", "inputs_embeds", "decoder_inputs_embeds")
@@ -548,26 +554,119 @@ def _evaluated_text(steps: _Steps) -> str:
     return text
 
 
-def decode_targets(tracker: SimTracker, notes: list) -> tuple:
+def decode_targets(tracker: SimTracker, notes: list, read: bool = True) -> tuple:
     """What a simulated run replaces in transformers (as :mod:`.compat`'s targets: module,
     attribute, replacement factory): ``_sample``, whose decode steps are read off, and the
-    other decoding methods, which run every step with a note that says so; ``notes``: the
-    report's."""
+    other decoding methods, which run every step with a note that says so; beam search's
+    stopping condition and crop (:data:`_BEAMS_OPEN`), also where no step is read off
+    (``read`` False: those only); ``notes``: the report's."""
     said = DecodeNotes(notes)
+    steps_left: list[int | None] = []  # each beam search under way: the steps it has left
+    beams = f"{_NOT_READ['_beam_search']}: " + ("its steps are not read off; " if read else "")
+    targets = ((_MODULE, "GenerationMixin._beam_search",
+                _not_read(said, beams + _BEAMS_OPEN, _uncropped, steps_left)),
+               (_MODULE, "GenerationMixin._beam_search_has_unfinished_sequences",
+                _beams_open(steps_left)))
+    if not read:
+        return targets
     return ((_MODULE, "GenerationMixin._sample", _sampler(tracker, said)),
-            *((_MODULE, f"GenerationMixin.{name}", _not_read(said, mode))
-              for name, mode in _NOT_READ.items()))
+            *((_MODULE, f"GenerationMixin.{name}", _not_read(said, f"{mode}: its steps are "
+                                                                   "not read off"))
+              for name, mode in _NOT_READ.items() if name != "_beam_search"),
+            *targets)
 
 
-def _not_read(notes: DecodeNotes, mode: str) -> Callable[[Any, Callable], Callable]:
+def _beams_open(steps_left: list[int | None]) -> Callable[[Any, Any], staticmethod]:
+    """A replacement factory for beam search's stopping condition (a staticmethod): its own
+    answer where the simulation knows it, else open until the beam search under way
+    (``steps_left[-1]``, counted down at each call) has made its last step, as a known
+    value (:data:`_BEAMS_OPEN`)."""
+
+    def make(run: Any, original: Any) -> staticmethod:
+        condition = original.__func__
+
+        @functools.wraps(condition)
+        def has_unfinished(*args: Any, **kwargs: Any) -> torch.Tensor:
+            from ...core import _torch_private as _priv
+
+            out = condition(*args, **kwargs)
+            if (not run.active or not steps_left or steps_left[-1] is None
+                    or not _priv.is_fake(out) or _priv.fake_constant(out) is not None):
+                return out
+            steps_left[-1] -= 1
+            return torch.full_like(out, steps_left[-1] > 0)
+        return staticmethod(has_unfinished)
+    return make
+
+
+def _beam_steps(arguments: dict) -> int | None:
+    """The steps a beam search of ``arguments`` (``_beam_search``'s) makes where no beam
+    ends before the maximum length (None: unknown)."""
+    length = getattr(arguments.get("generation_config"), "max_length", None)
+    ids = arguments.get("input_ids")
+    if not isinstance(length, int) or not isinstance(ids, torch.Tensor):
+        return None
+    return length - ids.shape[-1]
+
+
+def _uncropped(out: Any, arguments: dict) -> Any:
+    """Beam search's output, its sequences (and beams' indices) ``max_length`` long: beam
+    search crops them to the longest it generated, read off the beams' indices (values a
+    simulation has not: its placeholder, 0, cropped them to nothing); with every beam open
+    to the maximum length (:func:`_beams_open`) that is all of them, the crop a view of the
+    whole (:data:`_BEAMS_OPEN`)."""
+    config = arguments.get("generation_config")
+    length = getattr(config, "max_length", None)
+    if not isinstance(length, int):
+        return out
+    prompt = arguments.get("input_ids")
+    prompt = prompt.shape[-1] if isinstance(prompt, torch.Tensor) else 0
+    if isinstance(out, torch.Tensor):
+        return _whole_rows(out, length)
+    for name, width in (("sequences", length), ("beam_indices", length - prompt)):
+        t = getattr(out, name, None)
+        if isinstance(t, torch.Tensor):
+            out[name] = _whole_rows(t, width)
+    return out
+
+
+def _whole_rows(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` (rows cropped from a tensor ``width`` wide) as the whole rows: a view over its
+    storage (``t`` where it is as wide, or its storage holds less)."""
+    if t.dim() != 2 or t.shape[1] >= width or t.stride(1) != 1 or t.stride(0) < width:
+        return t
+    end = t.storage_offset() + (t.shape[0] - 1) * t.stride(0) + width
+    if t.untyped_storage().nbytes() < end * t.element_size():
+        return t
+    return t.as_strided((t.shape[0], width), t.stride(), t.storage_offset())
+
+
+def _not_read(notes: DecodeNotes, mode: str, fix: Callable | None = None,
+              steps_left: list[int | None] | None = None
+              ) -> Callable[[Any, Callable], Callable]:
+    """A replacement factory for a decoding method whose steps all run: the note ``mode``;
+    ``fix(output, arguments)``: what the simulation makes of its output; with
+    ``steps_left``, beam search's steps (:func:`_beam_steps`) are on it while it runs."""
     def make(run: Any, original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
         @functools.wraps(original)
         def method(self, *args: Any, **kwargs: Any) -> Any:
             try:
-                return original(self, *args, **kwargs)
+                arguments = signature.bind(self, *args, **kwargs).arguments
+            except TypeError:  # another transformers' signature: nothing read off it
+                arguments = {}
+            counted = run.active and steps_left is not None
+            if counted:
+                steps_left.append(_beam_steps(arguments))
+            try:
+                out = original(self, *args, **kwargs)
+                return fix(out, arguments) if fix is not None and run.active else out
             finally:
+                if counted:
+                    steps_left.pop()
                 if run.active:
-                    notes.add(None, f"{mode}: its steps are not read off")
+                    notes.add(None, mode)
         return method
     return make
 
