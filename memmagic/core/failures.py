@@ -18,7 +18,7 @@ from typing import Any
 
 from ..report import parse_bytes
 
-__all__ = ["PACKAGE_DIR", "GENERATOR_FLAGS", "frames_of", "release_call_closures", "is_machinery", "is_user_file", "is_out_of_memory",
+__all__ = ["PACKAGE_DIR", "GENERATOR_FLAGS", "frames_of", "release_call_closures", "is_machinery", "is_user_file", "torch_dir", "is_out_of_memory",
            "requested_bytes", "requested_text", "release_own_frames", "strip_own_frames",
            "needs_missing_cuda", "add_note_once", "NO_GPU_HINT", "simulated_error_types",
            "register_simulated_errors", "clear_frame",
@@ -38,7 +38,8 @@ def is_machinery(filename: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _torch_dir() -> str:
+def torch_dir() -> str:
+    """The directory torch's Python code is in (with a trailing separator)."""
     import torch
 
     return os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -47,7 +48,7 @@ def _torch_dir() -> str:
 def is_user_file(filename: str) -> bool:
     """Whether code in ``filename`` is the user's (a cell, their own module), not torch's,
     memmagic's, the standard library's or an installed package's."""
-    return not (filename.startswith((_torch_dir(), PACKAGE_DIR, _STDLIB))
+    return not (filename.startswith((torch_dir(), PACKAGE_DIR, _STDLIB))
                 or "site-packages" in filename or "dist-packages" in filename)
 
 

@@ -34,7 +34,7 @@ from torch.optim.optimizer import (
 from . import _torch_private as _priv
 from . import objgraph
 from .interrupts import atomic
-from .failures import is_machinery
+from .failures import is_machinery, torch_dir
 from ..trace import PRIORITY as _PRIORITY, Category, Trace
 
 __all__ = ["StorageTracker", "Tracking", "TrackResult", "scan_existing", "reachable_existing",
@@ -466,18 +466,16 @@ def _snake(name: str) -> str:
     return "".join(out).replace("_", " ").strip()
 
 
-_TORCH_DIR = torch.__file__.rsplit("/", 1)[0] + "/"
-
-
 def _user_frames(limit: int = 8) -> tuple[tuple[str, int, str], ...]:
     """(file, line, function) of the Python frames outside torch and memmagic's machinery
     (:func:`memmagic.core.failures.is_machinery`: the model zoo's frames are the program's),
     innermost first: where the program asked for a storage."""
     out = []
     f = sys._getframe(2)
+    torch_code = torch_dir()
     while f is not None and len(out) < limit:
         name = f.f_code.co_filename
-        if not (name.startswith(_TORCH_DIR) or is_machinery(name)):
+        if not (name.startswith(torch_code) or is_machinery(name)):
             out.append((name, f.f_lineno, f.f_code.co_name))
         f = f.f_back
     return tuple(out)

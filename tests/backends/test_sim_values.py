@@ -528,3 +528,38 @@ with {ctx}:
     assert a.breakdown["workspaces"] > 0  # cuBLAS's, at the first matmul: in both
     assert [str(n) for n in a.notes if "scaled_dot" in str(n)] == \
         [str(n) for n in b.notes if "scaled_dot" in str(n)] != []
+
+
+def test_the_test_of_an_assert_on_values_is_taken_to_hold():
+    """A script's sanity checks on values (gpt-fast's quantize.py: ``assert
+    torch.isnan(to_quant).sum() == 0``) hold on a GPU that runs it as meant; the placeholder
+    of a bool read, False, failed them. The test of an ``assert`` (a tensor's truth, a call
+    whose result it tests, ``assert not ...``) is taken to hold, with the read noted; a
+    bool read anywhere else stays the placeholder, False, an assert inside a helper too.
+    ``torch.equal`` (which raised "cannot be simulated") reads as CUDA's kernel does."""
+    seen = {}
+    out, _ = run("""
+        import torch
+        w = torch.randn(64, 64, device="cuda")
+        assert torch.isnan(w).sum() == 0
+        assert torch.equal(w, w.clone()), "a copy is equal"
+        assert not torch.isinf(w).any()
+        assert (w.abs() < 1e9).all(), f"out of range: {w.abs().max()}"
+        seen["flag"] = bool((w > 0).all())
+        seen["if"] = "taken" if torch.isnan(w).any() else "skipped"
+        def check(t):
+            return bool(t.isfinite().all())
+        try:
+            assert check(w)
+        except AssertionError:
+            seen["helper"] = "failed"
+        # torch.equal as CUDA computes it: sizes, one view, constants, else a read
+        seen["equal"] = [torch.equal(w, w[:2]), torch.equal(w, w),
+                         torch.equal(torch.arange(3, device="cuda"), torch.arange(3, device="cuda")),
+                         torch.equal(w, w + 1)]
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen == {"flag": False, "if": "skipped", "helper": "failed",
+                    "equal": [False, True, True, False]}
+    note = next(n for n in out.report.notes if "depend on data were read" in n)
+    assert note.count("(the test of an assert, taken to hold)") == 4, note

@@ -52,6 +52,7 @@ __all__ = ["SimTracker"]
 
 _aten = torch.ops.aten
 _LOCAL_SCALAR = _aten._local_scalar_dense.default
+_EQUAL = _aten.equal.default  # torch.equal: a bool read of eq(a, b).all() (see _equal)
 # an inference tensor has no autograd keys: t.item() of one reaches the dispatch level as
 # aten.item itself, in inference mode or out of it (decomposed only below it): the same read
 _ITEM = _aten.item.default
@@ -444,6 +445,8 @@ class SimTracker(StorageTracker):
                 raise self._over_budget(n)
             if func is _LOCAL_SCALAR or func is _ITEM:
                 return self._read_scalar(_LOCAL_SCALAR, args[0])
+            if func is _EQUAL:
+                return self._equal(*args)
             if forced is not None:
                 pool = forced if s.cuda else "device"
                 self._out_unsure = False
@@ -710,6 +713,22 @@ class SimTracker(StorageTracker):
         if e.pool == "host" and (t.dim() == 0 or t.numel() == 0):
             return None  # a CPU scalar (and an empty placeholder)
         return e.pool
+
+    def _equal(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """``torch.equal`` as CUDA's kernel computes it (ATen's ``cuda_equal``): False for
+        other sizes, True for no elements or the same view of one storage, else ``eq(a,
+        b).all()`` read into Python, its tensors made on the way (the read: a constant's
+        value, the test of an assert, else the placeholder, False)."""
+        if a.shape != b.shape:
+            return False
+        if a.numel() == 0 or (_priv.storage_key(a.untyped_storage())
+                              == _priv.storage_key(b.untyped_storage())
+                              and a.storage_offset() == b.storage_offset()
+                              and a.stride() == b.stride()):
+            return True
+        with self:
+            both = _aten.all.default(_aten.eq.Tensor(a, b))
+        return self._read_scalar(_LOCAL_SCALAR, both)
 
     def _read_scalar(self, func, t: torch.Tensor):
         self.s.value_reads += 1

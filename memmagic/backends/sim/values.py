@@ -5,7 +5,9 @@ value a GPU run would read, marked so it is not taken for a result:
 
 * a read of one element (``.item()``, ``float(loss)``) gives :func:`placeholder_scalar`:
   a :class:`SimulatedFloat` 1.0 or :class:`SimulatedInt` 0 (printed ``1.0(simulated)``,
-  arithmetic on them stays marked), False for bools;
+  arithmetic on them stays marked), False for bools, but for the test of an ``assert``
+  (``assert torch.isnan(w).sum() == 0``, ``assert torch.equal(a, b)``), which is taken to
+  hold, as on a GPU that runs the code correctly (:func:`assert_holds`);
 * ``.tolist()``, ``.numpy()`` and ``repr`` answer from a tensor's constant when it has one
   (values that follow from constants and shapes, see :mod:`.constants`), with
   placeholders otherwise (:func:`tensor_tolist`, :func:`tensor_numpy`, :func:`tensor_repr`);
@@ -15,6 +17,9 @@ value a GPU run would read, marked so it is not taken for a result:
 
 from __future__ import annotations
 
+import dis
+import functools
+import sys
 from typing import Any, Callable
 
 import torch
@@ -178,7 +183,8 @@ def tensor_repr(t: torch.Tensor, device: str) -> str:
 def read_scalar(func, t: torch.Tensor, zero: Callable[[], bool],
                 note_read: Callable[[str], None]) -> Any:
     """``aten._local_scalar_dense`` of ``t``: the value the fake mode knows (a constant, an
-    optimizer's step count), else a placeholder (0 where ``zero()`` says the value is
+    optimizer's step count), else the value that makes an ``assert`` it is the test of
+    hold (:func:`assert_holds`), else a placeholder (0 where ``zero()`` says the value is
     known to be 0)."""
     const = _priv.fake_constant(t)
     if const is not None:
@@ -188,10 +194,53 @@ def read_scalar(func, t: torch.Tensor, zero: Callable[[], bool],
         return func(t)
     except (_priv.DataDependentOutputException, _priv.UnsupportedOperatorException):
         pass
+    held = assert_holds(sys._getframe(1)) if t.dtype == torch.bool else None
+    if held is not None:
+        note_read("the test of an assert, taken to hold")
+        return held
     known_zero = zero()
     if not known_zero:
         note_read("item")
     return placeholder_scalar(t.dtype, known_zero)
+
+
+# where a bool read is an assert's test: the current instruction (or the call right before the
+# test) and the jump over the raise, names as Python 3.11 to 3.13 spell them
+_BEFORE_TEST = frozenset({"CALL", "PRECALL", "CALL_KW", "CALL_FUNCTION_EX", "TO_BOOL", "CACHE"})
+_TESTS = {"POP_JUMP_FORWARD_IF_TRUE": True, "POP_JUMP_IF_TRUE": True,
+          "POP_JUMP_FORWARD_IF_FALSE": False, "POP_JUMP_IF_FALSE": False}
+
+
+def assert_holds(frame: Any) -> bool | None:
+    """Where the innermost frame from ``frame`` out that is not torch's or memmagic's is at
+    the test of an ``assert`` (its jump over ``LOAD_ASSERTION_ERROR``, or a call whose
+    result that jump tests: ``assert torch.equal(a, b)``), the bool that skips the raise;
+    None elsewhere. An assertion about values holds on a GPU that runs the code as its
+    author meant; the simulation's placeholder, False, would fail it."""
+    from ...core.failures import is_machinery, torch_dir
+
+    while frame is not None and (frame.f_code.co_filename.startswith(torch_dir())
+                                 or is_machinery(frame.f_code.co_filename)):
+        frame = frame.f_back
+    if frame is None:
+        return None
+    code = _instructions(frame.f_code)
+    i = code[1].get(frame.f_lasti)
+    if i is None:
+        return None
+    ops = code[0]
+    while i + 1 < len(ops) and ops[i] in _BEFORE_TEST and ops[i] not in _TESTS:
+        i += 1
+    if ops[i] in _TESTS and i + 1 < len(ops) and ops[i + 1] == "LOAD_ASSERTION_ERROR":
+        return _TESTS[ops[i]]
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _instructions(code: Any) -> tuple[list[str], dict[int, int]]:
+    """``code``'s instructions' names, and each one's place by its offset."""
+    ops = list(dis.get_instructions(code))
+    return [op.opname for op in ops], {op.offset: i for i, op in enumerate(ops)}
 
 
 # -- what the notebook holds for a simulated object ------------------------------------------------
