@@ -35,8 +35,12 @@ class Numbers:
         # functions the source may call by name that an earlier cell defined
         self._functions = _parameters(namespace or {}) if source is not None else {}
         sized = {k.var for k in KNOBS.values() if k.script_flags}
-        nodes, keyed = (_found(source, sized, self._functions) if source is not None
-                        else ({}, {}))
+        # what a call or a settings dict may call a size (TrainingArguments'
+        # per_device_train_batch_size: the batch)
+        self._aliases = {dest: k.var for k in KNOBS.values() if k.script_flags
+                         for dest in k.script_dests if dest != k.var}
+        nodes, keyed = (_found(source, sized, self._functions, self._aliases)
+                        if source is not None else ({}, {}))
         self.at = {var: (node[0].lineno, node[0].value) for var, node in nodes.items()}
         # those given under the name, not set to a variable (a settings dict's entry, a
         # call's argument): no variable holds them; var -> how the source writes them
@@ -64,7 +68,7 @@ class Numbers:
         if key not in self._compiled:
             assert self.source is not None
             self._compiled[key] = self._compile(with_assignments(self.source, new,
-                                                                 self._functions))
+                                                                 self._functions, self._aliases))
         return self._compiled[key]
 
 
@@ -76,11 +80,12 @@ def assigned_constants(source: str, names: Iterable[str]) -> dict[str, tuple[int
 
 
 def with_assignments(source: str, values: dict[str, int],
-                     functions: Mapping[str, list[str]] | None = None) -> str:
+                     functions: Mapping[str, list[str]] | None = None,
+                     aliases: Mapping[str, str] | None = None) -> str:
     """``source`` with the number each variable of ``values`` is set to (see
     :func:`assigned_constants`) replaced by its value there, the rest of the text as it is
-    (``functions``: as :func:`_found` takes them)."""
-    nodes = [(var, node) for var, each in _found(source, values, functions)[0].items()
+    (``functions``, ``aliases``: as :func:`_found` takes them)."""
+    nodes = [(var, node) for var, each in _found(source, values, functions, aliases)[0].items()
              for node in each]
     lines = source.splitlines(keepends=True)
     # from the last line and column back, so that earlier positions stay valid
@@ -100,7 +105,8 @@ def _literals(source: str, names: Iterable[str]) -> dict[str, list[ast.Constant]
     return _found(source, names)[0]
 
 
-def _found(source: str, names: Iterable[str], functions: Mapping[str, list[str]] | None = None
+def _found(source: str, names: Iterable[str], functions: Mapping[str, list[str]] | None = None,
+           aliases: Mapping[str, str] | None = None
            ) -> tuple[dict[str, list[ast.Constant]], dict[str, str]]:
     """(variable of ``names`` -> the whole-number literal ``source``'s top level sets it to,
     once (``b = 16``, ``b, s = 16, 1024``; no other binding of it in the module's scope: a
@@ -109,11 +115,11 @@ def _found(source: str, names: Iterable[str], functions: Mapping[str, list[str]]
     numbers given under that name (:func:`_entries`: a settings dict's entry, rasbt's
     ``OTHER_SETTINGS``; a call's keyword, ``DataLoader(ds, batch_size=32)``; an argument
     of a function the source defines, or ``functions`` (name -> positional parameters: an
-    earlier cell's) where the source binds no such name, ``train(32)``), where each is the
-    same whole number
-    written out (two loaders of one batch size: both are set); and those variables found
-    given so, each with how the source writes it: no variable holds the value a run is
-    given)."""
+    earlier cell's) where the source binds no such name, ``train(32)``; under a name of
+    ``aliases``, the variable it maps to: ``per_device_train_batch_size=32``), where each is
+    the same whole number written out (two loaders of one batch size: both are set); and
+    those variables found given so, each with how the source writes it: no variable holds
+    the value a run is given)."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
@@ -127,6 +133,7 @@ def _found(source: str, names: Iterable[str], functions: Mapping[str, list[str]]
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) and node.id in names:
             bound[node.id] = bound.get(node.id, 0) + 1
         for name, value, how in _entries(node, defs):
+            name = (aliases or {}).get(name, name)
             if name in names:
                 keyed.setdefault(name, []).append((value, how))
         target = (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1

@@ -103,9 +103,10 @@ def test_a_settings_dicts_entry_is_a_number_set_where_it_stands():
 
 
 def test_a_calls_argument_under_the_name_is_a_number_set_where_it_stands():
-    """``DataLoader(ds, batch_size=1024)`` (a keyword of any call) and ``train(64)`` (the
-    source's own ``def train(batch_size)``), with no variable of that name: the argument is
-    where the size is set. Two loaders of one batch size are both set; two of different
+    """``DataLoader(ds, batch_size=1024)`` (a keyword of any call, or the knob's other script
+    name: ``per_device_train_batch_size=16``) and ``train(64)`` (the source's own ``def
+    train(batch_size)``), with no variable of that name: the argument is where the size is
+    set. Two loaders of one batch size are both set; two of different
     sizes, a function defined twice or also imported, a starred argument before it, or one
     inside a function are not; a variable of that name is the one set."""
     loaders = ("from torch.utils.data import DataLoader\n"
@@ -133,4 +134,15 @@ def test_a_calls_argument_under_the_name_is_a_number_set_where_it_stands():
         assert "batch_size" not in Numbers(not_one, compile).at, not_one
     both = Numbers("batch_size = 8\nDataLoader(ds, batch_size=64)\n", compile)
     assert both.at == {"batch_size": (1, 8)} and not both.keyed  # the variable's
+    # transformers' TrainingArguments names the batch per_device_train_batch_size (the
+    # batch knob's other script name), with a loader of the same size or alone
+    trainer = ("args = TrainingArguments(output_dir='out', per_device_train_batch_size=16,\n"
+               "                         fp16=True)\n"
+               "loader = DataLoader(ds, batch_size=16)\n")
+    numbers = Numbers(trainer, lambda text: text)  # "compiled": the text it would run
+    assert numbers.at == {"batch_size": (1, 16)}
+    assert numbers.written("batch_size") == "per_device_train_batch_size=16"
+    assert numbers.compiled({"batch_size": 4}) == trainer.replace("=16", "=4")
+    assert "batch_size" not in Numbers(trainer.replace("batch_size=16)", "batch_size=8)"),
+                                       compile).at
 

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from ...core import _torch_private as _priv
 from ...core.interrupts import atomic
 from ...core.patching import Patches
 from ...core.snapshot import evaluated_keys
@@ -587,8 +588,6 @@ def _beams_open(steps_left: list[int | None]) -> Callable[[Any, Any], staticmeth
 
         @functools.wraps(condition)
         def has_unfinished(*args: Any, **kwargs: Any) -> torch.Tensor:
-            from ...core import _torch_private as _priv
-
             out = condition(*args, **kwargs)
             if (not run.active or not steps_left or steps_left[-1] is None
                     or not _priv.is_fake(out) or _priv.fake_constant(out) is not None):
