@@ -47,9 +47,9 @@ __all__ = ["Sandbox", "Shadow", "sanitize_value", "contains_fake", "reachable_te
 _SKIP_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_ih", "_oh", "_dh", "_", "__", "___",
                "__builtins__", "__builtin__", "__name__", "__doc__", "__spec__", "__loader__",
                "__package__"}
-# the most objects a plain value a what-if run copies may hold (a larger one, a corpus kept
-# as a list of ints, is worked on as it is)
-PLAIN_COPY_LIMIT = 100_000
+# the most objects a plain value a what-if run copies may hold, as many as contains_tensor
+# walks (a larger one, a corpus kept as a list of ints, is worked on as it is)
+PLAIN_COPY_LIMIT = 10_000
 _ATOMIC = (type(None), bool, int, float, complex, str, bytes, range, type, types.ModuleType,
            types.FunctionType, types.BuiltinFunctionType, types.MethodType, torch.dtype,
            torch.device, torch.Size)
