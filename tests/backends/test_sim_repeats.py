@@ -196,6 +196,19 @@ def test_calls_that_may_differ_all_run(extra_init, extra_forward, why, monkeypat
     assert any(why in reason for reason in said), said
 
 
+def test_calls_that_all_ran_say_why_once_there_are_many():
+    """x-transformers' generate() calls its model 1,024 times with a LayerIntermediates in
+    and out, and none can be evaluated: the script took 48 s with no word on why. From 32
+    calls that all ran, a note names each model and why (fewer: no note, as above)."""
+    reads = "        if x.sum() > 0:\n            x = x * 2\n"
+    a = simulate(cell(n=20, extra_forward=reads)).report  # 2 x 20 evaluation calls
+    note = note_of(a)
+    assert note is not None and note.startswith(
+        "40 forward passes with gradients off ran op by op, none evaluated from the calls "
+        "before it (Net: it reads tensor values into Python"), note
+    assert note_of(simulate(cell(n=15, extra_forward=reads)).report) is None
+
+
 def test_an_attribute_set_to_a_new_tensor_is_set_by_an_evaluated_call_too():
     """llama2.c's forward keeps its loss in ``self.last_loss`` and returns the logits; the
     loop reads the attribute and holds it until the next call's: an evaluated call makes

@@ -73,6 +73,7 @@ if TYPE_CHECKING:
 __all__ = ["install_repeats"]
 
 _FIRST_CHECK = 16  # evaluated calls of a kind before one runs as a check (then 32, 64, ...)
+_UNSAID = 32  # calls that all ran op by op: fewer get no note on why none was evaluated
 _EMPTY = torch.ops.aten.empty.memory_format  # an output an evaluated call makes
 # ops whose output's shape follows from tensor values (the trace's op names)
 _VALUE_SHAPED = frozenset({"nonzero", "nonzero_static", "masked_select", "unique_dim",
@@ -452,6 +453,7 @@ class _Repeats:
         self.kinds: dict[tuple, _Kind] = {}
         self.growths: dict[tuple, _Growth] = {}  # by kind but for the sizes
         self.calls = 0  # evaluated calls, for their buffers' keys
+        self.ran = 0  # calls that ran op by op
         self.reasons: dict[str, str] = {}  # model -> why its calls all ran
         self.checks: list[tuple[str, bool]] = []
         # autocast's weight casts an evaluated call made: freed when autocast exits; and the
@@ -485,6 +487,7 @@ class _Repeats:
                 key, loose, numbers = _call_key(model, args, kwargs)
         except _NotRepeatable as e:
             self.reasons.setdefault(name, str(e))
+            self.ran += 1
             return forward(*args, **kwargs)
         kind = self.kinds.get(key)
         if kind is None:
@@ -511,6 +514,7 @@ class _Repeats:
         start, ops, reads = a.log_length, len(tracker.op_log), state.value_reads
         events = len(tracker.events)
         before = _attributes(module)
+        self.ran += 1
         out = forward(*args, **kwargs)
         try:
             if state.value_reads != reads:
@@ -654,7 +658,12 @@ class _Repeats:
         done = sum(k.evaluated for k in self.kinds.values())
         grew = sum(g.evaluated for g in self.growths.values())
         if not done and not grew:
-            return None
+            if self.ran < _UNSAID or not self.reasons:
+                return None
+            why = "; ".join(f"{name}: {reason}" for name, reason in sorted(self.reasons.items()))
+            return (f"{self.ran} forward passes with gradients off ran op by op, none evaluated "
+                    f"from the calls before it ({why}; the module's docstring, "
+                    "memmagic.backends.sim.repeats, says which calls can be)")
         parts = []
         if done:
             models = sorted({k.name for k in self.kinds.values() if k.evaluated})
