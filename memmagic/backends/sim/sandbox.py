@@ -71,17 +71,24 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _reachable_tensors(value: Any, limit: int = 10_000) -> Iterator[torch.Tensor]:
-    """Tensors ``value`` reaches (bounded walk over containers, dict keys and __dict__)."""
+def _reached(value: Any, limit: int, visits: list[int] | None = None) -> Iterator[Any]:
+    """The objects ``value`` reaches, each once (a bounded walk over containers, dict keys,
+    ``__dict__`` and a wrapper tensor's inner tensors; placeholders of the notebook's
+    simulated GPU hold nothing here), until ``limit`` of them; ``visits``: [0], counts
+    every item visited, plain values too, and stops the walk past ``limit`` of those."""
     seen: set[int] = set()
     stack = [value]
     while stack and len(seen) < limit:
         v = stack.pop()
+        if visits is not None:
+            visits[0] += 1
+            if visits[0] > limit:
+                return
         if id(v) in seen or isinstance(v, _ATOMIC) or type(v) is SimulatedValue:
-            continue  # a placeholder of the notebook's simulated GPU holds no tensor here
+            continue
         seen.add(id(v))
+        yield v
         if isinstance(v, torch.Tensor):
-            yield v
             inner = held_by(v)  # a wrapper subclass (DTensor, a torchao weight)
             if inner is not None:
                 stack.extend(inner)
@@ -94,6 +101,11 @@ def _reachable_tensors(value: Any, limit: int = 10_000) -> Iterator[torch.Tensor
             d = getattr(v, "__dict__", None)
             if isinstance(d, dict):
                 stack.extend(d.values())
+
+
+def _reachable_tensors(value: Any, limit: int = 10_000) -> Iterator[torch.Tensor]:
+    """Tensors ``value`` reaches (:func:`_reached`)."""
+    return (v for v in _reached(value, limit) if isinstance(v, torch.Tensor))
 
 
 reachable_tensors = _reachable_tensors
@@ -127,28 +139,11 @@ def sanitize_value(value: Any, name: str = "the cell's value", shown: str | None
 
 
 def _within(value: Any, limit: int) -> bool:
-    """Whether ``value`` holds at most ``limit`` objects (a walk over containers, dict keys
-    and ``__dict__``, as :func:`_reachable_tensors` walks)."""
-    seen: set[int] = set()
-    stack, count = [value], 0
-    while stack:
-        v = stack.pop()
-        count += 1
-        if count > limit:
-            return False
-        if isinstance(v, _ATOMIC) or id(v) in seen:
-            continue
-        seen.add(id(v))
-        if isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            stack.extend(v)
-        else:
-            d = getattr(v, "__dict__", None)
-            if isinstance(d, dict):
-                stack.extend(d.values())
-    return True
+    """Whether ``value`` holds at most ``limit`` items, plain values too (:func:`_reached`)."""
+    visits = [0]
+    for _ in _reached(value, limit, visits):
+        pass
+    return visits[0] <= limit
 
 
 def _worth_swapping(value: Any) -> bool:
