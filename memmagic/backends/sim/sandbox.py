@@ -19,8 +19,8 @@ not copied at all (the cell works on them for real, as on a GPU).
 A what-if run (the doctor's, the panel's, a sweep's) starts from a *copy* of the notebook's
 simulated GPU and must leave the notebook as it found it: its sandbox (``whatif``) copies
 plain data too (a GradScaler before its first step, which makes its scale then; a list a
-training loop appends its losses to), up to :data:`PLAIN_COPY_LIMIT` objects each, so
-that the run works on the copy, as on that copy of the card.
+training loop appends its losses to; :func:`_copied_plain`), so that the run works on the
+copy, as on that copy of the card.
 
 Objects reachable only from elsewhere (a closure cell, a default argument, a module
 attribute) are not swapped: tensor *ops* on them still run on fakes (the fake mode turns
@@ -146,6 +146,19 @@ def _within(value: Any, limit: int) -> bool:
     return visits[0] <= limit
 
 
+# the modules whose plain objects a what-if run copies: Python's containers, torch's
+# objects (a GradScaler), the notebook's own classes; a library's (a tokenizer, a dataset)
+# may be large or costly to copy, and is worked on as it is
+_PLAIN_MODULES = ("builtins", "collections", "__main__", "torch")
+
+
+def _copied_plain(value: Any) -> bool:
+    """Whether a what-if run copies ``value``, which holds no tensor: one of
+    :data:`_PLAIN_MODULES`' objects of at most :data:`PLAIN_COPY_LIMIT` items."""
+    module = (type(value).__module__ or "").partition(".")[0]
+    return module in _PLAIN_MODULES and _within(value, PLAIN_COPY_LIMIT)
+
+
 def _worth_swapping(value: Any) -> bool:
     if isinstance(value, _ATOMIC) or isinstance(value, SimulatedValue):
         return False
@@ -224,7 +237,7 @@ class Sandbox:
             if not _worth_swapping(value):
                 continue
             if persistent and not contains_tensor(value) and not (
-                    self.whatif and _within(value, PLAIN_COPY_LIMIT)):
+                    self.whatif and _copied_plain(value)):
                 continue  # plain data: the cell works on the real thing, as on a GPU
             try:
                 ns[key] = self._copy(value, memo)
