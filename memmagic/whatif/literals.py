@@ -32,14 +32,14 @@ class Numbers:
         from .knobs import KNOBS
 
         self.source, self._compile = source, compile
-        # functions the source may call by name that an earlier cell defined
-        self._functions = _parameters(namespace or {}) if source is not None else {}
+        # where the functions the source calls by name may be (an earlier cell's)
+        self._namespace = namespace or {}
         sized = {k.var for k in KNOBS.values() if k.script_flags}
         # what a call or a settings dict may call a size (TrainingArguments'
         # per_device_train_batch_size: the batch)
         self._aliases = {dest: k.var for k in KNOBS.values() if k.script_flags
                          for dest in k.script_dests if dest != k.var}
-        nodes, keyed = (_found(source, sized, self._functions, self._aliases)
+        nodes, keyed = (_found(source, sized, self._namespace, self._aliases)
                         if source is not None else ({}, {}))
         self.at = {var: (node[0].lineno, node[0].value) for var, node in nodes.items()}
         # those given under the name, not set to a variable (a settings dict's entry, a
@@ -68,7 +68,7 @@ class Numbers:
         if key not in self._compiled:
             assert self.source is not None
             self._compiled[key] = self._compile(with_assignments(self.source, new,
-                                                                 self._functions, self._aliases))
+                                                                 self._namespace, self._aliases))
         return self._compiled[key]
 
 
@@ -80,12 +80,12 @@ def assigned_constants(source: str, names: Iterable[str]) -> dict[str, tuple[int
 
 
 def with_assignments(source: str, values: dict[str, int],
-                     functions: Mapping[str, list[str]] | None = None,
+                     namespace: Mapping[str, Any] | None = None,
                      aliases: Mapping[str, str] | None = None) -> str:
     """``source`` with the number each variable of ``values`` is set to (see
     :func:`assigned_constants`) replaced by its value there, the rest of the text as it is
-    (``functions``, ``aliases``: as :func:`_found` takes them)."""
-    nodes = [(var, node) for var, each in _found(source, values, functions, aliases)[0].items()
+    (``namespace``, ``aliases``: as :func:`_found` takes them)."""
+    nodes = [(var, node) for var, each in _found(source, values, namespace, aliases)[0].items()
              for node in each]
     lines = source.splitlines(keepends=True)
     # from the last line and column back, so that earlier positions stay valid
@@ -105,7 +105,7 @@ def _literals(source: str, names: Iterable[str]) -> dict[str, list[ast.Constant]
     return _found(source, names)[0]
 
 
-def _found(source: str, names: Iterable[str], functions: Mapping[str, list[str]] | None = None,
+def _found(source: str, names: Iterable[str], namespace: Mapping[str, Any] | None = None,
            aliases: Mapping[str, str] | None = None
            ) -> tuple[dict[str, list[ast.Constant]], dict[str, str]]:
     """(variable of ``names`` -> the whole-number literal ``source``'s top level sets it to,
@@ -114,8 +114,8 @@ def _found(source: str, names: Iterable[str], functions: Mapping[str, list[str]]
     assignment's), as a list of one; where no variable of that name is bound there, the
     numbers given under that name (:func:`_entries`: a settings dict's entry, rasbt's
     ``OTHER_SETTINGS``; a call's keyword, ``DataLoader(ds, batch_size=32)``; an argument
-    of a function the source defines, or ``functions`` (name -> positional parameters: an
-    earlier cell's) where the source binds no such name, ``train(32)``; under a name of
+    of a function the source defines, or ``namespace`` holds (an earlier cell's) where the
+    source binds no such name, ``train(32)``; under a name of
     ``aliases``, the variable it maps to: ``per_device_train_batch_size=32``), where each is
     the same whole number written out (two loaders of one batch size: both are set); and
     those variables found given so, each with how the source writes it: no variable holds
@@ -128,7 +128,7 @@ def _found(source: str, names: Iterable[str], functions: Mapping[str, list[str]]
     found: dict[str, ast.Constant] = {}
     bound: dict[str, int] = {}
     keyed: dict[str, list[tuple[ast.AST, str]]] = {}
-    defs = _defined(tree, functions or {})
+    defs = _defined(tree, namespace or {})
     for node in module_scope(tree):
         if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) and node.id in names:
             bound[node.id] = bound.get(node.id, 0) + 1
@@ -176,13 +176,17 @@ def _entries(node: ast.AST, defs: dict[str, list[str]]) -> list[tuple[str, ast.A
     return out
 
 
-def _defined(tree: ast.Module, functions: Mapping[str, list[str]]) -> dict[str, list[str]]:
+def _defined(tree: ast.Module, namespace: Mapping[str, Any]) -> dict[str, list[str]]:
     """Function name -> its positional parameters' names, of each function the module's
     scope defines once (and binds that name nowhere else: an import, an assignment), and of
-    ``functions`` whose names it does not bind."""
+    each Python function of ``namespace`` it calls by a name it does not bind (only those
+    are read: :func:`_positional`)."""
     defs: dict[str, list[str]] = {}
     seen: dict[str, int] = {}
+    called: set[str] = set()
     for node in module_scope(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            called.add(node.func.id)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             seen[node.name] = seen.get(node.name, 0) + 1
             a = node.args
@@ -192,25 +196,24 @@ def _defined(tree: ast.Module, functions: Mapping[str, list[str]]) -> dict[str, 
         elif isinstance(node, ast.alias):
             name = (node.asname or node.name).split(".")[0]
             seen[name] = seen.get(name, 0) + 1
-    return {**{name: params for name, params in functions.items() if name not in seen},
+    earlier = {name: _positional(namespace.get(name)) for name in called - set(seen)
+               if not name.startswith("_")}
+    return {**{name: params for name, params in earlier.items() if params is not None},
             **{name: params for name, params in defs.items() if seen[name] == 1}}
 
 
-def _parameters(namespace: Mapping[str, Any]) -> dict[str, list[str]]:
-    """Name -> positional parameters' names of each Python function in ``namespace``."""
+def _positional(f: Any) -> list[str] | None:
+    """The positional parameters' names of ``f``, a Python function (None: not one)."""
     import inspect
     import types
 
-    out = {}
-    for name, f in list(namespace.items()):
-        if isinstance(f, types.FunctionType) and not name.startswith("_"):
-            try:
-                params = inspect.signature(f).parameters.values()
-            except (TypeError, ValueError):
-                continue
-            out[name] = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY,
-                                                                p.POSITIONAL_OR_KEYWORD)]
-    return out
+    if not isinstance(f, types.FunctionType):
+        return None
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def _pairs(target: ast.AST | None, value: ast.AST | None) -> list[tuple[ast.Name, ast.AST]]:
