@@ -395,6 +395,43 @@ def register_reducer_comm_hook(reducer: Any, hook: Callable) -> None:
     dist._register_comm_hook(reducer, None, hook)
 
 
+def swap_held_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    """What ``torch.utils.swap_tensors(t1, t2)`` does (the classes, ``__dict__``, slots and
+    the ``at::Tensor`` each points to are exchanged), without its refusal of a tensor that
+    weakrefs point at: FakeTensorMode's converter memo holds one to every fake tensor it
+    made, so ``nn.Module.to_empty`` of a model built on the meta device (whose fake meta
+    parameters ``param.data = ...`` cannot take a tensor of another device) can swap
+    nothing else. The weakrefs then reach the swapped-in contents, as the object is the
+    same."""
+    import copyreg
+
+    slots = set(copyreg._slotnames(t1.__class__))  # type: ignore[attr-defined]
+    if slots != set(copyreg._slotnames(t2.__class__)):  # type: ignore[attr-defined]
+        raise RuntimeError("Cannot swap t1 and t2 if they have different slots")
+    for name in ("__class__", "__dict__"):
+        a, b = getattr(t1, name), getattr(t2, name)
+        setattr(t1, name, b)
+        setattr(t2, name, a)
+    for slot in slots:
+        has1, has2 = hasattr(t1, slot), hasattr(t2, slot)
+        a, b = getattr(t1, slot, None), getattr(t2, slot, None)
+        for t, held, value in ((t1, has2, b), (t2, has1, a)):
+            if held:
+                setattr(t, slot, value)
+            elif hasattr(t, slot):
+                delattr(t, slot)
+    torch._C._swap_tensor_impl(t1, t2)
+
+
+def can_set_data(t1: torch.Tensor, t2: torch.Tensor) -> bool:
+    """Whether ``t1.data = t2`` is allowed (``nn.Module._apply``'s own test: the tensors'
+    implementations are of one kind; a meta tensor's and a CPU one's are not)."""
+    return torch._has_compatible_shallow_copy_type(t1, t2)
+
+
+__all__ += ["swap_held_tensors", "can_set_data"]
+
+
 _STAND_INS: dict[type, type] = {}
 
 

@@ -55,6 +55,10 @@ class Advice:
         return rows
 
     def __str__(self) -> str:
+        return "\n".join(self.lines()) or "the doctor found nothing to say"
+
+    def lines(self) -> list[str]:
+        """What :meth:`__str__` says, a line each (none where the doctor found nothing)."""
         parts = []
         if self.oom is not None:
             parts.append(str(self.oom))
@@ -69,7 +73,7 @@ class Advice:
             for label, peak, delta, reserved, fits in rows:
                 parts.append(f"  {label:<{width}} {peak:>12} {delta:>12} {reserved:>12}  {fits}")
         parts.extend(f"note: {n}" for n in self.notes)
-        return "\n".join(parts) if parts else "the doctor found nothing to say"
+        return parts
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(str(self))

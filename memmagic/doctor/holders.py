@@ -62,13 +62,16 @@ _KINDS = {Category.PARAMETERS: "parameter", Category.BUFFERS: "buffer",
 
 
 def storage_of(t: Any) -> tuple[int, int] | None:
-    """(storage key, bytes) of a tensor; None for storage-less tensors."""
+    """(storage key, bytes) of a tensor; None for storage-less tensors (and meta ones,
+    which hold no memory)."""
     from ..core._torch_private import storage_key
     from ..core._torch_private import wrapper_inner_tensors
 
     try:
         inner = wrapper_inner_tensors(t)
         t = inner[0] if inner else t
+        if t.device.type == "meta":
+            return None
         st = t.untyped_storage()
         return storage_key(st), int(st.nbytes())
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):

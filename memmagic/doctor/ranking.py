@@ -148,7 +148,10 @@ def rank(engine: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = 
     candidates = _not_done(_candidates(applicable, known), info, unit, notes)
     rows = _measure_all(c, [(label, knobs) for label, knobs in candidates  # not what ran
                             if any(getattr(c.baseline, k) != v for k, v in knobs.items())], ran)
-    rows = _without_repeats(rows, baseline, unit, notes) + _read_off(c, ran, unit, notes)
+    read = _read_off(c, ran, unit, notes)
+    sizes = {s.label.partition(", the ")[0] for s in read}  # "batch 16 (from 64)"
+    rows = [s for s in _without_repeats(rows, baseline, unit, notes)
+            if s.label not in sizes] + read  # a size read off replaces its plain row
     targeted = baseline.fits is not None or any(s.fits is not None for s in rows)
     if combine and targeted and not baseline.fits and not any(s.fits for s in rows):
         combo = _combine(c, baseline, rows)
@@ -213,6 +216,7 @@ def _read_off(cell: Any, ran: dict[Setting, Any], unit: str, notes: list[str]
                      f"{whole.read_off})")
     found = []  # (plain label, step, line, the row's label, knobs) per size read off
     halved: list[Strategy] = []  # rows of runs that halved a gap no line reads off
+    made: list[Strategy] = []  # rows of runs made before that the line reads as the largest
     for dim, step, noun, most in ((BATCH_DIM, 1, "batch", "largest"),
                                   (SEQ_DIM, _CONTEXT_STEP, "context", "longest")):
         got = largest_fitting(ran, setting, dim, step, planes)
@@ -224,10 +228,25 @@ def _read_off(cell: Any, ran: dict[Setting, Any], unit: str, notes: list[str]
         if got is not None:
             (n, line), knob = got, resizing(dim)
             plain = f"{noun} {n} (from {getattr(setting, knob.name)})"
+            if line is None:  # a run made before: the next does not fit by the line
+                run = ran.get(cell.setting(**{knob.name: n}))
+                if run is not None:
+                    made.append(_row(f"{plain}, the {most} that fits", {knob.name: n}, run))
+                    notes.append(f"{made[-1].label}: a re-run's, and the next does not fit by "
+                                 "the line through the re-runs")
+                continue
             found.append((plain, step, line, f"{plain}, the {most} that fits", {knob.name: n}))
+    return _confirmed(cell, found, ran, notes) + made + halved
+
+
+def _confirmed(cell: Any, found: list[tuple], ran: dict[Setting, Any], notes: list[str]
+               ) -> list[Strategy]:
+    """The rows of the sizes read off the lines (``found``: (plain label, step, line, the
+    row's label, knobs) each), each run to confirm it: the row of the largest that fits
+    where the run gives the line's figures, else a plain row; a note each says which."""
     rows = []
     measured = _measure_all(cell, [(label, knobs) for *_, label, knobs in found], ran)
-    for (plain, step, line, _, _), row in zip(found, measured):  # each confirmed by a run
+    for (plain, step, line, _, _), row in zip(found, measured):
         if (row.peak, row.reserved_peak, row.fits) == (line.peak, line.reserved_peak, True):
             notes.append(f"{row.label}: read off the re-runs, then run ({line.read_off}; "
                          f"{'a multiple of ' + str(step) + ', ' if step > 1 else ''}the next "
@@ -238,7 +257,7 @@ def _read_off(cell: Any, ran: dict[Setting, Any], unit: str, notes: list[str]
                          f"{format_bytes(line.reserved_peak)} reserved; its run gave other "
                          f"figures (the cell's sizes are not on that line there: {line.read_off})")
         rows.append(row)
-    return rows + halved
+    return rows
 
 
 def _halved(cell: Any, ran: dict[Setting, Any], setting: Setting, dim: int, step: int,
@@ -274,9 +293,13 @@ def _halved(cell: Any, ran: dict[Setting, Any], setting: Setting, dim: int, step
              else f"{good} fits and {bad} runs out")
     notes.append(f"{noun}: {found}, found by {len(tried)} run{'s' * (len(tried) > 1)} "
                  f"halving the gap one after another ({', '.join(map(str, tried))}): {unread}")
+    plain = f"{noun} {good} (from {getattr(setting, knob.name)})"
+    earlier = ran.get(cell.setting(**{knob.name: good}))
+    if best is None and exact and earlier is not None:
+        # every halving ran out: the largest that fits is a run made before them
+        best = _row(plain, {knob.name: good}, earlier)
     if best is None:
         return []
-    plain = f"{noun} {good} (from {getattr(setting, knob.name)})"
     return [replace(best, label=f"{plain}, the {most} that fits" if exact else plain)]
 
 

@@ -13,6 +13,8 @@ import argparse
 import json
 import os
 import sys
+import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -251,10 +253,14 @@ def _show(result: Any, runner: Any, args: argparse.Namespace) -> int:
         if result.out_of_memory:
             print(result.oom_message(), file=sys.stderr)
         else:
+            print("".join(_traceback(error)), end="", file=sys.stderr)
             print(f"memmagic: the script failed: {type(error).__name__}: {error}"
                   + _data_hint(error), file=sys.stderr)
-        if report.advice is not None:
-            print(str(report.advice))
+        advice = report.advice
+        if advice is not None and advice.failure is not None and advice.failure.freed is None:
+            advice = replace(advice, failure=None)  # no %debug here: the process ends
+        for line in advice.lines() if advice is not None else ():
+            print(line)
         return 1
     return 0 if report.fits is not False else 1
 
@@ -302,6 +308,28 @@ def _run_notes(runner: Any, args: argparse.Namespace, error: BaseException | Non
         notes.append("the script carried on without what memmagic run refused to do: "
                      + "; ".join(runner.changes.refused))
     return notes
+
+
+def _traceback(error: BaseException) -> list[str]:
+    """The failed script's traceback as Python shows it, memmagic's own frames left out
+    (of each exception of the chain); a simulation's own error (a call it cannot
+    simulate, which its one line explains) without the chain of how it found that."""
+    from ..backends.sim import SimulationError
+    from ..core.failures import PACKAGE_DIR
+
+    shown = traceback.TracebackException.from_exception(error)
+    if isinstance(error, SimulationError):
+        shown.__cause__ = shown.__context__ = None
+    seen, each = set(), [shown]
+    while each:
+        te = each.pop()
+        if te is None or id(te) in seen:
+            continue
+        seen.add(id(te))
+        te.stack = traceback.StackSummary.from_list(
+            [f for f in te.stack if not f.filename.startswith(PACKAGE_DIR)])
+        each += [te.__cause__, te.__context__]
+    return list(shown.format())
 
 
 def _script_line(error: BaseException, script: Path) -> str:

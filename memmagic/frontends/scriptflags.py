@@ -34,15 +34,33 @@ __all__ = ["FlagWatch", "given_flags", "flag_value", "with_flag_value", "passed_
 
 
 def given_flags(argv: Sequence[str]) -> dict[str, str]:
-    """knob variable -> the option of ``argv`` that gives it a whole number (a script's
-    own options that carry a knob's value: ``Knob.script_flags``)."""
-    out = {}
-    for knob in _sized_knobs():
-        for flag in knob.script_flags:
-            value = flag_value(argv, flag)
-            if value is not None and value.isdigit():
-                out[knob.var] = flag
-    return out
+    """knob variable -> the option of ``argv`` that gives it a whole number, as written: one
+    of :attr:`Knob.script_flags` (``--batch_size 16``), or a config's dotted key named as
+    the knob's variable or one of :attr:`Knob.option_dests` (minGPT's
+    ``--trainer.batch_size=512``, a Hydra override ``data.block_size=64``; of several for
+    one knob, the one ``option_dests`` lists first). An option of another name
+    (``--device-batch-size``) is the knob's where the script's argparse defines it
+    (:class:`FlagWatch`, which checks that each run took the value passed)."""
+    out: dict[str, tuple[int, str]] = {}
+    for i, a in enumerate(argv):
+        flag, eq, value = a.partition("=")
+        if not a.startswith("-"):
+            if not eq or "." not in flag or not flag[:1].isalpha():
+                continue  # a positional argument; a Hydra key=value override is dotted
+        elif not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if not value.isdigit():
+            continue
+        dotted = "." in flag
+        name = flag.lstrip("-").rsplit(".", 1)[-1].replace("-", "_")
+        for knob in _sized_knobs():
+            dests = knob.option_dests
+            if not (flag in knob.script_flags or dotted and name in dests):
+                continue
+            rank = dests.index(name)
+            if knob.var not in out or rank < out[knob.var][0]:
+                out[knob.var] = (rank, flag)
+    return {var: flag for var, (_, flag) in out.items()}
 
 
 def flag_value(argv: Sequence[str], flag: str) -> str | None:
@@ -133,31 +151,45 @@ class FlagWatch:
             self.argv_read = True
 
     def parsed_by(self, parser: argparse.ArgumentParser, namespace: Any) -> None:
-        """Note the knob options ``parser`` defines and the values it parsed."""
+        """Note the knob options ``parser`` defines and the values it parsed (of several
+        options for one knob, the one :attr:`Knob.option_dests` lists first: the batch
+        one device takes in a step before a global one)."""
         for knob in _sized_knobs():
+            dests, best = knob.option_dests, None
             for action in getattr(parser, "_actions", ()):
                 names = [s for s in action.option_strings if s.startswith("--")]
-                if not names or not (action.dest in knob.script_dests
-                                     or set(names) & set(knob.script_flags)):
+                if set(names) & set(knob.script_flags):
+                    rank = dests.index(knob.var)
+                elif names and action.dest in dests:
+                    rank = dests.index(action.dest)
+                else:
                     continue
                 value = getattr(namespace, action.dest, None)
-                if _is_int(value):
+                if _is_int(value) and (best is None or rank < best[0]):
                     flag = next((s for s in knob.script_flags if s in names), max(names, key=len))
-                    self.parsed[knob.var] = (flag, value)
+                    best = (rank, flag, value)
+            if best is not None:
+                self.parsed[knob.var] = best[1:]
 
     def found(self, given: dict[str, str]) -> dict[str, tuple[str, int]]:
         """The knob options the script takes that ``given`` (its command line's) lacks:
-        knob variable -> (option, the value the run had)."""
+        knob variable -> (option, the value the run had). Where code run with the script's
+        globals read its arguments (a configurator), a whole-number global of the knob's
+        variable or of one of :attr:`Knob.option_dests` (nanoGPT's ``block_size``, the
+        context), the first the list names, is taken as ``--name=N``."""
         out = {var: fv for var, fv in self.parsed.items() if var not in given}
         if self.argv_read:
             for knob in _sized_knobs():
-                value = self.ns.get(knob.var)
-                if knob.var not in given and knob.var not in out and _is_int(value):
-                    out[knob.var] = ("--" + knob.var, value)
+                if knob.var in given or knob.var in out:
+                    continue
+                dest = next((d for d in knob.option_dests if _is_int(self.ns.get(d))), None)
+                if dest is not None:
+                    out[knob.var] = ("--" + dest, self.ns[dest])
         return out
 
-    def honoured(self, var: str, value: int) -> bool:
-        """Whether the run took ``value`` for ``var`` (the script's own value is it)."""
+    def honoured(self, var: str, flag: str, value: int) -> bool:
+        """Whether the run took ``value`` for ``var``, passed as ``flag`` (the script's
+        own value is it: the option's, else the global the flag names)."""
         if var in self.parsed:
             return self.parsed[var][1] == value
-        return self.ns.get(var) == value
+        return self.ns.get(flag.lstrip("-").replace("-", "_")) == value

@@ -387,7 +387,7 @@ class ScriptRun:
         if isinstance(error, KeyboardInterrupt):
             return
         for var, value in passed.items():
-            if var in self.found and not flags.honoured(var, value):
+            if var in self.found and not flags.honoured(var, self.flags[var], value):
                 raise ScriptError(
                     f"the script did not take {self.flags[var]}={value} (memmagic read "
                     f"{self.flags[var]} as its option for {var}, from its first run): give "

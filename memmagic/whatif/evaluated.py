@@ -244,10 +244,10 @@ def largest_fitting(runs: Mapping[Setting, MemoryReport], setting: Setting, dim:
     fits the card, between the largest of ``runs`` that fits and ``setting``'s own, which
     does not: read off the line (or parabola) through the runs that differ from
     ``setting`` only in that size, as :func:`evaluate` reads a value off them. None where
-    ``setting`` fits, no such run fits, the runs give no checked line, or the largest is
-    a value that was run. Else (the value, its report). Not held to the runs' multiples
-    (:func:`evaluate` is): the doctor runs the value it names. ``planes``: as for
-    :func:`evaluate`."""
+    ``setting`` fits, no such run fits or the runs give no checked line. Else (the value,
+    its report), or (the value, None) where the largest is a value that was run (its run
+    is the report). Not held to the runs' multiples (:func:`evaluate` is): the doctor runs
+    the value it names. ``planes``: as for :func:`evaluate`."""
     below = _below(runs, setting, dim)
     if below is None:
         return None
@@ -257,8 +257,10 @@ def largest_fitting(runs: Mapping[Setting, MemoryReport], setting: Setting, dim:
         return None
     start, ref = max(fitting), family[max(fitting)]
     n = largest_within(found[0], ref.gpu_memory, ref.context or 0, start, v // k - 1, step)
-    if n is None or n == start:
+    if n is None:
         return None
+    if n == start:
+        return start * k, None
     report = evaluated_report(*_at(found, setting, dim, n * k))
     return None if report is None else (n * k, report)
 

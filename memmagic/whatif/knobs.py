@@ -175,15 +175,21 @@ class Sizes:
     run by ``python -m memmagic run`` takes such a knob only on its own command line
     (:attr:`Knob.script_flags`): a fresh ``__main__`` holds no batch to resize, and a
     whole script is not repeated per micro-step. ``script_dests``: argparse destinations
-    other than the knob's variable that carry its value in a script (transformers'
-    ``per_device_train_batch_size``, which ``HfArgumentParser`` makes of
-    ``TrainingArguments``: the batch each device takes)."""
+    other than the knob's variable that carry its value in a script, in the order one is
+    preferred where a script has several (the batch one device takes in one step before
+    a global one: transformers' ``per_device_train_batch_size``, which
+    ``HfArgumentParser`` makes of ``TrainingArguments``, nanochat's ``--device-batch-size``),
+    and which are also its names as a call's keyword or a settings dict's key;
+    ``option_dests``: destinations that carry it only as a script's option (``--block_size``
+    sizes nanoGPT's data, where ``GPTConfig(block_size=...)`` in a cell sizes only a model).
+    """
 
     resize: int | None = None
     splits_batch: bool = False
     noun: str = ""
     missing: str = ""
     script_dests: tuple[str, ...] = ()
+    option_dests: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -283,7 +289,16 @@ class Knob:
         data."""
         if self.sizes is None:
             return ()
-        return (self.var, *self.sizes.script_dests)
+        dests = self.sizes.script_dests
+        return dests if self.var in dests else (self.var, *dests)
+
+    @property
+    def option_dests(self) -> tuple[str, ...]:
+        """The argparse destinations of a script's options that carry this knob's value
+        (:attr:`script_dests` and :attr:`Sizes.option_dests`)."""
+        if self.sizes is None:
+            return ()
+        return (*self.script_dests, *self.sizes.option_dests)
 
     def applies(self, info: Any) -> bool:
         """Whether memmagic can apply this knob to a run that did what ``info`` says."""
@@ -443,7 +458,8 @@ BATCH_HINT = ("no smaller batch was tried: the cell makes its batch with a fixed
               "the cell with smaller batches")
 SCRIPT_BATCH_HINT = ("no smaller batch was tried: the script does not take its batch size on "
                      "its command line. Pass it one (--batch_size N or --batch_size=N, or "
-                     "--batch-size; a script without such an option needs one, e.g. argparse's "
+                     "--batch-size, --device-batch-size, a config's --trainer.batch_size=N; a "
+                     "script without such an option needs one, e.g. argparse's "
                      "add_argument('--batch_size', type=int)), or set it as a number at the "
                      "script's top level (batch_size = 64, or one settings dict's entry: "
                      "{\"batch_size\": 64}, or a call's: DataLoader(ds, batch_size=64)), and "
@@ -452,6 +468,17 @@ SCRIPT_BATCH_HINT = ("no smaller batch was tried: the script does not take its b
 _NO_BATCH = ("batch_size: the cell does not read batch_size and names no batch tensor of the "
              "namespace: make the batch with batch_size in the cell (e.g. "
              "x = torch.randn(batch_size, ...))")
+# a script's names for the batch (argparse destinations, keywords, settings keys), the
+# batch one device takes in one step first (Sizes.script_dests): transformers' and
+# DeepSpeed's, nanochat's --device-batch-size, Megatron's and lit-gpt's --micro-batch-size
+_BATCH_DESTS = ("per_device_train_batch_size", "device_batch_size", "micro_batch_size",
+                "train_micro_batch_size_per_gpu", "per_gpu_train_batch_size",
+                "batch_size_per_gpu", "batch_size_per_device", "per_device_batch_size",
+                "batch_size", "train_batch_size", "mini_batch_size", "batch", "bs")
+# a script's options for the context (Sizes.option_dests): nanoGPT's --block_size,
+# llm.c's --sequence_length, nanochat's --max-seq-len, trl's and peft's --max_seq_length
+_SEQ_OPTION_DESTS = ("max_seq_len", "max_seq_length", "seq_length", "sequence_length",
+                     "sequence_len", "context_length", "ctx_len", "block_size", "seq")
 _NO_TOKENS = ("seq_len: the cell does not read seq_len and names no token tensor of the "
               "namespace (integer ids or a mask of shape [batch, seq]): make the inputs with "
               "seq_len in the cell (e.g. torch.randint(0, vocab, (batch_size, seq_len)))")
@@ -472,7 +499,7 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("batch_size", "batch size", "int", None, "the namespace's batch tensors the cell "
          "names, resized along their first dimension", low=1, high=1 << 20, needs="batch",
          sizes=Sizes(resize=BATCH_DIM, noun="batch", missing=_NO_BATCH,
-                     script_dests=("per_device_train_batch_size",)),
+                     script_dests=_BATCH_DESTS),
          panel=Control("slider", range=(1, 512), grow=True, sweep=True),
          option=Option("What-if knob: the (effective) batch size; the cell reads batch_size, "
                        "or memmagic resizes the batch tensors of the namespace the cell names.",
@@ -482,7 +509,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in [
     Knob("seq_len", "sequence length", "int", None, "the namespace's token tensors the cell "
          "names (integer or bool [batch, seq, ...]: ids, masks, labels), cut or repeated along "
          "their second dimension", low=1, high=1 << 20, needs="seq", short="seq",
-         sizes=Sizes(resize=SEQ_DIM, noun="sequence length", missing=_NO_TOKENS),
+         sizes=Sizes(resize=SEQ_DIM, noun="sequence length", missing=_NO_TOKENS,
+                     option_dests=_SEQ_OPTION_DESTS),
          panel=Control("slider", range=(16, 2048), grow=True),
          option=Option("What-if knob: the sequence length (tokens per sample); the cell reads "
                        "seq_len, or memmagic cuts or repeats the token tensors of the namespace "

@@ -373,7 +373,6 @@ def test_tolist_numpy_and_print():
 @pytest.mark.parametrize("line", [
     "g = torch.cuda.CUDAGraph()",
     "p = torch.cuda.MemPool()",
-    "g = torch.Generator(device='cuda')",
     "i = torch.nonzero(torch.randn(3, device='cuda'))",
 ])
 def test_unsupported_names_the_line(line):

@@ -87,6 +87,60 @@ def test_cpu_and_meta_devices_are_accepted():
     assert out.report.after == 0
 
 
+def test_a_model_built_on_the_meta_device_gets_its_memory_from_to_empty():
+    """nanochat's and torchtitan's way to build a model: its shapes on the meta device
+    (values computed there, a rotary table from ``arange``, stay meta: no values, no
+    memory), then storage on the GPU by ``to_empty``, whose swap of a fake parameter of
+    another device ``param.data = ...`` cannot make."""
+    out = _run("with torch.device('meta'):\n"
+               "    m = torch.nn.Linear(256, 256)\n"
+               "    t = torch.arange(0, 64, 2, dtype=torch.float32)\n"
+               "    freqs = torch.outer(torch.arange(128.0), 1.0 / (10000 ** (t / 64)))\n"
+               "assert freqs.device.type == 'meta' and freqs.shape == (128, 32)\n"
+               "assert (t + 1).device.type == 'meta' and (2 ** t).device.type == 'meta'\n"
+               "m.to_empty(device='cuda')\n"
+               "assert m.weight.is_cuda and m.bias.is_cuda and m.weight.requires_grad\n"
+               "m(torch.randn(8, 256, device='cuda')).sum().backward()\n"
+               "assert m.weight.grad.shape == (256, 256)\n")
+    assert out.error is None, out.error
+    # the weight and bias and their gradients (beside cuBLAS's workspaces), no meta tensor
+    r = out.report
+    assert r.breakdown["parameters"] == r.breakdown["gradients"] == (256 * 256 + 256) * 4
+    assert r.after == 2 * (256 * 256 + 256) * 4 + r.breakdown["workspaces"]
+
+
+@pytest.mark.parametrize("build", ["torch.nn.Embedding(8192, 1024).cuda()",
+                                   "torch.nn.Embedding(8192, 1024, device='meta')"
+                                   ".to_empty(device='cuda')"])
+def test_a_parameters_storage_stays_a_parameters_when_the_model_is_cast(build):
+    """``model.to(torch.bfloat16)`` on the GPU holds the fp32 weight and its bf16 copy at
+    once: both are the parameter's (they were counted as "other")."""
+    out = _run(f"m = {build}\nm.to(torch.bfloat16)\nassert m.weight.dtype == torch.bfloat16")
+    assert out.error is None, out.error
+    r = out.report
+    assert r.peak == 8192 * 1024 * (4 + 2) and r.breakdown["parameters"] == r.peak
+    assert r.after == 8192 * 1024 * 2
+
+
+def test_a_generator_on_the_gpu_draws_and_says_where_it_is():
+    """``torch.Generator(device="cuda")`` (nanochat's sampling, a diffusers pipeline's seed)
+    raised "Cannot get CUDA generator without ATen_cuda library"; a CPU one stays torch's."""
+    out = _run("g = torch.Generator(device=torch.device('cuda'))\n"
+               "assert g.manual_seed(3) is g and g.initial_seed() == 3\n"
+               "assert g.device == torch.device('cuda', 0) and isinstance(g, torch.Generator)\n"
+               "x = torch.randn(64, 64, device='cuda', generator=g)\n"
+               "probs = torch.softmax(torch.randn(4, 100, device='cuda'), -1)\n"
+               "s = torch.multinomial(probs, 1, generator=g)\n"
+               "assert s.shape == (4, 1) and s.device == g.device\n"
+               "h = torch.Generator()\n"
+               "assert type(h) is torch._C.Generator and h.device.type == 'cpu'\n"
+               "assert isinstance(torch.default_generator, torch.Generator)\n")
+    assert out.error is None, out.error
+    import torch
+
+    assert torch.Generator is torch._C.Generator  # put back
+
+
 # -- out of memory that adds up (issue 14, item 6) -----------------------------------------------
 def test_a_request_bigger_than_the_card_is_reported_apart():
     out = SimBackend(gpu_memory="6GiB").execute(

@@ -336,6 +336,39 @@ def test_a_run_on_a_copy_leaves_the_notebooks_plain_objects_as_they_were():
     assert losses == [1.0] and "scaler" in nb.session.card.shadow
 
 
+def test_a_run_on_a_copy_has_every_attribute_of_the_notebooks_optimizer():
+    """An optimizer's own deepcopy keeps three attributes (``Optimizer.__getstate__``):
+    nanochat's MuonAdamW keeps its step counts as 0-d tensors of its own, and every what-if
+    run on a copy of the card failed on "no attribute". The copy has all of them, its
+    tensors copied as the card's are, and the notebook's optimizer is left as it was."""
+    nb = Notebook()
+    nb.sim(STUDENT[0])
+    nb.sim("""
+        class Counted(torch.optim.SGD):
+            def __init__(self, params, **kw):
+                super().__init__(params, **kw)
+                self.steps_t = torch.tensor(0.0)
+                self.log = []
+
+            def step(self):
+                self.steps_t += 1
+                self.log.append(self.steps_t)
+                return super().step()
+
+        counted = Counted(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(counted, 1)
+        """)
+    counted = nb.ns["counted"]
+    run = _copy_run(nb, "model(torch.randn(4, 256, device='cuda')).sum().backward()\n"
+                        "counted.step(); sched.step()\n"
+                        "assert counted.log and counted.steps_t is counted.log[-1]")
+    assert run.error is None, run.error
+    assert nb.ns["counted"] is counted
+    # (the scheduler's mark that a step ran is the copy's too)
+    assert nb.sim("assert counted.log == [] and counted.steps_t.item() == 0\n"
+                  "assert not getattr(counted, '_opt_called', False)").error is None
+
+
 def test_copies_leave_no_fake_behind():
     nb = Notebook()
     nb.sim(STUDENT[0])

@@ -927,3 +927,21 @@ def test_hops_go_through_a_mode_while_installed_and_the_rule_comes_out():
             flex_attention(q, q, q)
     assert "flex_attention" in seen
     assert all(Seeing not in hop.python_key_table for hop in hops)
+
+
+def test_swap_held_tensors_swaps_what_swap_tensors_swaps_past_weakrefs():
+    """``to_empty`` of a model built on the meta device swaps its fake parameters (which
+    FakeTensorMode's memo holds weakrefs to) with tensors of another device."""
+    import weakref
+
+    with priv.new_fake_mode():
+        meta = torch.nn.Parameter(torch.empty(4, 8, device="meta"))
+        cpu = torch.nn.Parameter(torch.empty(4, 8))
+    meta.note = "kept"
+    ref = weakref.ref(meta)
+    assert not priv.can_set_data(meta, cpu) and priv.can_set_data(cpu, cpu)
+    with pytest.raises(RuntimeError, match="weakref"):
+        torch.utils.swap_tensors(meta, cpu)
+    priv.swap_held_tensors(meta, cpu)
+    assert ref() is meta and meta.fake_device.type == "cpu" and meta.shape == (4, 8)
+    assert cpu.fake_device.type == "meta" and cpu.note == "kept"

@@ -464,6 +464,42 @@ def test_a_size_the_runs_cannot_read_off_is_said_so(loops):
         assert not any(r.label.startswith(("batch 48", "batch 40", "batch 36")) for r in rows)
 
 
+def test_the_largest_that_fits_is_said_of_a_run_made_before_the_halving():
+    """Where every run that halves the gap runs out, the largest that fits is a batch the
+    doctor ran before them (batch 4 of its 4 and 2): its row says so, once."""
+    from memmagic.doctor.ranking import rank
+    from memmagic.whatif.engine import Cell
+
+    src = ("import torch\n"
+           "batch_size = 8\n"
+           "for _ in range(64 // batch_size):\n"
+           "    x = torch.randn(batch_size, 1 << 22, device='cuda', requires_grad=True)\n"
+           "    (x * 2).sum().backward()\n")
+    _, rows, notes = rank(Cell(src, {}, backend_options={"gpu_memory": "200MiB"}))
+    assert any(n.startswith("batch: the largest that fits is 4 (5 runs out)") for n in notes)
+    batch = [r.label for r in rows if r.label.startswith("batch ")]
+    assert sorted(batch) == ["batch 2 (from 8)", "batch 4 (from 8), the largest that fits"]
+
+
+def test_the_largest_that_fits_is_said_of_a_re_run_the_line_reads_it_off():
+    """Where the line through the re-runs reads the largest batch that fits as one the
+    doctor ran (batch 4 of its 4 and 2), that row says so, once."""
+    from memmagic.doctor.ranking import rank
+    from memmagic.whatif.engine import Cell
+
+    src = ("import torch\n"
+           "batch_size = 8\n"
+           "x = torch.randn(batch_size, 1 << 22, device='cuda', requires_grad=True)\n"
+           "(x * 2).sum().backward()\n")
+    cell = Cell(src, {}, backend_options={"gpu_memory": "140MiB"})
+    _, rows, notes = rank(cell)
+    batch = [r.label for r in rows if r.label.startswith("batch ")]
+    assert sorted(batch) == ["batch 2 (from 8)", "batch 4 (from 8), the largest that fits"]
+    assert ("batch 4 (from 8), the largest that fits: a re-run's, and the next does not fit "
+            "by the line through the re-runs") in notes
+    assert cell.run(batch_size=5).fits is False
+
+
 @pytest.mark.parametrize("memory, largest", [("300MiB", 6), ("340MiB", 7)])
 def test_a_gap_no_line_reads_is_halved_by_runs_to_the_largest_that_fits(memory, largest):
     """pytorch/examples' word_language_model trims its token stream to a multiple of the

@@ -86,6 +86,35 @@ def test_python_dash_m_memmagic_and_its_failures(script, tmp_path):
     assert steps.returncode == 2 and "--steps needs a positive number" in steps.stderr
 
 
+def test_a_failed_script_shows_where_as_python_does(tmp_path, capsys, clean_state):
+    """A script that fails (not out of memory) prints its traceback, the script's frames
+    and the libraries' but not memmagic's, then the one line; no word of %debug, which a
+    script's process does not keep."""
+    (tmp_path / "fails.py").write_text(textwrap.dedent('''
+        import torch
+
+        def build(n):
+            return torch.nn.Linear(n, n).cuda()
+
+        model = build(64)
+        model(torch.randn(4, 32, device="cuda"))
+    '''))
+    rc = cli.main(["run", "--gpu", "T4", str(tmp_path / "fails.py")])
+    captured = capsys.readouterr()
+    assert rc == 1
+    err = captured.err
+    assert err.index("Traceback (most recent call last)") < err.index("memmagic: the script failed")
+    assert re.search(r'fails.py", line 8, in <module>\n +model\(torch.randn', err)
+    assert "torch/nn/modules/linear.py" in err and "/memmagic/" not in err
+    assert "%debug" not in captured.out + err
+    # a call the simulation cannot make: its one line, without how memmagic found it
+    (tmp_path / "mps.py").write_text("import torch\ntorch.nn.Linear(2, 2).to('mps')\n")
+    assert cli.main(["run", "--gpu", "T4", str(tmp_path / "mps.py")]) == 1
+    err = capsys.readouterr().err
+    assert 'mps.py", line 2, in <module>' in err and "device 'mps' is not simulated" in err
+    assert "/memmagic/" not in err and "direct cause" not in err and "During handling" not in err
+
+
 TRAINER = textwrap.dedent('''
     import argparse
     import torch
@@ -524,6 +553,44 @@ def test_the_doctor_sets_a_batch_size_the_script_sets_at_its_top_level(
         capsys.readouterr()
         peaks[bool(whatif)] = json.loads((tmp_path / "r.json").read_text())["peak"]
     assert peaks[True] < peaks[False]
+
+
+# a config of nested sections set by dotted options (minGPT's CfgNode.merge_from_args)
+DOTTED = textwrap.dedent('''
+    import sys
+    import types
+    import torch
+    from memmagic import zoo
+
+    config = types.SimpleNamespace(trainer=types.SimpleNamespace(batch_size=64, lr=3e-4))
+    for arg in sys.argv[1:]:
+        keys, _, value = arg.lstrip("-").partition("=")
+        *path, last = keys.split(".")
+        node = config
+        for k in path:
+            node = getattr(node, k)
+        setattr(node, last, type(getattr(node, last))(value))
+    model, _ = zoo.build("nanogpt", device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=config.trainer.lr)
+    for it in range(1000):
+        xb = torch.randint(0, 1000, (config.trainer.batch_size, 128), device="cuda")
+        model.loss(xb, xb).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+''')
+
+
+def test_a_batch_given_under_a_configs_dotted_key_is_the_one_the_doctor_sets(tmp_path, capsys,
+                                                                             clean_state):
+    path = tmp_path / "train.py"
+    path.write_text(DOTTED)
+    rc = cli.main(["run", "--gpu-memory", "256MiB", "--steps", "1", str(path),
+                   "--trainer.batch_size=64"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    rows = [ln for ln in out.splitlines() if "(from 64)" in ln]
+    assert rows and any(ln.rstrip().endswith("fits") for ln in rows), out
+    assert "no smaller batch was tried" not in out and "ScriptError" not in out
 
 
 def test_a_top_level_number_the_script_changes_later_is_said_not_measured(tmp_path, capsys,

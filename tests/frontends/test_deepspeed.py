@@ -88,8 +88,10 @@ def test_each_zero_stage_holds_the_model_states_of_one_gpu_by_hand(zero):
     # at the end of the run: the whole bf16 model and the master shard (stages 1, 2)
     for report in (one, two):
         assert report["breakdown"]["parameters"] == pytest.approx(2 * P + 4 * P / 2, rel=1e-3)
-    # stage 3 keeps a bf16 shard: less than the whole bf16 model plus the master shard
-    assert three["breakdown"]["parameters"] < 2 * P + 4 * P / 2
+    # stage 3 gathers the layers it runs (here all four: its prefetch bucket, 5e7 elements,
+    # holds the whole model), which are parameters while gathered: at the peak at most the
+    # whole bf16 model plus the master shard
+    assert three["breakdown"]["parameters"] <= 2 * P + 4 * P / 2
 
 
 def test_the_simulated_peak_shows_what_deepspeeds_estimate_leaves_out(zero):

@@ -9,6 +9,8 @@ import pickle
 import sys
 import threading
 
+import pytest
+
 from memmagic.core.patching import Patches
 from memmagic.frontends.scriptflags import FlagWatch, flag_value, given_flags, with_flag_value
 from memmagic.whatif.literals import Numbers, with_assignments
@@ -48,7 +50,67 @@ def test_the_watch_sees_argparse_and_a_loop_over_the_arguments_and_puts_both_bac
     del watch.parsed["batch_size"]
     assert watch.found({}) == {"batch_size": ("--batch_size", 64)}
     assert watch.found({"batch_size": "--batch_size"}) == {}
-    assert watch.honoured("batch_size", 64) and not watch.honoured("batch_size", 16)
+    assert watch.honoured("batch_size", "--batch_size", 64)
+    assert not watch.honoured("batch_size", "--batch_size", 16)
+
+
+def test_an_option_given_under_another_name_or_a_configs_dotted_key_is_the_knobs():
+    assert given_flags(["--trainer.batch_size=512", "--lr", "3"]) == \
+        {"batch_size": "--trainer.batch_size"}
+    assert given_flags(["data.batch_size=64", "model.block_size=128"]) == \
+        {"batch_size": "data.batch_size", "seq_len": "model.block_size"}  # Hydra's overrides
+    assert given_flags(["--trainer.batch_size=64", "--trainer.micro_batch_size=8"]) == \
+        {"batch_size": "--trainer.micro_batch_size"}  # the batch one device takes
+    # another name is the knob's where the script's argparse defines it (found in its run)
+    assert given_flags(["--batch_size", "64", "--device-batch-size", "8"]) == \
+        {"batch_size": "--batch_size"}
+    assert given_flags(["a.batch_size", "7", "batch_size=8", "--bs=x", "--batch"]) == {}
+    assert with_flag_value(["--trainer.batch_size=512"], "--trainer.batch_size", "128") == \
+        ["--trainer.batch_size=128"]
+    assert with_flag_value(["data.batch_size=64"], "data.batch_size", "8") == ["data.batch_size=8"]
+
+
+@pytest.mark.parametrize("options, found", [
+    # the names public scripts give the batch and the context, by their dest
+    ((("--batch", 16), ("--max-seq-len", 2048)),
+     {"batch_size": ("--batch", 16), "seq_len": ("--max-seq-len", 2048)}),
+    ((("--bs", 8), ("--block_size", 256)),
+     {"batch_size": ("--bs", 8), "seq_len": ("--block_size", 256)}),
+    ((("--sequence_length", 1024),), {"seq_len": ("--sequence_length", 1024)}),
+    # of a global and a per-device batch, the batch one device takes in a step
+    ((("--total-batch-size", 524288), ("--batch_size", 64), ("--device-batch-size", 32)),
+     {"batch_size": ("--device-batch-size", 32)}),
+    ((("--micro_batch_size", 4), ("--batch_size", 128)), {"batch_size": ("--micro_batch_size", 4)}),
+    ((("--max_tokens", 512), ("--max_length", 64)), {}),  # neither names a size it trains on
+])
+def test_a_scripts_options_for_the_batch_and_context_are_found_by_their_names(options, found):
+    watch, patches = FlagWatch({}), Patches()
+    watch.install(patches, ["train.py"])
+    try:
+        p = argparse.ArgumentParser()
+        for flag, default in options:
+            p.add_argument(flag, type=int, default=default)
+        p.parse_args()
+    finally:
+        patches.restore()
+    assert watch.found({}) == found
+
+
+def test_a_configurators_global_of_a_knobs_other_name_is_its_option():
+    """nanoGPT's configurator sets any global from ``--name=N``: its ``block_size`` is the
+    context, taken as ``--block_size``, and checked by that global in each later run."""
+    ns: dict = {}
+    watch, patches = FlagWatch(ns), Patches()
+    watch.install(patches, ["train.py"])
+    try:
+        exec("import sys\nbatch_size, block_size, eval_iters = 12, 1024, 200\n"
+             "for arg in sys.argv[1:]: pass", ns)
+    finally:
+        patches.restore()
+    assert watch.found({}) == {"batch_size": ("--batch_size", 12),
+                               "seq_len": ("--block_size", 1024)}
+    assert watch.honoured("seq_len", "--block_size", 1024)
+    assert not watch.honoured("seq_len", "--block_size", 512)
 
 
 def test_a_number_set_once_at_the_top_level_is_found_and_set_where_it_stands():

@@ -116,9 +116,16 @@ def test_a_script_takes_the_knobs_that_size_its_data_on_its_command_line():
     assert KNOBS["accum_steps"].script_flags == ("--accum_steps", "--accum-steps")
     assert [k.name for k in KNOBS.values() if k.script_flags] == \
         ["batch_size", "seq_len", "accum_steps"]
-    # argparse destinations that carry the value (a transformers Trainer's per-device batch)
-    assert KNOBS["batch_size"].script_dests == ("batch_size", "per_device_train_batch_size")
+    # argparse destinations that carry the value, the batch one device takes in a step
+    # first (a transformers Trainer's per-device batch before a global one)
+    dests = KNOBS["batch_size"].script_dests
+    assert dests[0] == "per_device_train_batch_size" and "bs" in dests
+    assert dests.index("micro_batch_size") < dests.index("batch_size") < dests.index("batch")
     assert KNOBS["seq_len"].script_dests == ("seq_len",) and KNOBS["amp"].script_dests == ()
+    # options only: as a call's keyword, block_size sizes a model (GPTConfig(block_size=...))
+    assert KNOBS["seq_len"].option_dests[0] == "seq_len"
+    assert {"block_size", "max_seq_len", "sequence_length"} <= set(KNOBS["seq_len"].option_dests)
+    assert KNOBS["amp"].option_dests == ()
 
 
 def test_the_doctors_families_and_exclusions_are_in_the_entries():

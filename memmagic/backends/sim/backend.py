@@ -511,6 +511,7 @@ def _install(patches: Patches, state: SimState, tracker: SimTracker, target: Car
     patches.set(logging.getLogger("torch._subclasses.fake_tensor"), "disabled", True)
     _install_autocast(patches, autocast)
     _install_devices(patches, state)
+    _install_generator(patches, state)
     SimulatedCuda(tracker, target, notes).install(patches, autocast)
     # generate()'s decode steps read off a line (.decode), unless each is to run
     install_compat(patches, notes, target, decode_targets(tracker, notes, decode == "evaluate"))
@@ -518,7 +519,7 @@ def _install(patches: Patches, state: SimState, tracker: SimTracker, target: Car
         install_repeats(patches, tracker, state, notes)
     install_ddp(patches, state, notes)
     keep_overwritten_files(patches, notes)
-    _install_torch_adjustments(patches, notes)
+    _install_torch_adjustments(patches, state, notes)
     # flex_attention reaches the tracker as an op: its outputs are the fused kernel's, as
     # FakeTensorMode makes them (see _FLEX_NOTE)
     patches.enter(_priv.hops_through_mode(SimTracker, _priv.attention_hops()))
@@ -587,19 +588,74 @@ def _install_devices(patches: Patches, state: SimState) -> None:
     patches.set(torch.UntypedStorage, "data_ptr", data_ptr)
 
 
-def _install_torch_adjustments(patches: Patches, notes: list[str]) -> None:
+_TORCH_GENERATOR = torch.Generator
+
+
+class _GeneratorKind(type(_TORCH_GENERATOR)):  # type: ignore[misc]
+    """torch's own generators are instances of the stand-in too."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _TORCH_GENERATOR)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, _TORCH_GENERATOR)
+
+
+class _Generator(_TORCH_GENERATOR, metaclass=_GeneratorKind):
+    """``torch.Generator`` during a simulation (:func:`_install_generator`): one made for
+    the GPU (``torch.Generator(device="cuda")``: nanochat's sampling, a diffusers
+    pipeline's seed) is a generator of the host's kind, which the simulation's tensors
+    (host tensors standing for the GPU's) draw from, that says it is on the simulated GPU;
+    every other is torch's own. ``state``: the run's, while installed."""
+
+    state: SimState | None = None
+
+    def __new__(cls, device: Any = "cpu") -> Any:
+        if not is_cuda_device(device):
+            return _TORCH_GENERATOR(device)
+        return _TORCH_GENERATOR.__new__(cls, "cpu")
+
+    def __init__(self, device: Any = "cpu") -> None:
+        pass
+
+    @property
+    def device(self) -> torch.device:
+        state = type(self).state
+        return gpu_device() if state is not None and state.cuda else CPU
+
+    def __deepcopy__(self, memo: dict) -> Any:  # (a copy of the card's, for a what-if run)
+        new = _TORCH_GENERATOR.__new__(type(self), "cpu")
+        new.set_state(self.get_state())
+        return new
+
+
+_Generator.__name__ = _Generator.__qualname__ = "Generator"
+
+
+def _install_generator(patches: Patches, state: SimState) -> None:
+    """``torch.Generator`` as :class:`_Generator` for the run (``state``: whether its
+    generators on the GPU say so)."""
+    patches.set(_Generator, "state", state)
+    patches.set(torch, "Generator", _Generator)
+
+
+def _install_torch_adjustments(patches: Patches, state: SimState, notes: list[str]) -> None:
     """torch's own code paths a simulation needs changed (swaps, constants, cuDNN's
     probe, DataLoader workers)."""
     swap = torch.utils.swap_tensors
 
     def swap_tensors(t1, t2):  # nn.Module._apply swaps fake parameters; weakrefs block it
         try:
-            return swap(t1, t2)
+            swap(t1, t2)
         except RuntimeError:
             if not (_priv.is_fake(t1) or _priv.is_fake(t2)):
                 raise
-            with torch.no_grad():
-                t1.data = t2.detach()
+            if not _priv.can_set_data(t1, t2):  # meta -> the GPU (to_empty)
+                _priv.swap_held_tensors(t1, t2)
+            else:
+                with torch.no_grad():
+                    t1.data = t2.detach()
+        state.refilled(t1)
 
     patches.set(torch.utils, "swap_tensors", swap_tensors)
     # values that follow from constants and shapes (arange, linspace, full, masks made

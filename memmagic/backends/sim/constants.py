@@ -172,7 +172,7 @@ def _with_values(func, args, kwargs, out, on_gpu: bool):
     if out.numel() > bound or out.dtype.is_complex or _priv.fake_constant(out) is not None:
         return out
     mode = getattr(out, "fake_mode", None)
-    if mode is None:
+    if mode is None or out.fake_device.type == "meta":  # a meta tensor has no values
         return out
     fill = _FILL_FACTORIES.get(func)
     draw = _RANDOM_DRAWS.get(func)
@@ -195,7 +195,7 @@ def _drawn_into(func, args, kwargs, out, on_gpu: bool):
     """``out`` (the fake tensor a random fill wrote into) carrying the values drawn for
     real, from the host's generator (or the one passed; the simulation's own for a GPU
     tensor), when small (see _RANDOM_FILLS); else unknown, as FakeTensorMode leaves it."""
-    if not _priv.is_fake(out) or out.dtype.is_complex:
+    if not _priv.is_fake(out) or out.dtype.is_complex or out.fake_device.type == "meta":
         return out
     if out.numel() > (CONSTANT_NUMEL if func in _RANDOM_INTS else _DRAW_NUMEL):
         return out

@@ -22,6 +22,9 @@ __all__ = ["FakeOutputCache", "FAKE_CACHE_MAX_ENTRIES", "FAKE_MODE_CACHE_MAX_ENT
            "bound_caches"]
 
 _storage_key = _priv.storage_key
+# torch's generator class, as imported (during a simulation ``torch.Generator`` is the
+# simulated GPU's stand-in, whose instances of the host's kind are also this class's)
+_GENERATOR = torch.Generator
 
 
 class FakeOutputCache:
@@ -334,8 +337,8 @@ def _cache_part(a, unknown: list | None):
         return None if parts is None else (cls, parts)
     if cls is torch.dtype or cls is torch.device or cls is torch.layout or cls is torch.memory_format:
         return a
-    if cls is torch.Generator:
-        return cls  # which generator does not change an output's sizes (fake ops draw nothing)
+    if isinstance(a, _GENERATOR):  # (one for the GPU too: torch.Generator is its stand-in)
+        return _GENERATOR  # which generator does not change an output's sizes (fake ops draw nothing)
     return None  # a real tensor, a SymInt, anything else: not keyed
 
 

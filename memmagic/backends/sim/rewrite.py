@@ -272,6 +272,7 @@ class DeviceRewriteMode(TorchFunctionMode):
     def _set_data(self, func, args, kwargs):  # t.data = new (nn.Module.to, _apply)
         out = func(*args, **kwargs)
         _priv.adopt_constant(args[0], args[1])
+        self.s.refilled(args[0])
         return out
 
     def _data_ptr(self, func, args, kwargs):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -42,7 +43,8 @@ from ...core.tracking import held_by
 from .constants import CONSTANT_NUMEL
 from .values import SimulatedValue
 
-__all__ = ["Sandbox", "Shadow", "sanitize_value", "contains_fake", "reachable_tensors"]
+__all__ = ["Sandbox", "Shadow", "sanitize_value", "contains_fake", "reachable_tensors", "copy_value",
+           "copy_optimizer"]
 
 _SKIP_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_ih", "_oh", "_dh", "_", "__", "___",
                "__builtins__", "__builtin__", "__name__", "__doc__", "__spec__", "__loader__",
@@ -168,6 +170,76 @@ def _worth_swapping(value: Any) -> bool:
     return True
 
 
+def copy_optimizer(opt: torch.optim.Optimizer, memo: dict) -> torch.optim.Optimizer:
+    """An optimizer's copy with every attribute of its own: its deepcopy keeps only
+    ``defaults``, ``state`` and ``param_groups`` (``Optimizer.__getstate__``), where a
+    subclass keeps more (nanochat's MuonAdamW its step counts as 0-d tensors) and its
+    hooks. An LR scheduler's mark on its ``step`` (an instance attribute, to check that
+    ``optimizer.step()`` runs before ``scheduler.step()``) would call the original: the
+    copy gets the same mark, calling its class's ``step`` of the moment (so the what-if
+    knobs' step gates apply to it)."""
+    new = _copied_attributes(opt, memo, skip=("step",))
+    marked = vars(opt).get("step")
+    if marked is None or not hasattr(marked, "_wrapped_by_lr_sched"):
+        if marked is not None:
+            vars(new)["step"] = copy_value(marked, memo)
+        return new
+    ref = weakref.ref(new)
+
+    def step(*args: Any, _ref=ref, **kwargs: Any) -> Any:
+        opt = _ref()
+        opt._opt_called = True
+        return type(opt).step(opt, *args, **kwargs)
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    vars(new)["step"] = step
+    return new
+
+
+def _copied_attributes(value: Any, memo: dict, skip: tuple[str, ...] = ()) -> Any:
+    """A copy of ``value`` made the way deepcopy copies an object whose class defines no
+    copy path of its own: a new instance (no ``__init__``) with a copy of each attribute
+    (but ``skip``), set as deepcopy sets state (no ``__setattr__``, no ``__setstate__``)."""
+    new = type(value).__new__(type(value))  # raises for a class that needs arguments
+    memo[id(value)] = new
+    attrs = vars(new)
+    for k, v in vars(value).items():
+        if k not in skip:
+            attrs[k] = copy_value(v, memo)
+    return new
+
+
+def copy_value(value: Any, memo: dict) -> Any:
+    """``copy.deepcopy(value, memo)``; where an object's own copy path fails (its
+    ``__getstate__``/``__reduce__`` reads a simulated value), the copy is rebuilt from its
+    attributes, the way deepcopy copies an object that defines neither: the same state,
+    its tensors copied as the card's are. Raises when that fails too."""
+    before = set(memo)
+    try:
+        return copy.deepcopy(value, memo)
+    except Exception:
+        # what the failed attempt memoised is half-built: forget it
+        for key in [k for k in memo if k not in before and k != id(memo)]:
+            del memo[key]
+        if id(value) in memo:
+            return memo[id(value)]
+        if type(value) in (list, dict):
+            out = type(value)()
+            memo[id(value)] = out
+            if isinstance(out, list):
+                out.extend(copy_value(v, memo) for v in value)
+            else:
+                for k, v in value.items():
+                    out[copy_value(k, memo)] = copy_value(v, memo)
+            return out
+        if type(value) is tuple:
+            out = tuple(copy_value(v, memo) for v in value)
+            return memo.setdefault(id(value), out)
+        state = getattr(value, "__dict__", None)
+        if not isinstance(state, dict) or isinstance(value, (torch.Tensor, type)):
+            raise
+        return _copied_attributes(value, memo)
+
+
 class Sandbox:
     """Swap the namespace's values for fake copies during a simulated run (see module doc)."""
 
@@ -212,6 +284,7 @@ class Sandbox:
         try:
             patches.set(torch.Tensor, "__deepcopy__", tensor_deepcopy)
             patches.set(torch.nn.Parameter, "__deepcopy__", tensor_deepcopy)
+            patches.set(torch.optim.Optimizer, "__deepcopy__", copy_optimizer)
             return copy.deepcopy(value, memo)
         finally:
             patches.restore()

@@ -37,7 +37,7 @@ from .gpus import CudaContext, CardSpec, cuda_context
 from .op_cache import FakeOutputCache, bound_caches
 from ...core.patching import Patches
 from .frames import release_tracebacks
-from .sandbox import Shadow, reachable_tensors
+from .sandbox import Shadow, copy_optimizer, copy_value, reachable_tensors
 from .state import SimState
 from .tracker import SimTracker
 from ...core.tracking import held_by
@@ -216,7 +216,7 @@ def _copy_objects(src: Card, dst: Card, names: dict[str, Any]
     fake on a storage of its own tracked on ``dst`` in the same pool and role (views share
     it), a real tensor a clone. An object whose own copy path fails on a simulated value
     (GradScaler's ``__getstate__`` reads its scale with ``.item()``) is copied from its
-    attributes instead (:func:`_copy_value`). (the copies, ``src``'s serial -> ``dst``'s
+    attributes instead (:func:`.sandbox.copy_value`). (the copies, ``src``'s serial -> ``dst``'s
     serial, name -> why it could not be copied at all)."""
     old, tr, state, fake_mode = src.tracker, dst.tracker, dst.state, src.fake_mode
     rekey: dict[int, int] = {}
@@ -304,80 +304,18 @@ def _copy_names(names: dict[str, Any], copy_tensor: Callable[[torch.Tensor, dict
         patches.set(torch.Tensor, "__deepcopy__", copy_tensor)
         patches.set(torch.nn.Parameter, "__deepcopy__", copy_tensor)
         patches.set(_priv.FakeTensorMode, "__deepcopy__", _priv.fake_mode_deepcopy)
+        patches.set(torch.optim.Optimizer, "__deepcopy__", copy_optimizer)
         copies, skipped, memo = {}, {}, {}
         for name, value in names.items():  # one memo: objects under two names stay one
             try:
-                copies[name] = _copy_value(value, memo)
+                copies[name] = copy_value(value, memo)
             except Exception as exc:
                 first = (str(exc).strip().splitlines() or [""])[0]
                 skipped[name] = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-        _keep_scheduler_marks(memo)
         memo.clear()
     finally:
         patches.restore()
     return copies, skipped
-
-
-def _keep_scheduler_marks(memo: dict) -> None:
-    """An LR scheduler marks its optimizer's ``step`` (an instance attribute) to check that
-    ``optimizer.step()`` runs before ``scheduler.step()``; an optimizer's deepcopy drops it
-    (``Optimizer.__getstate__``), and the copied scheduler then warns "optimizer.step() has
-    been overridden". The copy gets the same mark, calling its class's ``step`` of the
-    moment (so the what-if knobs' step gates apply to it)."""
-    for original_id, new in list(memo.items()):
-        if not isinstance(new, torch.optim.Optimizer) or "step" in vars(new):
-            continue
-        original = next((o for o in memo.get(id(memo), ()) if id(o) == original_id), None)
-        marked = vars(original).get("step") if original is not None else None
-        if marked is None or not hasattr(marked, "_wrapped_by_lr_sched"):
-            continue
-        ref = weakref.ref(new)
-
-        def step(*args: Any, _ref=ref, **kwargs: Any) -> Any:
-            opt = _ref()
-            opt._opt_called = True
-            return type(opt).step(opt, *args, **kwargs)
-        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        new.step = step
-        if getattr(original, "_opt_called", False):
-            new._opt_called = True
-
-
-def _copy_value(value: Any, memo: dict) -> Any:
-    """``copy.deepcopy(value, memo)``; where an object's own copy path fails (its
-    ``__getstate__``/``__reduce__`` reads a simulated value), the copy is rebuilt from its
-    attributes, the way deepcopy copies an object that defines neither: the same state,
-    its tensors copied as the card's are. Raises when that fails too."""
-    before = set(memo)
-    try:
-        return _copy.deepcopy(value, memo)
-    except Exception:
-        # what the failed attempt memoised is half-built: forget it
-        for key in [k for k in memo if k not in before and k != id(memo)]:
-            del memo[key]
-        if id(value) in memo:
-            return memo[id(value)]
-        if type(value) in (list, dict):
-            out = type(value)()
-            memo[id(value)] = out
-            if isinstance(out, list):
-                out.extend(_copy_value(v, memo) for v in value)
-            else:
-                for k, v in value.items():
-                    out[_copy_value(k, memo)] = _copy_value(v, memo)
-            return out
-        if type(value) is tuple:
-            out = tuple(_copy_value(v, memo) for v in value)
-            return memo.setdefault(id(value), out)
-        state = getattr(value, "__dict__", None)
-        if not isinstance(state, dict) or isinstance(value, (torch.Tensor, type)):
-            raise
-        new = type(value).__new__(type(value))  # raises for a class that needs arguments
-        memo[id(value)] = new
-        attrs = vars(new)  # set as deepcopy sets state: no __setattr__, no __setstate__
-        for k, v in state.items():
-            attrs[k] = _copy_value(v, memo)
-        return new
 
 
 def _copy_allocator(old: SimTracker, tr: SimTracker, allocator: CachingAllocatorModel,

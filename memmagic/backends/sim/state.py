@@ -15,6 +15,7 @@ import torch
 
 from ...core.failures import is_user_file
 from ...core.tracking import StorageTracker
+from ...report import Category
 from .errors import SimulationUnsupported
 
 __all__ = ["SimState", "is_cuda_device", "user_line", "CUDA0", "CPU", "META", "local_gpu",
@@ -163,6 +164,14 @@ class SimState:
     def device_of(self, t: torch.Tensor) -> torch.device:
         """The device user code sees for ``t``: the simulated GPU, else the CPU."""
         return _GPU_DEVICES[0] if self.cuda and self.pool_of(t) == "device" else CPU
+
+    def refilled(self, t: torch.Tensor) -> None:
+        """``t`` was given new contents in place (``param.data = ...``, a swap: how
+        ``nn.Module.to``, ``.cuda()`` and ``to_empty`` move a parameter): a parameter's new
+        storage is a parameter's, as its old one was, from now on (the breakdown at a peak
+        that held both counts both as parameters)."""
+        if isinstance(t, torch.nn.Parameter) and self.tracker is not None:
+            self.tracker.note(t, Category.PARAMETERS)
 
     def note_read(self, what: str) -> None:
         """A read of values the simulation does not have, counted by the user's line."""
