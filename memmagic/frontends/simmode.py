@@ -266,8 +266,11 @@ def _only_memmagic(source: str, namespace: dict) -> bool:
         tree = ast.parse(source)
     except SyntaxError:
         return False
-    imports = any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(tree))
-    # (a cell that imports a library works with it: ``import torch as _torch``)
+    # (a cell that imports a library works with it: ``import torch as _torch``; memmagic's
+    # own API is memmagic's: ``import memmagic``, ``from memmagic import find_batch_size``)
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    imports = any(m.split(".")[0] != "memmagic" for m in imported)
     if imports or not any(name in namespace for name in used) or any(ch in source for ch in "%!"):
         return False
     for name in used:

@@ -127,6 +127,27 @@ def test_whatif_runs_with_a_used_grad_scaler(gpusim):
     assert panel.report.error is None and panel.report.peak > panel.baseline_report.peak
 
 
+def test_a_cell_that_imports_memmagic_to_use_its_api_runs_it_under_gpusim(gpusim):
+    """``import memmagic`` then ``memmagic.find_batch_size(panel.cell)`` in a cell of a
+    notebook under %gpusim on: the cell uses memmagic's own objects only, so it runs for
+    real and the finder's runs simulate themselves (wrapped, they were refused as "a
+    simulated measurement inside another"). A cell that imports anything else stays a
+    simulated one."""
+    ip = gpusim
+    ip.run_cell(MLP)
+    ip.run_cell("batch_size = 64")
+    ip.user_ns["panel"] = ip.run_cell_magic("gpumem", "--whatif -o -q",
+                                            STEP.format(batch="batch_size"))
+    res = ip.run_cell("import memmagic\n"
+                      "from memmagic import find_batch_size\n"
+                      "found = find_batch_size(panel.cell, gpu='T4')")
+    assert res.error_in_exec is None, res.error_in_exec
+    assert ip.user_ns["found"].batch_size > 64
+    res = ip.run_cell("import memmagic, math\nx = torch.ones(4, device='cuda')")
+    assert res.error_in_exec is None, res.error_in_exec
+    assert "x" in shell_session(ip).card.shadow  # on the simulated card
+
+
 def test_the_doctor_ranks_fixes_with_a_used_grad_scaler(gpusim, capsys):
     ip = gpusim
     _used_scaler(ip)
