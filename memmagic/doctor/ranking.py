@@ -149,9 +149,9 @@ def rank(engine: Any, namespace: Mapping[str, Any] | None = None, *, gpu: Any = 
     rows = _measure_all(c, [(label, knobs) for label, knobs in candidates  # not what ran
                             if any(getattr(c.baseline, k) != v for k, v in knobs.items())], ran)
     read = _read_off(c, ran, unit, notes)
-    sizes = {s.label.partition(", the ")[0] for s in read}  # "batch 16 (from 64)"
+    sizes = [dict(s.knobs) for s in read]  # a size read off replaces its plain row
     rows = [s for s in _without_repeats(rows, baseline, unit, notes)
-            if s.label not in sizes] + read  # a size read off replaces its plain row
+            if dict(s.knobs) not in sizes] + read
     targeted = baseline.fits is not None or any(s.fits is not None for s in rows)
     if combine and targeted and not baseline.fits and not any(s.fits for s in rows):
         combo = _combine(c, baseline, rows)
