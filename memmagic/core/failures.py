@@ -13,6 +13,7 @@ import gc
 import os
 import re
 import sys
+import traceback
 import types
 from typing import Any
 
@@ -303,8 +304,17 @@ def add_note_once(error: BaseException, note: str) -> None:
 
 
 def error_text(error: BaseException | None) -> str | None:
-    """``'Type: message'`` (first line only) for a report, None when there was no error."""
+    """``'Type: message'`` (first line only) for a report, None when there was no error; an
+    error with no message (a bare ``assert``) says where instead: ``'AssertionError at line
+    623 (`assert ...`)'``, the innermost line of the user's code it went through."""
     if error is None:
         return None
     msg = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {msg[0]}" if msg else type(error).__name__
+    if msg:
+        return f"{type(error).__name__}: {msg[0]}"
+    where = None
+    for fs in traceback.extract_tb(error.__traceback__):
+        if is_user_file(fs.filename):
+            src = (fs.line or "").strip()
+            where = f"line {fs.lineno}" + (f" (`{src}`)" if src else "")
+    return type(error).__name__ + (f" at {where}" if where else "")

@@ -272,15 +272,16 @@ def _halved(cell: Any, ran: dict[Setting, Any], setting: Setting, dim: int, step
     (noun, most, unread), knob = words, resizing(dim)
     grain = step * (setting.micro_steps if dim == BATCH_DIM else 1)
     good, bad = max(gap[0]), gap[1]
-    best, tried = None, []
+    best, tried, unmeasured = None, [], ""
     while bad - good > grain and len(tried) < _HALVINGS[(bad - good) * 8 > good]:
         mid = (good + bad) // 2 // grain * grain
         if mid <= good:
             break
         row, = _measure_all(cell, [("", {knob.name: mid})], ran)
         tried.append(mid)
-        if row.fits is None and not row.out_of_memory:
-            break  # it could not be measured: nothing more to halve by
+        if row.fits is None and not row.out_of_memory:  # nothing more to halve by
+            unmeasured = f"; the run at {mid} could not be measured ({row.reason})"
+            break
         if row.fits:
             good, best = mid, row
         else:
@@ -292,7 +293,8 @@ def _halved(cell: Any, ran: dict[Setting, Any], setting: Setting, dim: int, step
     found = (f"the {most} that fits is {good} ({bad} runs out)" if exact
              else f"{good} fits and {bad} runs out")
     notes.append(f"{noun}: {found}, found by {len(tried)} run{'s' * (len(tried) > 1)} "
-                 f"halving the gap one after another ({', '.join(map(str, tried))}): {unread}")
+                 f"halving the gap one after another ({', '.join(map(str, tried))}){unmeasured}: "
+                 f"{unread}")
     plain = f"{noun} {good} (from {getattr(setting, knob.name)})"
     earlier = ran.get(cell.setting(**{knob.name: good}))
     if best is None and exact and earlier is not None:

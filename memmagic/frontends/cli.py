@@ -254,8 +254,10 @@ def _show(result: Any, runner: Any, args: argparse.Namespace) -> int:
             print(result.oom_message(), file=sys.stderr)
         else:
             print("".join(_traceback(error)), end="", file=sys.stderr)
-            print(f"memmagic: the script failed: {type(error).__name__}: {error}"
-                  + _data_hint(error), file=sys.stderr)
+            from ..core.failures import error_text
+
+            print(f"memmagic: the script failed: {error_text(error)}" + _data_hint(error),
+                  file=sys.stderr)
         advice = report.advice
         if advice is not None and advice.failure is not None and advice.failure.freed is None:
             advice = replace(advice, failure=None)  # no %debug here: the process ends

@@ -524,3 +524,27 @@ def test_a_gap_no_line_reads_is_halved_by_runs_to_the_largest_that_fits(memory, 
     assert row.label == f"batch {largest} (from 8), the largest that fits" and row.fits
     assert (row.peak, row.fits) == (cell.run(batch_size=largest).peak, True)
     assert cell.run(batch_size=largest + 1).fits is False
+
+
+def test_a_halving_the_script_refuses_says_why_it_stopped():
+    """karpathy/llm.c's train_gpt2.py asserts that its total batch is a multiple of the
+    micro-batch: where the halving's size fails that ``assert`` (no message), the doctor's
+    note says the run could not be measured, and where the script stopped, not only that
+    the gap stays open (a cell made here has no source for the line to show; a script's
+    and a notebook's have: tests/frontends/test_cli.py)."""
+    from memmagic.doctor.ranking import rank
+    from memmagic.whatif.engine import Cell
+
+    src = ("import torch\n"
+           "batch_size = 8\n"
+           "assert 64 % batch_size == 0\n"
+           "for _ in range(64 // batch_size):\n"
+           "    x = torch.randn(batch_size, 1 << 22, device='cuda', requires_grad=True)\n"
+           "    (x * 2).sum().backward()\n")
+    cell = Cell(src, {}, backend_options={"gpu_memory": "300MiB"})
+    _, rows, notes = rank(cell)
+    said, = [n for n in notes if "halving the gap" in n]
+    assert said.startswith("batch: 4 fits and 8 runs out, found by 1 run halving the gap one "
+                           "after another (6); the run at 6 could not be measured (failed: "
+                           "AssertionError at line 3): "), said
+    assert cell.run(batch_size=6).error == "AssertionError at line 3"

@@ -113,6 +113,13 @@ def test_a_failed_script_shows_where_as_python_does(tmp_path, capsys, clean_stat
     err = capsys.readouterr().err
     assert 'mps.py", line 2, in <module>' in err and "device 'mps' is not simulated" in err
     assert "/memmagic/" not in err and "direct cause" not in err and "During handling" not in err
+    # an error with no message (a bare assert): its one line says where, as the report does
+    (tmp_path / "asserts.py").write_text("import torch\nbatch = 24\nassert 128 % batch == 0\n")
+    assert cli.main(["run", "--gpu", "T4", str(tmp_path / "asserts.py")]) == 1
+    captured = capsys.readouterr()
+    assert ("memmagic: the script failed: AssertionError at line 3 (`assert 128 % batch == 0`)"
+            in captured.err)
+    assert "script failed: AssertionError at line 3 (`assert 128 % batch == 0`)" in captured.out
 
 
 TRAINER = textwrap.dedent('''
