@@ -1015,3 +1015,93 @@ def fit_map_figure(threads: int = 1, against: Any = None) -> Figure:
                          else "pass" if same and wall <= FIT_MAP_TARGET_S else "miss")
         fig.rows.append(row)
     return fig
+
+
+# the step of FIT_MAP_CELL as plain torch code, for FakeTensorMode alone (no autocast: the
+# same code in both modes); ``ids`` is the batch of tokens
+def _gpt2_step(ids: Any) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=2048,
+                                       bos_token_id=0, eos_token_id=0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+
+
+def symbolic_cost_row(reps: int = 3) -> dict[str, Any]:
+    """What one symbolic run of the fit map's step costs beside a run (issue 39, item 1): the
+    GPT-2-124M step under FakeTensorMode alone at batch 8 x 512, under FakeTensorMode over a
+    ShapeEnv with the batch and the context as symbols (torch's Python dispatcher on, as
+    make_fx and dynamo run it: without it the loss's pad specializes both), and
+    memmagic's simulated run of :data:`FIT_MAP_CELL` there; medians of ``reps`` after a
+    first of each, in this process. Also the guards the symbolic run took."""
+    import statistics
+
+    from memmagic import Cell
+    from memmagic.core import _torch_private as priv
+
+    real = torch.randint(0, 50257, (8, 512))
+
+    def concrete() -> None:
+        mode = priv.new_fake_mode()
+        ids = mode.from_tensor(real)
+        with mode:
+            _gpt2_step(ids)
+
+    guards: list[str] = []
+    symbols: list[str] = []
+
+    def symbolic() -> None:
+        mode = priv.symbolic_fake_mode()
+        ids = priv.symbolic_fake(mode, real, "ids")
+        with mode, priv.python_dispatcher():
+            _gpt2_step(ids)
+        guards[:] = priv.shape_guards(mode)
+        symbols[:] = [str(d) for d in ids.shape]
+
+    cell = Cell(FIT_MAP_CELL, {"torch": torch, "batch_size": 8, "seq_len": 512},
+                backend_options={"gpu": "T4"})
+
+    def run() -> None:
+        cell.run(strict=True)
+
+    out: dict[str, Any] = {"case": "GPT-2-124M AdamW step, batch 8 x 512"}
+    for name, fn in (("concrete", concrete), ("symbolic", symbolic), ("run", run)):
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_s"] = statistics.median(times)
+    out["symbolic_x"] = out["symbolic_s"] / out["concrete_s"]
+    out["runs_x"] = out["symbolic_s"] / out["run_s"]
+    out["guards"] = len(guards)
+    out["symbols"] = " x ".join(symbols)
+    return out
+
+
+def symbolic_cost_figure(threads: int = 1) -> Figure:
+    """Figure 3y: one symbolic run against the runs the fit map's plane makes instead."""
+    fig = Figure(
+        "y_symbolic", "3y. One symbolic run of the fit map's step, beside runs",
+        "the GPT-2-124M AdamW step of figure 3m's cell (transformers' GPT2LMHeadModel with "
+        "labels) at batch 8 x 512: under FakeTensorMode alone ('fake'); under FakeTensorMode "
+        "over a ShapeEnv with the batch and the context as symbols and torch's Python "
+        "dispatcher on ('symbolic': the one run issue 39 asks for, whose sizes hold for every "
+        "batch and context inside its guards); memmagic's simulated run of the cell on a T4 "
+        "('run', what the plane of figure 3m makes four to six of, then checks); medians of 3 "
+        "after a first of each, in one fresh process",
+        "none: a measurement (the fit map's plane is worth one symbolic run where a symbolic "
+        "run costs at most about as much as the runs the plane makes)",
+        [("case", "case", "text"), ("concrete_s", "fake", "s"), ("symbolic_s", "symbolic", "s"),
+         ("run_s", "run", "s"), ("symbolic_x", "symbolic / fake", "x"),
+         ("runs_x", "symbolic / run", "x"), ("symbols", "sizes after", "text"),
+         ("guards", "guards", "text")],
+        metric=("symbolic_x", "x"),
+        notes=[_threads_note()],
+    )
+    for row, _ in _beside(None, "symbolic_cost_row", [{}], threads=threads):
+        fig.rows.append(row)
+    return fig

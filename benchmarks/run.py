@@ -104,6 +104,7 @@ def _run_figures(only: set[str], args: argparse.Namespace, size: str, reps: int,
     if "m" in only:
         with _against(args) as against:
             show(F.fit_map_figure(args.threads, against))
+        show(F.symbolic_cost_figure(args.threads))
     if "p" in only:
         from .panel_scale import panel_scale_figure
 

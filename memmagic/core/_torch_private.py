@@ -1152,3 +1152,43 @@ def hops_through_mode(mode_cls: type, hops: tuple[Any, ...]) -> Iterator[None]:
         for hop in added:
             hop.python_key_table.pop(mode_cls, None)
             hop._dispatch_cache.clear()
+
+
+# --- symbolic sizes (measured by benchmarks: why the fit map reads a plane off runs) ---
+# Tested in tests/core/test_torch_private_sim.py.
+__all__ += ["symbolic_fake_mode", "symbolic_fake", "python_dispatcher", "shape_guards"]
+
+
+def symbolic_fake_mode() -> FakeTensorMode:
+    """A FakeTensorMode over a fresh ShapeEnv: its tensors may have symbolic sizes."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv())
+
+
+def symbolic_fake(mode: FakeTensorMode, real: torch.Tensor, name: str) -> FakeTensor:
+    """``real`` as a fake tensor of ``mode`` (a :func:`symbolic_fake_mode`) with every size
+    a symbol (its value ``real``'s size, for the guards to compare with); ``name`` names it
+    in the guards."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * real.dim())
+    return mode.from_tensor(real, source=ConstantSource(name), symbolic_context=context)
+
+
+def python_dispatcher():
+    """torch's Python dispatcher, entered (as make_fx and dynamo do): composite ops take
+    their Python decompositions, which keep sizes symbolic where the C++ ones read them as
+    ints."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    return enable_python_dispatcher()
+
+
+def shape_guards(mode: FakeTensorMode) -> list[str]:
+    """The guards a :func:`symbolic_fake_mode` took on its symbols so far, as text, and the
+    symbols it specialized (``s0 == 8``)."""
+    env = mode.shape_env
+    return ([str(g.expr) for g in env.guards]
+            + [f"{s} == {v}" for s, v in env.replacements.items() if v.is_number])

@@ -945,3 +945,26 @@ def test_swap_held_tensors_swaps_what_swap_tensors_swaps_past_weakrefs():
     priv.swap_held_tensors(meta, cpu)
     assert ref() is meta and meta.fake_device.type == "cpu" and meta.shape == (4, 8)
     assert cpu.fake_device.type == "meta" and cpu.note == "kept"
+
+
+@pytest.mark.parametrize("dispatcher", [True, False])
+def test_symbolic_sizes_stay_symbols_through_a_pad_under_the_python_dispatcher(dispatcher):
+    """The contract of benchmarks' symbolic run (figure 3y): a fake tensor whose sizes are
+    symbols goes through a linear layer and the pad of a causal LM's loss (transformers'
+    ``ForCausalLMLoss``) with its sizes still symbols and no guard under torch's Python
+    dispatcher; without it, the C++ pad reads the sizes as ints and specializes them."""
+    import contextlib
+
+    mode = priv.symbolic_fake_mode()
+    ids = priv.symbolic_fake(mode, torch.zeros(8, 512, dtype=torch.long), "ids")
+    with mode, (priv.python_dispatcher() if dispatcher else contextlib.nullcontext()):
+        emb = torch.nn.Embedding(100, 16)
+        h = torch.nn.Linear(16, 16)(emb(ids))
+        labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[..., 1:]
+    symbolic = [not isinstance(d, int) for d in (*h.shape, *labels.shape)]
+    if dispatcher:
+        assert symbolic == [True, True, False, True, True] and priv.shape_guards(mode) == []
+        assert str(h.shape[0]) != "8" and "512" not in str(h.shape[1])
+    else:  # specialized: the sizes are the example's ints again
+        assert (tuple(labels.shape), tuple(h.shape)) == ((8, 512), (8, 512, 16))
+        assert priv.shape_guards(mode), priv.shape_guards(mode)
