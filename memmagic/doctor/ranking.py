@@ -297,8 +297,9 @@ def _halved(cell: Any, ran: dict[Setting, Any], setting: Setting, dim: int, step
                  f"{unread}")
     plain = f"{noun} {good} (from {getattr(setting, knob.name)})"
     earlier = ran.get(cell.setting(**{knob.name: good}))
-    if best is None and exact and earlier is not None:
-        # every halving ran out: the largest that fits is a run made before them
+    if best is None and earlier is not None:
+        # no halving fit (each ran out, or one could not be measured): the largest that
+        # fits is a run made before them, a row of its own even where the gap stays open
         best = _row(plain, {knob.name: good}, earlier)
     if best is None:
         return []

@@ -548,3 +548,28 @@ def test_a_halving_the_script_refuses_says_why_it_stopped():
                            "after another (6); the run at 6 could not be measured (failed: "
                            "AssertionError at line 3): "), said
     assert cell.run(batch_size=6).error == "AssertionError at line 3"
+
+
+def test_the_largest_run_that_fits_is_a_row_where_the_halving_cannot_close_the_gap():
+    """Batch 16 where 8 and 4 run out and 2 fits, and 3 (the halving) fails the script's
+    own ``assert``: the gap stays open, and batch 2, which the doctor ran for its line and
+    which fits, is a row of the table (a notebook's LoRA loop showed only the rows that did
+    not fit), with its run's figures and no claim to be the largest."""
+    from memmagic.doctor.ranking import rank
+    from memmagic.whatif.engine import Cell
+
+    src = ("import torch\n"
+           "batch_size = 16\n"
+           "assert 64 % batch_size == 0\n"
+           "for _ in range(64 // batch_size):\n"
+           "    x = torch.randn(batch_size, 1 << 22, device='cuda', requires_grad=True)\n"
+           "    (x * 2).sum().backward()\n")
+    cell = Cell(src, {}, backend_options={"gpu_memory": "150MiB"})
+    _, rows, notes = rank(cell)
+    batch = {r.label: r for r in rows if r.label.startswith("batch ")}
+    assert sorted(batch) == ["batch 2 (from 16)", "batch 4 (from 16)", "batch 8 (from 16)"]
+    two = batch["batch 2 (from 16)"]
+    assert two.fits and two.peak == cell.run(batch_size=2).peak
+    assert not batch["batch 4 (from 16)"].fits and not batch["batch 8 (from 16)"].fits
+    said, = [n for n in notes if "halving the gap" in n]
+    assert said.startswith("batch: 2 fits and 4 runs out"), said
