@@ -72,6 +72,19 @@ def is_out_of_memory(error: BaseException | None) -> bool:
         isinstance(error, RuntimeError) and bool(_OOM_TEXT.search(str(error))))
 
 
+def out_of_memory_behind(error: BaseException) -> BaseException | None:
+    """The out of memory ``error`` was raised on, through its causes and contexts (hydra's
+    main catches a job's error, prints it and calls ``sys.exit(1)``), None where none was."""
+    seen = {id(error)}
+    e = error.__cause__ or error.__context__
+    while e is not None and id(e) not in seen:
+        if is_out_of_memory(e):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def requested_text(error: BaseException) -> str | None:
     """The size the failed allocation asked for, as the message writes it ("2.00 GiB")."""
     m = _REQUESTED.search(str(error))

@@ -303,6 +303,10 @@ def _run_notes(runner: Any, args: argparse.Namespace, error: BaseException | Non
         notes.append(f"the script takes {var} on its command line ({flag}=N; it ran with "
                      f"{value}, {'as given' if given else 'its own default'}): the doctor's "
                      "re-runs pass it smaller ones there")
+    if runner.exited_on_oom is not None:
+        notes.append(f"the script caught the out of memory and exited (sys.exit("
+                     f"{runner.exited_on_oom!r}), as hydra's main does after it prints the "
+                     "error): the report is the out of memory's")
     changes = runner.changes.note()
     if changes:
         notes.append(changes)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from ..core.failures import out_of_memory_behind
 from ..core.patching import Patches
 from .scratchdisk import ChangeSummary, ScratchDisk
 from ..whatif.literals import Numbers
@@ -307,6 +308,9 @@ class ScriptRun:
         self.assigned = self.numbers.at
         self.knob_reads = frozenset(self.flags) | frozenset(self.assigned)
         self._runs = 0
+        # the code of the first run's sys.exit() on an out of memory it caught (None:
+        # none); each run that exits so ends in that out of memory, as its report
+        self.exited_on_oom: Any = None
         self.base: dict[str, Any] = {"__name__": "__main__", "__file__": str(path),
                                      "__builtins__": __builtins__}
         if module is not None:  # its relative imports resolve in its package
@@ -347,6 +351,7 @@ class ScriptRun:
         passed = passed_values(ns, self.flags)
         set_at = passed_values(ns, self.assigned_only())
         code = self.numbers.compiled(set_at) or self.code
+        oom = None  # the out of memory a nonzero sys.exit() followed
         try:
             flags.install(patches, [str(self.path), *self._argv(passed)])
             saved_path = list(sys.path)
@@ -361,7 +366,11 @@ class ScriptRun:
         except SystemExit as exc:  # the script's own sys.exit() / argparse's
             if exc.code not in (None, 0):
                 self._flags_after(flags, passed, set_at, exc)
-                raise
+                oom = out_of_memory_behind(exc)
+                if oom is None:
+                    raise
+                if self._runs == 1:  # the run as written (the report's)
+                    self.exited_on_oom = exc.code
         except BaseException as exc:
             self._flags_after(flags, passed, set_at, exc)
             raise
@@ -369,6 +378,8 @@ class ScriptRun:
             patches.restore()
             self.progress = watch.progress
             self.changes = self.changes | disk.summary
+        if oom is not None:  # raised here, not in the except: no cycle of contexts
+            raise oom
         self._flags_after(flags, passed, set_at, None)
 
     def _flags_after(self, flags: FlagWatch, passed: dict[str, int], set_at: dict[str, int],

@@ -122,6 +122,44 @@ def test_a_failed_script_shows_where_as_python_does(tmp_path, capsys, clean_stat
     assert "script failed: AssertionError at line 3 (`assert 128 % batch == 0`)" in captured.out
 
 
+def test_an_out_of_memory_the_script_exits_on_is_reported_as_one(tmp_path, capsys, clean_state):
+    """hydra's main (pytorch/examples' minGPT-ddp) catches a job's error, prints it and calls
+    sys.exit(1): an out of memory it exits on is the run's out of memory, with the doctor's
+    fixes, as if it had gone up; an exit on another error stays that exit."""
+    (tmp_path / "exits.py").write_text(textwrap.dedent('''
+        import sys
+        import torch
+
+        batch_size = 64
+
+        def job():
+            x = torch.randn(batch_size, 1 << 22, device="cuda", requires_grad=True)
+            (x * 2).sum().backward()
+
+        try:
+            job()
+        except Exception as e:
+            print(f"Error executing job: {type(e).__name__}", file=sys.stderr)
+            sys.exit(1)
+    '''))
+    rc = cli.main(["run", "--gpu-memory", "600MiB", str(tmp_path / "exits.py")])
+    captured = capsys.readouterr()
+    assert rc == 1 and "Error executing job: SimulatedOutOfMemoryError" in captured.err
+    assert "out of memory    a request of 1.00 GiB failed" in captured.out
+    assert ("note: the script caught the out of memory and exited (sys.exit(1), as hydra's "
+            "main does after it prints the error): the report is the out of memory's"
+            in captured.out)
+    assert re.search(r"batch \d+ \(from 64\).*fits", captured.out), captured.out
+    assert "SystemExit" not in captured.out + captured.err
+    # an exit on an error that is not an out of memory stays the script's exit
+    (tmp_path / "other.py").write_text("import sys\ntry:\n    1 / 0\nexcept Exception:\n"
+                                       "    sys.exit(3)\n")
+    assert cli.main(["run", "--gpu", "T4", str(tmp_path / "other.py")]) == 1
+    captured = capsys.readouterr()
+    assert "the script failed: SystemExit: 3" in captured.err
+    assert "caught the out of memory" not in captured.out
+
+
 TRAINER = textwrap.dedent('''
     import argparse
     import torch
