@@ -371,6 +371,34 @@ def test_a_shuffled_loader_draws_the_gpu_runs_order_and_leaves_the_generator_as_
     assert "depend on data were read" not in " ".join(out.report.notes)
 
 
+def test_a_datasets_shuffle_is_the_gpu_runs_whatever_its_size():
+    """pytorch/examples' minGPT-ddp splits 55,641 samples with ``random_split`` and its
+    DistributedSampler shuffles them with ``randperm(len(dataset)).tolist()``: a
+    permutation is drawn for real past the 4,096 elements of other random ints (up to
+    2**20), so the split and the shards are the GPU run's, no placeholder is read, and the
+    draws after it are the GPU run's too."""
+    code = """
+        import torch
+        from torch.utils.data import random_split
+        torch.manual_seed(0)
+        n = 55641
+        train, test = random_split(range(n), [n - n // 10, n // 10])
+        seen["split"] = (sorted(train.indices + test.indices) == list(range(n)),
+                         train.indices[:8], test.indices[-8:])
+        g = torch.Generator()
+        g.manual_seed(3)
+        seen["shard"] = torch.randperm(len(train), generator=g).tolist()[0::2][:8]
+        seen["after"] = torch.randint(0, 1000, (3,)).tolist()
+    """
+    real = {}
+    exec(textwrap.dedent(code), {"seen": real})
+    seen = {}
+    out, _ = run(code, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen == real and seen["split"][0] is True
+    assert "depend on data were read" not in " ".join(out.report.notes)
+
+
 def test_samples_from_known_probabilities_are_drawn_as_on_a_gpu():
     """A temperature demo samples a softmax of literal logits a thousand times and counts
     the draws (``bincount``, whose size follows from the values): drawn for real from the

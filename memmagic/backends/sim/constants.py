@@ -60,6 +60,10 @@ _RANDOM_INDICES = {_aten.randint.default, _aten.randint.low, _aten.randint.gener
                    _aten.randint.low_generator, _aten.randperm.default,
                    _aten.randperm.generator}
 _VALUE_FACTORIES = _VALUE_FACTORIES | _RANDOM_INDICES
+# a permutation is indices whatever its size (a dataset's shuffle: random_split's,
+# DistributedSampler's ``randperm(len(dataset)).tolist()``): real up to INDEX_NUMEL, where
+# random ints past CONSTANT_NUMEL are taken for data (a batch of token ids)
+_PERMUTATIONS = {_aten.randperm.default, _aten.randperm.generator}
 _WITH_GENERATOR = {_aten.randint.default: _aten.randint.generator,
                    _aten.randint.low: _aten.randint.low_generator,
                    _aten.randperm.default: _aten.randperm.generator}
@@ -164,11 +168,12 @@ def _realias(args: tuple, out):
 
 def _with_values(func, args, kwargs, out, on_gpu: bool):
     """``out`` (a fake factory output) with its real values as its constant, when small
-    (random indices up to CONSTANT_NUMEL whatever their dtype: a batch of token ids is
-    data, not positions)."""
+    (random ints up to CONSTANT_NUMEL whatever their dtype: a batch of token ids is data,
+    not positions; a permutation up to INDEX_NUMEL)."""
     if not isinstance(out, torch.Tensor):
         return out
-    bound = CONSTANT_NUMEL if func in _RANDOM_INDICES else numel_bound(out.dtype)
+    bound = (CONSTANT_NUMEL if func in _RANDOM_INDICES and func not in _PERMUTATIONS
+             else numel_bound(out.dtype))
     if out.numel() > bound or out.dtype.is_complex or _priv.fake_constant(out) is not None:
         return out
     mode = getattr(out, "fake_mode", None)
