@@ -3,26 +3,15 @@ holder and by module, and which op, phase and line asked."""
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from ..core.failures import is_user_file, requested_bytes
+from ..core.failures import requested_bytes, user_frame
 from ..report import MemoryReport, format_bytes
 from .holders import found_in, freed_by_del, name_rank, namespace_roots, storage_of
 
 
 # -- out of memory --------------------------------------------------------------------------
-def _user_frame(tb: Any) -> tuple[str, int, str, str] | None:
-    """(file, line, function, source) of the innermost frame of the user's code."""
-    best = None
-    for fs in traceback.extract_tb(tb):
-        if not is_user_file(fs.filename):
-            continue
-        best = (fs.filename, fs.lineno or 0, fs.name, (fs.line or "").strip())
-    return best
-
-
 @dataclass(frozen=True)
 class OOMDescription:
     """What an out of memory was made of. Bytes.
@@ -151,7 +140,7 @@ def describe_oom(report: MemoryReport, error: BaseException | None = None,
     op, phase, module = failure_site(report, error)
     line = None
     if error is not None:
-        uf = _user_frame(error.__traceback__)
+        uf = user_frame(error.__traceback__)
         if uf is not None:
             line = f"line {uf[1]}" + (f" (`{uf[3]}`)" if uf[3] else "")
     left, left_bytes = (), 0
