@@ -6,6 +6,7 @@ If a torch upgrade breaks memmagic, this is the module to look at first.
 from __future__ import annotations
 
 import operator
+from contextlib import contextmanager as _contextmanager
 
 from typing import Any, Callable, Iterator
 
@@ -20,7 +21,7 @@ __all__ = [
     "dispatch_mode_depth",
     "function_mode_enabled",
     "dispatch_plumbing_files",
-    "saved_tensors_hooks_top",
+    "saved_tensors_hooks_top", "saved_tensors_hooks_lifted",
     "made_by_newest_node",
     "next_sequence_nr",
     "current_autograd_node",
@@ -94,6 +95,27 @@ def function_mode_enabled() -> bool:
 def saved_tensors_hooks_top() -> object:
     """The innermost default saved-tensor hooks (None when none are installed)."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+@_contextmanager
+def saved_tensors_hooks_lifted(pack_hook: Callable) -> Iterator[None]:
+    """While active, the default saved-tensor hooks whose pack hook is ``pack_hook`` are off
+    torch's stack of them, where they are the only ones installed (a feature that refuses
+    any, torch.func's ``grad``, ``vjp``, ``jacrev`` and ``hessian``, then runs as without
+    them), and back on it after; with other hooks installed too, nothing changes."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None or top[0] != pack_hook:
+        yield
+        return
+    torch._C._autograd._pop_saved_tensors_default_hooks()
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        torch._C._autograd._push_saved_tensors_default_hooks(*top)  # the user's below: as is
+        yield
+        return
+    try:
+        yield
+    finally:
+        torch._C._autograd._push_saved_tensors_default_hooks(*top)
 
 
 def made_by_newest_node(t: torch.Tensor) -> bool:

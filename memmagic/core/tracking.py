@@ -34,6 +34,7 @@ from torch.optim.optimizer import (
 from . import _torch_private as _priv
 from . import objgraph
 from .interrupts import atomic
+from .patching import Patches
 from .failures import is_machinery, torch_dir
 from ..trace import PRIORITY as _PRIORITY, Category, Trace
 
@@ -684,6 +685,7 @@ class RoleHooks:
         self._handles: list = []
         self._parents: list = []  # modules whose forward runs, beside tracker.module_stack
         self._saved_ctx = None
+        self._patches = Patches()  # torch's functions the hooks need changed while installed
         self.channel = _Channel(tracker)
 
     def _root_name(self, module, kind: type | None = None) -> str:
@@ -863,7 +865,24 @@ class RoleHooks:
             _priv.version_error_names_forward_op()
             self._saved_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_ctx.__enter__()
+            self._let_functorch_run(self._saved_ctx.pack_hook)
         _ACTIVE_HOOKS.append(self)
+
+    def _let_functorch_run(self, pack_hook: Callable) -> None:
+        """torch.func's ``grad``, ``vjp``, ``jacrev`` and ``hessian`` refuse to run with any
+        saved-tensor hooks installed (``disable_saved_tensors_hooks``): while one runs, ours
+        are lifted where they are the only ones (what it saves then counts as "other", not
+        as a module's activations); the user's own hooks still refuse it, as without
+        memmagic."""
+        original = torch.autograd.graph.disable_saved_tensors_hooks
+
+        @contextlib.contextmanager
+        def disable_saved_tensors_hooks(error_message: str):
+            with _priv.saved_tensors_hooks_lifted(pack_hook), original(error_message):
+                yield
+
+        self._patches.set(torch.autograd.graph, "disable_saved_tensors_hooks",
+                          disable_saved_tensors_hooks)
 
     def final_notes(self) -> None:
         """At the end: gradients of every parameter seen are gradients, and the state of
@@ -901,6 +920,7 @@ class RoleHooks:
                 self._saved_ctx.__exit__(None, None, None)
                 self._saved_ctx = None
         finally:
+            self._patches.restore()
             for h in self._handles:
                 h.remove()
             self._handles.clear()

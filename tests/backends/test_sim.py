@@ -374,6 +374,7 @@ def test_tolist_numpy_and_print():
     "g = torch.cuda.CUDAGraph()",
     "p = torch.cuda.MemPool()",
     "i = torch.nonzero(torch.randn(3, device='cuda'))",
+    "torch.autograd.gradcheck(torch.sin, torch.ones(2, dtype=torch.float64, requires_grad=True))",
 ])
 def test_unsupported_names_the_line(line):
     out, _ = run(f"import torch\nx = 1\n{line}\n")

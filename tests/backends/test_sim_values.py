@@ -371,6 +371,47 @@ def test_a_shuffled_loader_draws_the_gpu_runs_order_and_leaves_the_generator_as_
     assert "depend on data were read" not in " ".join(out.report.notes)
 
 
+def test_allclose_is_a_known_answer_or_taken_to_hold():
+    """``torch.allclose`` of two computations (a tutorial's check that vmap gives what a
+    loop does) is taken to hold, as on a GPU that runs the code as its author meant, said
+    in the report; of values the simulation knows it is their answer. Its tensors are made
+    on the way, as ATen's ``isclose(...).all()`` makes them."""
+    seen = {}
+    out, _ = run("""
+        import torch
+        x = torch.randn(64, 256, device="cuda")
+        w = torch.randn(256, 256, device="cuda")
+        assert torch.allclose(x @ w, torch.stack([r @ w for r in x]), atol=1e-4)
+        seen["same"] = torch.allclose(x, x * 1.0)
+        seen["known"] = (torch.allclose(torch.ones(3), torch.ones(3) * 2),
+                         torch.allclose(torch.arange(4.0), torch.arange(4.0) + 1e-9))
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen == {"same": True, "known": (False, True)}
+    read, = [n for n in out.report.notes if "depend on data were read" in n]
+    assert read.count("(allclose, taken to hold)") == 2, read
+
+
+def test_pinned_host_tensors_are_host_memory_and_say_so():
+    """pytorch/tutorials' pinmem_nonblock makes ``torch.randn(..., pin_memory=True)``,
+    which FakeTensorMode refuses: a pinned tensor is host memory, ``is_pinned()`` is True
+    for it and its views (and after ``pin_memory()``), False for others; a copy to the GPU
+    is the GPU's."""
+    seen = {}
+    out, _ = run("""
+        import torch
+        p = torch.randn(1 << 20, pin_memory=True)
+        e = torch.empty(4, 4, pin_memory=True)
+        q = torch.randn(8).pin_memory()
+        seen["pinned"] = [t.is_pinned() for t in (p, p[10:], e, q, torch.randn(8))]
+        g = p.to("cuda", non_blocking=True)
+        seen["gpu"] = (str(g.device), g.is_pinned())
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen == {"pinned": [True, True, True, True, False], "gpu": ("cuda:0", False)}
+    assert out.report.peak == 4 << 20 and out.report.host_peak >= (4 << 20) + 64
+
+
 def test_a_datasets_shuffle_is_the_gpu_runs_whatever_its_size():
     """pytorch/examples' minGPT-ddp splits 55,641 samples with ``random_split`` and its
     DistributedSampler shuffles them with ``randperm(len(dataset)).tolist()``: a

@@ -31,6 +31,28 @@ def test_dispatch_depth_and_function_mode():
     assert priv.function_mode_enabled() is False
 
 
+def test_saved_tensors_hooks_lifted_only_when_ours_are_the_only_ones():
+    def pack(t):
+        return t
+
+    def unpack(t):
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with priv.saved_tensors_hooks_lifted(pack):
+            assert priv.saved_tensors_hooks_top() is None
+            with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
+                pass
+        assert priv.saved_tensors_hooks_top() is not None
+        with priv.saved_tensors_hooks_lifted(unpack):  # not ours: nothing changes
+            assert priv.saved_tensors_hooks_top() is not None
+    with torch.autograd.graph.save_on_cpu():
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            with priv.saved_tensors_hooks_lifted(pack):  # the user's below: kept as they are
+                assert priv.saved_tensors_hooks_top()[0] == pack
+    assert priv.saved_tensors_hooks_top() is None
+
+
 def test_saved_tensors_hooks_top():
     assert priv.saved_tensors_hooks_top() is None
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):

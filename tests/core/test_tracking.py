@@ -62,6 +62,35 @@ def test_checkpoint_keeps_fewer_activations():
     assert ck.breakdown["activations"] < plain.breakdown["activations"]
 
 
+def test_torch_func_transforms_run_while_tracked(clean_state):
+    """torch.func's grad, vjp, jacrev and hessian refuse to run under any saved-tensor
+    hooks (pytorch/tutorials' per_sample_grads and neural_tangent_kernels stopped there):
+    the tracker's are lifted while one runs, where they are the only ones, and autograd's
+    saved tensors are tracked again after it; the user's own hooks still refuse it, as
+    without memmagic; torch's function is its own again after."""
+    from torch.func import functional_call, grad, vmap
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(16, 32)
+
+    def loss(p, xi):
+        return functional_call(model, p, (xi.unsqueeze(0),)).sum()
+
+    original = torch.autograd.graph.disable_saved_tensors_hooks
+    with Tracking(on_cpu) as tr:
+        per_sample = vmap(grad(loss), in_dims=(None, 0))(params, x)
+        model(torch.randn(8192, 32)).sum().backward()  # autograd's saved tensors, tracked
+    assert per_sample["0.weight"].shape == (16, 64, 32)
+    assert torch.allclose(per_sample["0.weight"],
+                          vmap(grad(loss), in_dims=(None, 0))(params, x)["0.weight"])
+    assert tr.result.breakdown["activations"] >= 8192 * 64 * 4
+    with Tracking(on_cpu), torch.autograd.graph.save_on_cpu():
+        with pytest.raises(RuntimeError, match="saved tensor hooks"):
+            grad(loss)(params, x[0])
+    assert torch.autograd.graph.disable_saved_tensors_hooks is original
+
+
 def test_scan_finds_params_grads_buffers_optimizer_state():
     m = torch.nn.BatchNorm1d(4)
     opt = torch.optim.Adam(m.parameters())

@@ -20,6 +20,8 @@ Installed for one run and undone in ``finally`` (through :class:`.patching.Patch
 * **The card's size** comes from a default card when none is named, said in a note
   (:func:`.cuda_api.install_default_card_note`).
 * **cuDNN attention's switch** (``torch.backends.cuda.enable_cudnn_sdp``) is put back.
+* **torch.autograd.gradcheck and gradgradcheck are refused** with one line: they compare
+  numerical and analytical gradients by value, and the simulation has none.
 * **torch.profiler is refused** with one line saying what to use instead: it would time
   the simulator's fake ops (seconds of Python per step), see no CUDA memory, and flood
   stderr with "CUDA used in profiler but not enabled".
@@ -46,6 +48,7 @@ calls the function it replaced.
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.abc
 import os
 import pickle
@@ -629,6 +632,15 @@ def _refuse_profiler(*args: Any, **kwargs: Any) -> Any:
     raise SimulationUnsupported(PROFILER_REFUSED)
 
 
+GRADCHECK_REFUSED = (
+    "torch.autograd.gradcheck and gradgradcheck compare gradients by their values, which a "
+    f"simulation does not have; {RERUN_HINT}")
+
+
+def _refuse_gradcheck(*args: Any, **kwargs: Any) -> Any:
+    raise SimulationUnsupported(GRADCHECK_REFUSED)
+
+
 def _one_gpu_scatter(original: Callable) -> Callable:
     """``torch.nn.parallel.comm.scatter`` onto the one simulated GPU: the whole tensor,
     moved there (what ``_scatter`` does with one device: a copy when it is elsewhere)."""
@@ -712,6 +724,10 @@ def install_compat(patches: Patches, notes: list[str], target: CardSpec | None =
         patches.set(mod, attr, value)
     for cls, attr in _priv.profiler_entry_slots():
         patches.set(cls, attr, _refuse_profiler)
+    # torch.autograd.gradcheck is the function; its module is shadowed by it
+    for mod in (torch.autograd, importlib.import_module("torch.autograd.gradcheck")):
+        for attr in ("gradcheck", "gradgradcheck"):
+            patches.set(mod, attr, _refuse_gradcheck)
     _parameter_subclasses(patches)
     patches.call_on_restore(_forget_simulated_code_maps)
     # transformers' from_pretrained copies weights to the device on worker threads, where the

@@ -97,7 +97,7 @@ class DeviceRewriteMode(TorchFunctionMode):
         T = torch.Tensor
         h: dict[Callable, Callable] = {
             T.cuda: self._cuda, T.cpu: self._cpu, T.to: self._to,
-            T.pin_memory: self._pin_memory, T.is_pinned: lambda f, a, k: False,
+            T.pin_memory: self._pin_memory, T.is_pinned: self._is_pinned,
             T.type_as: lambda f, a, k: self._to(T.to, (a[0], a[1]), {}),
             T.new_tensor: self._new, T.new: self._new,
             T.tolist: self._tolist, T.numpy: self._numpy, T.__array__: self._array,
@@ -137,6 +137,9 @@ class DeviceRewriteMode(TorchFunctionMode):
             args = (_over_storage(args[0], kwargs or {}),)  # then placed as any factory's
             func, kwargs = torch.empty, {k: v for k, v in (kwargs or {}).items()
                                          if k in ("dtype", "device")}
+        if kwargs and kwargs.get("pin_memory"):  # a page-locked host tensor (see _pinned)
+            return self._pinned(func(*args, **{k: v for k, v in kwargs.items()
+                                               if k != "pin_memory"}))
         if kwargs:
             dev = kwargs.get("device")
             if dev is not None and not _is_meta(dev):  # the meta device holds no memory
@@ -289,7 +292,23 @@ class DeviceRewriteMode(TorchFunctionMode):
             return func(*args, **kwargs)
 
     def _pin_memory(self, func, args, kwargs):
-        return self._call(torch.Tensor.clone, (args[0],), {}, "host" if self.s.cuda else "device")
+        return self._pinned(self._call(torch.Tensor.clone, (args[0],), {},
+                                       "host" if self.s.cuda else "device"))
+
+    def _pinned(self, t):
+        """``t``, a host tensor made page-locked (``pin_memory()``, a factory's
+        ``pin_memory=True``, which FakeTensorMode refuses): host memory as any other, and
+        ``is_pinned()`` says so for it and its views."""
+        tr = self.s.tracker
+        serial = tr.serial_of(t) if tr is not None and isinstance(t, torch.Tensor) else None
+        if serial is not None:
+            self.s.pinned_serials.add(serial)
+        return t
+
+    def _is_pinned(self, func, args, kwargs) -> bool:
+        tr = self.s.tracker
+        serial = tr.serial_of(args[0]) if tr is not None else None
+        return serial is not None and serial in self.s.pinned_serials
 
     def _deepcopy(self, func, args, kwargs):
         """``copy.deepcopy`` of a fake tensor carrying a constant: a clone, as torch does

@@ -53,6 +53,7 @@ __all__ = ["SimTracker"]
 _aten = torch.ops.aten
 _LOCAL_SCALAR = _aten._local_scalar_dense.default
 _EQUAL = _aten.equal.default  # torch.equal: a bool read of eq(a, b).all() (see _equal)
+_ALLCLOSE = _aten.allclose.default  # torch.allclose: isclose(a, b).all() read (_allclose)
 # an inference tensor has no autograd keys: t.item() of one reaches the dispatch level as
 # aten.item itself, in inference mode or out of it (decomposed only below it): the same read
 _ITEM = _aten.item.default
@@ -197,7 +198,8 @@ class SimTracker(StorageTracker):
             if len(kept) < len(table):
                 table.clear()
                 table.update(kept)
-        for serials in (self.frozen, self._unsure, self.s.zero_read_serials):
+        for serials in (self.frozen, self._unsure, self.s.zero_read_serials,
+                        self.s.pinned_serials):
             serials.intersection_update(live)
 
     def restart(self) -> None:
@@ -447,6 +449,8 @@ class SimTracker(StorageTracker):
                 return self._read_scalar(_LOCAL_SCALAR, args[0])
             if func is _EQUAL:
                 return self._equal(*args)
+            if func is _ALLCLOSE:
+                return self._allclose(*args, **kwargs)
             if forced is not None:
                 pool = forced if s.cuda else "device"
                 self._out_unsure = False
@@ -729,6 +733,23 @@ class SimTracker(StorageTracker):
         with self:
             both = _aten.all.default(_aten.eq.Tensor(a, b))
         return self._read_scalar(_LOCAL_SCALAR, both)
+
+    def _allclose(self, a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-05,
+                  atol: float = 1e-08, equal_nan: bool = False) -> bool:
+        """``torch.allclose`` as ATen computes it, ``isclose(a, b).all()`` read into Python,
+        its tensors made on the way: the value where both are known, else True, noted: the
+        check of one computation against another (a tutorial's ``assert``, ``gradcheck``,
+        a solver's loop until it converges) holds on a GPU that runs the code as its author
+        meant, where the placeholder, False, would fail it or never end."""
+        with self:
+            both = _aten.all.default(_aten.isclose.default(a, b, rtol, atol, equal_nan))
+        const = _priv.fake_constant(both)
+        if const is not None:
+            with _priv.no_python_modes():
+                return bool(const.item())
+        self.s.value_reads += 1
+        self.s.note_read("allclose, taken to hold")
+        return True
 
     def _read_scalar(self, func, t: torch.Tensor):
         self.s.value_reads += 1
