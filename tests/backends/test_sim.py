@@ -375,6 +375,8 @@ def test_tolist_numpy_and_print():
     "p = torch.cuda.MemPool()",
     "i = torch.nonzero(torch.randn(3, device='cuda'))",
     "torch.autograd.gradcheck(torch.sin, torch.ones(2, dtype=torch.float64, requires_grad=True))",
+    "n = torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 4)], layout=torch.jagged)",
+    "n = torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 4)], device='cuda')",
 ])
 def test_unsupported_names_the_line(line):
     out, _ = run(f"import torch\nx = 1\n{line}\n")

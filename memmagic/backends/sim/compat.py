@@ -21,7 +21,9 @@ Installed for one run and undone in ``finally`` (through :class:`.patching.Patch
   (:func:`.cuda_api.install_default_card_note`).
 * **cuDNN attention's switch** (``torch.backends.cuda.enable_cudnn_sdp``) is put back.
 * **torch.autograd.gradcheck and gradgradcheck are refused** with one line: they compare
-  numerical and analytical gradients by value, and the simulation has none.
+  numerical and analytical gradients by value, and the simulation has none. So are
+  **torch.nested's constructors**: a jagged batch's sizes are values (FakeTensorMode
+  would stop on an internal assertion or a missing kernel).
 * **torch.profiler is refused** with one line saying what to use instead: it would time
   the simulator's fake ops (seconds of Python per step), see no CUDA memory, and flood
   stderr with "CUDA used in profiler but not enabled".
@@ -641,6 +643,19 @@ def _refuse_gradcheck(*args: Any, **kwargs: Any) -> Any:
     raise SimulationUnsupported(GRADCHECK_REFUSED)
 
 
+NESTED_REFUSED = (
+    "nested tensors (torch.nested) cannot be simulated: their ragged sizes are values a "
+    "simulation does not have (fake tensors hold a batch of shapes only as symbolic "
+    f"sizes); pad the batch to one length, or {RERUN_HINT}")
+# torch.nested's functions that make a nested tensor
+_NESTED_MAKERS = ("as_nested_tensor", "nested_tensor", "nested_tensor_from_jagged", "narrow",
+                  "masked_select")
+
+
+def _refuse_nested(*args: Any, **kwargs: Any) -> Any:
+    raise SimulationUnsupported(NESTED_REFUSED)
+
+
 def _one_gpu_scatter(original: Callable) -> Callable:
     """``torch.nn.parallel.comm.scatter`` onto the one simulated GPU: the whole tensor,
     moved there (what ``_scatter`` does with one device: a copy when it is elsewhere)."""
@@ -728,6 +743,9 @@ def install_compat(patches: Patches, notes: list[str], target: CardSpec | None =
     for mod in (torch.autograd, importlib.import_module("torch.autograd.gradcheck")):
         for attr in ("gradcheck", "gradgradcheck"):
             patches.set(mod, attr, _refuse_gradcheck)
+    for attr in _NESTED_MAKERS:
+        if hasattr(torch.nested, attr):
+            patches.set(torch.nested, attr, _refuse_nested)
     _parameter_subclasses(patches)
     patches.call_on_restore(_forget_simulated_code_maps)
     # transformers' from_pretrained copies weights to the device on worker threads, where the
