@@ -21,7 +21,7 @@ __all__ = [
     "dispatch_mode_depth",
     "function_mode_enabled",
     "dispatch_plumbing_files",
-    "saved_tensors_hooks_top", "saved_tensors_hooks_lifted",
+    "saved_tensors_hooks_top", "saved_tensors_hooks_lifted", "functorch_unwrapped",
     "made_by_newest_node",
     "next_sequence_nr",
     "current_autograd_node",
@@ -116,6 +116,16 @@ def saved_tensors_hooks_lifted(pack_hook: Callable) -> Iterator[None]:
         yield
     finally:
         torch._C._autograd._push_saved_tensors_default_hooks(*top)
+
+
+def functorch_unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s innermost tensor under torch.func's wrappers (vmap's batched tensors, grad's
+    and jvp's tracking tensors), which hold no storage of their own; ``t`` itself when it
+    wraps nothing."""
+    f = torch._C._functorch
+    while f.is_functorch_wrapped_tensor(t):
+        t = f.get_unwrapped(t)
+    return t
 
 
 def made_by_newest_node(t: torch.Tensor) -> bool:

@@ -392,6 +392,32 @@ def test_allclose_is_a_known_answer_or_taken_to_hold():
     assert read.count("(allclose, taken to hold)") == 2, read
 
 
+def test_tensors_inside_torch_func_transforms_are_on_the_gpu_they_wrap():
+    """Inside ``vmap``, ``grad`` and ``jvp`` a tensor is torch.func's wrapper: its device is
+    the wrapped tensor's, the simulated GPU, so a tensor made on ``output.device`` there
+    (pytorch/tutorials' neural_tangent_kernels: ``torch.eye(..., device=output.device)``
+    under a vmap of a vmap, with vjp and jvp) is on the GPU too, and the NTK is computed."""
+    seen = {}
+    out, _ = run("""
+        import torch
+        from torch.func import functional_call, jvp, vjp, vmap
+        net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3)).cuda()
+        params = {k: v.detach() for k, v in net.named_parameters()}
+        def f(p, x):
+            return functional_call(net, p, (x.unsqueeze(0),)).squeeze(0)
+        def ntk(x1, x2):
+            out, vjp_fn = vjp(lambda p: f(p, x1), params)
+            seen["inside"] = (str(out.device), out.is_cuda)
+            basis = torch.eye(out.numel(), dtype=out.dtype, device=out.device)
+            return vmap(lambda v: jvp(lambda p: f(p, x2), (params,), vjp_fn(v))[1])(basis)
+        k = vmap(vmap(ntk, (None, 0)), (0, None))(torch.randn(2, 6, device="cuda"),
+                                                   torch.randn(3, 6, device="cuda"))
+        seen["ntk"] = (tuple(k.shape), str(k.device))
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen == {"inside": ("cuda:0", True), "ntk": ((2, 3, 3, 3), "cuda:0")}
+
+
 def test_pinned_host_tensors_are_host_memory_and_say_so():
     """pytorch/tutorials' pinmem_nonblock makes ``torch.randn(..., pin_memory=True)``,
     which FakeTensorMode refuses: a pinned tensor is host memory, ``is_pinned()`` is True

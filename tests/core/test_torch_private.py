@@ -53,6 +53,22 @@ def test_saved_tensors_hooks_lifted_only_when_ours_are_the_only_ones():
     assert priv.saved_tensors_hooks_top() is None
 
 
+def test_functorch_unwrapped_reaches_the_tensor_inside_vmap_and_grad():
+    from torch.func import grad, vmap
+
+    seen = []
+
+    def inner(r):
+        seen.append(priv.functorch_unwrapped(r))
+        return r.sum()
+
+    x = torch.randn(2, 3, 4)
+    vmap(vmap(inner))(x)
+    grad(inner)(torch.randn(3))
+    assert seen[0] is x and tuple(seen[1].shape) == (3,)
+    assert priv.functorch_unwrapped(x) is x
+
+
 def test_saved_tensors_hooks_top():
     assert priv.saved_tensors_hooks_top() is None
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):

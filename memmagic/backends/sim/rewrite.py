@@ -189,11 +189,15 @@ class DeviceRewriteMode(TorchFunctionMode):
     def _wrapper_device(self, func, args, kwargs):
         """``t.device`` of a wrapper subclass (a FakeTensor answers from its own property):
         where its inner tensors are, as user and torch Python code see it (DTensor takes
-        its device from its local tensor's real one in C++: the CPU's); the real device
-        inside dispatch, as a FakeTensor's."""
+        its device from its local tensor's real one in C++: the CPU's), and of a tensor
+        torch.func wraps (inside ``vmap``, ``grad``, ``jvp``): the wrapped one's; the real
+        device inside dispatch, as a FakeTensor's."""
         t = args[0]
-        if self.s.in_dispatch or held_by(t) is None:
+        if self.s.in_dispatch:
             return func(*args)
+        if held_by(t) is None:  # torch.func's wrappers (vmap, grad): the one inside's device
+            inner = _priv.functorch_unwrapped(t)
+            return func(*args) if inner is t else self.s.device_of(inner)
         return self.s.device_of(t)
 
     # -- moves ------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import linecache
 import sys
 import torch
 
+from ...core import _torch_private as _priv
 from ...core.failures import is_user_file
 from ...core.tracking import StorageTracker
 from ...report import Category
@@ -213,5 +214,8 @@ class SimState:
         try:
             entry = tr.entry_of(t)
         except (RuntimeError, NotImplementedError, TypeError):
-            return "host"
-        return "host" if entry is None else entry.pool
+            entry = None
+        if entry is None:  # torch.func's wrappers hold no storage: where the one inside is
+            inner = _priv.functorch_unwrapped(t)
+            return "host" if inner is t else self.pool_of(inner)
+        return entry.pool
