@@ -237,7 +237,7 @@ def _show(result: Any, runner: Any, args: argparse.Namespace) -> int:
     if isinstance(error, RefusedCall):
         return _fail(f"{_script_line(error, args.script)}{error}")
     print(report.summary())
-    run_notes = _run_notes(runner, args, error)
+    run_notes = _run_notes(runner, args, error, doctor=report.fits is False)
     for line in run_notes:
         print(f"  note: {line}")
     try:
@@ -271,9 +271,11 @@ def _show(result: Any, runner: Any, args: argparse.Namespace) -> int:
 EVALUATION_NOTE_AT = 50
 
 
-def _run_notes(runner: Any, args: argparse.Namespace, error: BaseException | None) -> list[str]:
-    """What cut the run (or that it ended early), and what the script changed on its
-    scratch disk."""
+def _run_notes(runner: Any, args: argparse.Namespace, error: BaseException | None,
+               doctor: bool = True) -> list[str]:
+    """What cut the run (or that it ended early), where the batch and context are set (and
+    that the doctor's re-runs set them there, where it did not fit: ``doctor``), and what
+    the script changed on its scratch disk."""
     from .scriptflags import flag_value
 
     p, notes = runner.progress, []
@@ -294,15 +296,16 @@ def _run_notes(runner: Any, args: argparse.Namespace, error: BaseException | Non
                      "calls before it exactly (the others are evaluated, as a note says), and "
                      "each re-run of the doctor repeats them; fewer evaluation batches in the "
                      "script's own options shorten every run")
+    who = ("the doctor's re-runs set smaller ones there" if doctor
+           else "--whatif {var}=N sets another there")
     for var, (line, _value) in runner.assigned_only().items():
-        notes.append(f"the script sets {runner.numbers.written(var)} at line {line}: the "
-                     "doctor's re-runs set smaller ones there (in memory; the file is not "
-                     "changed)")
+        notes.append(f"the script sets {runner.numbers.written(var)} at line {line}: "
+                     f"{who.format(var=var)} (in memory; the file is not changed)")
     for var, (flag, value) in runner.found.items():
         given = flag_value(runner.argv, flag) is not None
         notes.append(f"the script takes {var} on its command line ({flag}=N; it ran with "
-                     f"{value}, {'as given' if given else 'its own default'}): the doctor's "
-                     "re-runs pass it smaller ones there")
+                     f"{value}, {'as given' if given else 'its own default'})"
+                     + (": the doctor's re-runs pass it smaller ones there" if doctor else ""))
     if runner.exited_on_oom is not None:
         notes.append(f"the script caught the out of memory and exited (sys.exit("
                      f"{runner.exited_on_oom!r}), as hydra's main does after it prints the "

@@ -595,9 +595,13 @@ def test_the_doctor_sets_a_batch_size_the_script_sets_at_its_top_level(
     for whatif in (["--whatif", "batch_size=8"], []):
         assert cli.main(["run", "--gpu", "T4", "--steps", "1", "--json", str(tmp_path / "r.json"),
                          *whatif, str(path)]) == 0
-        capsys.readouterr()
+        fitting = capsys.readouterr().out
         peaks[bool(whatif)] = json.loads((tmp_path / "r.json").read_text())["peak"]
     assert peaks[True] < peaks[False]
+    # where it fits, no doctor re-runs: the note says what --whatif does there instead
+    assert (f"note: the script sets {written} at line {line}: --whatif batch_size=N sets "
+            "another there (in memory; the file is not changed)") in fitting
+    assert "doctor's" not in fitting
 
 
 # a config of nested sections set by dotted options (minGPT's CfgNode.merge_from_args)
