@@ -318,15 +318,15 @@ def add_note_once(error: BaseException, note: str) -> None:
 
 def error_text(error: BaseException | None) -> str | None:
     """``'Type: message'`` (first line only) for a report, None when there was no error; an
-    error with no message (a bare ``assert``) says where instead: ``'AssertionError at line
-    623 (`assert ...`)'``, the innermost line of the user's code it went through."""
+    exception with no message (a bare ``assert``) says where instead: ``'AssertionError at
+    line 623 (`assert ...`)'``, the innermost line of the user's code it went through."""
     if error is None:
         return None
     msg = str(error).strip().splitlines()
     if msg:
         return f"{type(error).__name__}: {msg[0]}"
-    uf = user_frame(error.__traceback__)
-    if uf is None:
+    uf = user_frame(error.__traceback__) if isinstance(error, Exception) else None
+    if uf is None:  # (a Ctrl-C stays "KeyboardInterrupt")
         return type(error).__name__
     return f"{type(error).__name__} at line {uf[1]}" + (f" (`{uf[3]}`)" if uf[3] else "")
 
