@@ -13,7 +13,7 @@ __all__ = ["SimulationError", "SimulationUnsupported", "SimulationBudgetExceeded
            "SimulatedSizeError", "size_error", "AllocatorConfigError", "StageWaits",
            "waits_for_a_stage", "RERUN_HINT"]
 
-RERUN_HINT = "run the cell with --backend cpu (real run on the CPU) or on a GPU"
+RERUN_HINT = "run the cell or script with --backend cpu (a real run on the CPU) or on a GPU"
 
 
 class SimulationError(RuntimeError):
