@@ -1157,7 +1157,14 @@ def wrapper_inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
 
 # --- higher-order operators (flex_attention) ---
 # Tested in tests/core/test_torch_private_sim.py.
-__all__ += ["attention_hops", "hops_through_mode"]
+__all__ += ["attention_hops", "hops_through_mode", "while_loop_hop"]
+
+
+def while_loop_hop() -> Any:
+    """torch's ``while_loop`` higher-order operator (``torch._higher_order_ops``)."""
+    from torch._higher_order_ops.while_loop import while_loop_op
+
+    return while_loop_op
 
 
 def attention_hops() -> tuple[Any, ...]:

@@ -100,6 +100,11 @@ class TrackResult:
 
 @atomic
 class StorageTracker(_priv.TrackerMode):
+    # torch.cond, scan, map (control-flow higher-order operators) reach __torch_dispatch__
+    # as one op and run there as without the mode (without it torch stops them: "no rule
+    # registered for HigherOrderOperator"): what they return is tracked, not the tensors
+    # their branches make and drop inside
+    supports_higher_order_operators = True
     """Records live storages op by op.
 
     ``include(t)`` says which pool a tensor's storage counts in ("device" or "host") or

@@ -377,6 +377,8 @@ def test_tolist_numpy_and_print():
     "torch.autograd.gradcheck(torch.sin, torch.ones(2, dtype=torch.float64, requires_grad=True))",
     "n = torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 4)], layout=torch.jagged)",
     "n = torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 4)], device='cuda')",
+    ("from torch._higher_order_ops.while_loop import while_loop; i = torch.zeros((), "
+     "device='cuda'); while_loop(lambda i: i < 3, lambda i: (i + 1,), (i,))"),
 ])
 def test_unsupported_names_the_line(line):
     out, _ = run(f"import torch\nx = 1\n{line}\n")

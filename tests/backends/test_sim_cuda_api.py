@@ -392,6 +392,27 @@ def test_code_outside_torch_reads_a_cuda_build_and_transformers_lets_it_use_tf32
     assert "--tf32 requires Ampere" in str(out.error)
 
 
+def test_code_outside_torch_reads_cudnn_as_on_a_cuda_build():
+    """``torch.backends.cudnn.version()`` and ``is_available()`` answer the recorded build's
+    cuDNN to code outside torch (pytorch/tutorials' memory_format compares the version with
+    7603; the CPU build's None stopped it), torch's own modules the CPU build's, and
+    everyone after the run."""
+    from memmagic.backends.sim.cuda_api import SIMULATED_CUDNN_VERSION
+
+    real = (torch.backends.cudnn.version(), torch.backends.cudnn.is_available())
+    seen: dict = {}
+    out, _ = run("""
+        seen["user"] = (torch.backends.cudnn.version(), torch.backends.cudnn.is_available())
+        seen["torch's"] = eval("(torch.backends.cudnn.version(), torch.backends.cudnn.is_available())",
+                               {"__name__": "torch.nn.x", "torch": torch})
+        if torch.backends.cudnn.version() >= 7603:
+            x = torch.randn(8, 3, 32, 32, device="cuda").to(memory_format=torch.channels_last)
+    """, {"seen": Recorder(seen), "torch": torch})
+    assert out.error is None, out.error
+    assert seen == {"user": (SIMULATED_CUDNN_VERSION, True), "torch's": real}
+    assert (torch.backends.cudnn.version(), torch.backends.cudnn.is_available()) == real
+
+
 @pytest.mark.parametrize("reads", [True, False])
 def test_a_run_that_reads_its_peak_is_told_how_torchs_count_differs(reads):
     """llm.c prints ``max_memory_allocated()``, which counts the allocator's blocks: a

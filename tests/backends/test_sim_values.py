@@ -418,6 +418,27 @@ def test_tensors_inside_torch_func_transforms_are_on_the_gpu_they_wrap():
     assert seen == {"inside": ("cuda:0", True), "ntk": ((2, 3, 3, 3), "cuda:0")}
 
 
+def test_control_flow_operators_run_on_the_simulated_gpu():
+    """``torch.cond``, ``scan`` and ``map`` (higher-order operators, pytorch/tutorials'
+    torch_controlflow) stopped with torch's "no rule registered for HigherOrderOperator":
+    they run as one op, their outputs on the simulated GPU and tracked."""
+    seen = {}
+    out, _ = run("""
+        import torch
+        from torch._higher_order_ops.map import map as hop_map
+        from torch._higher_order_ops.scan import scan
+        x = torch.randn(256, 1024, device="cuda")
+        y = torch.cond(x.sum() > 0, lambda t: t.cos(), lambda t: t.sin(), (x,))
+        c, ys = scan(lambda c, v: (c + v, c * 2), x[0], x, dim=0)
+        m = hop_map(lambda v: v * 2, x)
+        seen["out"] = [(tuple(t.shape), str(t.device)) for t in (y, c, ys, m)]
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["out"] == [((256, 1024), "cuda:0"), ((1024,), "cuda:0"),
+                           ((256, 1024), "cuda:0"), ((256, 1024), "cuda:0")]
+    assert out.report.after >= 4 << 20  # x, y, ys and m: 1 MiB each
+
+
 def test_pinned_host_tensors_are_host_memory_and_say_so():
     """pytorch/tutorials' pinmem_nonblock makes ``torch.randn(..., pin_memory=True)``,
     which FakeTensorMode refuses: a pinned tensor is host memory, ``is_pinned()`` is True

@@ -91,6 +91,30 @@ def test_torch_func_transforms_run_while_tracked(clean_state):
     assert torch.autograd.graph.disable_saved_tensors_hooks is original
 
 
+def test_control_flow_operators_run_as_without_tracking(clean_state):
+    """torch.cond, while_loop, scan and map are higher-order operators, which a dispatch
+    mode must let through (torch stopped each with "no rule registered for
+    HigherOrderOperator ... StorageTracker"): they give what they give without memmagic,
+    and what they return is tracked."""
+    from torch._higher_order_ops.map import map as hop_map
+    from torch._higher_order_ops.scan import scan
+    from torch._higher_order_ops.while_loop import while_loop
+
+    x = torch.randn(64, 256)
+
+    def program():
+        return (torch.cond(x.sum() > 0, lambda t: t.cos(), lambda t: t.sin(), (x,)),
+                while_loop(lambda i, s: i < 5, lambda i, s: (i + 1, s + x), (torch.tensor(0), x))[1],
+                scan(lambda c, v: (c + v, c * 2), x[0], x, dim=0)[1], hop_map(lambda v: v * 2, x))
+
+    plain = program()
+    with Tracking(on_cpu) as tr:
+        got = program()
+    assert all(torch.equal(a, b) for a, b in zip(plain, got))
+    assert tr.result.after >= 4 * 64 * 256 * 4
+    del got
+
+
 def test_scan_finds_params_grads_buffers_optimizer_state():
     m = torch.nn.BatchNorm1d(4)
     opt = torch.optim.Adam(m.parameters())

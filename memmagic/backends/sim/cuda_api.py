@@ -45,7 +45,7 @@ from .gpus import DEFAULT_CAPABILITY, GPUS, CardSpec
 from ...core.patching import Patches
 
 __all__ = ["SimDeviceProperties", "SimulatedCuda", "check_device", "install_default_card_note",
-           "DEFAULT_CARD", "SIMULATED_CUDA_VERSION"]
+           "DEFAULT_CARD", "SIMULATED_CUDA_VERSION", "SIMULATED_CUDNN_VERSION"]
 
 # The card the size queries (``mem_get_info``, ``get_device_properties``) answer for when
 # none is named: the sm_80 card whose kernels the simulation picks by default.
@@ -55,6 +55,9 @@ _CARD_QUERIES = ("mem_get_info", "get_device_properties", "get_device_name")
 # of the build the simulation's recorded figures were measured with (docs/fidelity.md:
 # torch 2.11.0+cu130 on the H200)
 SIMULATED_CUDA_VERSION = "13.0"
+# ``torch.backends.cudnn.version()`` code outside torch reads in a simulated run: that build's
+# cuDNN, as the recorded GPU figures (results/gpu-check-*.json) report it
+SIMULATED_CUDNN_VERSION = 91900
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,18 @@ _CLOCK_NOTE = ("torch.cuda.synchronize() waited for nothing: a simulation runs n
                "the times the script takes with the host's clock (time.time, "
                "time.perf_counter) and what it reckons from them (tokens a second) are the "
                "simulation's own, not a GPU's")
+
+
+def _to_outside_code(own: Callable[[], Any], answer: Any) -> Callable[[], Any]:
+    """``own`` (a ``torch.backends.cudnn`` query) answering ``answer`` to code outside torch
+    and memmagic, as on a CUDA build with cuDNN (pytorch/tutorials' memory_format asks
+    ``cudnn.version() >= 7603``; the CPU build's None stopped it), and its own answer to
+    torch (whose CPU kernels must not take the cuDNN path)."""
+    def query() -> Any:
+        caller = sys._getframe(1).f_globals.get("__name__", "") or ""
+        return own() if caller.partition(".")[0] in ("torch", "memmagic") else answer
+
+    return query
 
 
 class _CudaBuildVersion(types.ModuleType):
@@ -427,6 +442,9 @@ class SimulatedCuda:
         version = _CudaBuildVersion(torch.version)
         patches.set(torch, "version", version)
         patches.call_on_restore(version.done)
+        cudnn = torch.backends.cudnn
+        for attr, answer in (("version", SIMULATED_CUDNN_VERSION), ("is_available", True)):
+            patches.set(cudnn, attr, _to_outside_code(getattr(cudnn, attr), answer))
         self.install_accelerator(patches)
         # the device-generic classes (torch.Stream(0), torch.Event()): the simulated GPU's
         patches.set(torch, "Stream", self.streams.Stream)

@@ -78,6 +78,12 @@ _FOUND_INF_OPS = {_aten._amp_foreach_non_finite_check_and_unscale_.default}
 _STORAGE_SETS = {_aten.set_.source_Storage, _aten.set_.source_Storage_storage_offset}
 # flex_attention and its backward: higher-order operators that reach the tracker as ops
 _FUSED_ATTENTION = frozenset(_priv.attention_hops())
+# torch's while_loop: how often it runs its body follows from tensor values (FakeTensorMode
+# would need unbacked symbolic sizes for what it carries)
+_WHILE_LOOP = _priv.while_loop_hop()
+WHILE_LOOP_REFUSED = ("torch's while_loop cannot be simulated: how many times it runs its "
+                      "body follows from tensor values, which a simulation does not have; "
+                      f"{RERUN_HINT}")
 _PHASE_WORDS = {"forward": " during forward", "backward": " during backward (loss.backward())",
                 "recompute": " while backward recomputed a checkpointed forward",
                 "optimizer": " during optimizer.step()"}
@@ -426,6 +432,8 @@ class SimTracker(StorageTracker):
                 return META if mode.in_kernel_invocation else args[0].fake_device
         if func is _RECORD_STREAM:
             return None
+        if func is _WHILE_LOOP:
+            raise SimulationUnsupported(WHILE_LOOP_REFUSED)
         s = self.s
         s.in_dispatch += 1
         try:
