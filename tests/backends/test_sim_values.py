@@ -439,6 +439,30 @@ def test_control_flow_operators_run_on_the_simulated_gpu():
     assert out.report.after >= 4 << 20  # x, y, ys and m: 1 MiB each
 
 
+def test_torch_testing_assert_close_takes_values_to_hold_and_checks_shapes():
+    """``torch.testing.assert_close`` of two computations passes as on a GPU that runs the
+    code as its author meant (its values read as True, noted), while its checks of what
+    the simulation knows still fail: other shapes, a known mismatch."""
+    seen = {}
+    out, _ = run("""
+        import torch
+        a = torch.randn(64, 64, device="cuda")
+        torch.testing.assert_close(a @ a, (a.T @ a.T).T)
+        failed = []
+        for b in (torch.randn(64, 32, device="cuda"), torch.zeros(2)):
+            try:
+                torch.testing.assert_close(a if b.shape[0] == 64 else torch.ones(2), b)
+            except AssertionError as e:
+                failed.append(str(e).splitlines()[0])
+        seen["failed"] = failed
+    """, {"seen": Recorder(seen)})
+    assert out.error is None, out.error
+    assert seen["failed"][0].startswith("The values for attribute 'shape' do not match")
+    assert seen["failed"][1].startswith("Tensor-likes are not close")
+    read, = [n for n in out.report.notes if "depend on data were read" in n]
+    assert "(torch.testing.assert_close, taken to hold)" in read
+
+
 def test_pinned_host_tensors_are_host_memory_and_say_so():
     """pytorch/tutorials' pinmem_nonblock makes ``torch.randn(..., pin_memory=True)``,
     which FakeTensorMode refuses: a pinned tensor is host memory, ``is_pinned()`` is True

@@ -520,6 +520,7 @@ def _install(patches: Patches, state: SimState, tracker: SimTracker, target: Car
     install_ddp(patches, state, notes)
     keep_overwritten_files(patches, notes)
     _install_torch_adjustments(patches, state, notes)
+    _install_value_checks(patches, state)
     # flex_attention reaches the tracker as an op: its outputs are the fused kernel's, as
     # FakeTensorMode makes them (see _FLEX_NOTE)
     patches.enter(_priv.hops_through_mode(SimTracker, _priv.attention_hops()))
@@ -689,6 +690,28 @@ def _install_torch_adjustments(patches: Patches, state: SimState, notes: list[st
             object.__setattr__(loader, "num_workers", n)
 
     patches.set(loader_cls, get_iter_attr, _get_iterator)
+
+
+def _install_value_checks(patches: Patches, state: SimState) -> None:
+    """torch.testing's checks of values (``assert_close``, the deprecated
+    ``assert_allclose``): each bool they read of values the simulation does not have is
+    taken to hold, noted, as ``torch.allclose`` is; their checks of shapes, dtypes and
+    devices run as they are."""
+    import torch.testing
+
+    for name in ("assert_close", "assert_allclose"):
+        original = getattr(torch.testing, name, None)
+        if original is None:
+            continue
+
+        def check(*args, _original=original, _name=name, **kwargs):
+            prev, state.holding = state.holding, f"torch.testing.{_name}"
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                state.holding = prev
+
+        patches.set(torch.testing, name, check)
 
 
 def _cache_counts(fast) -> dict[str, int]:

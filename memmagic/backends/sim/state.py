@@ -113,6 +113,7 @@ class SimState:
         self.cuda_seen = False
         self.zero_read_serials: set[int] = set()  # storages whose reads are 0 (found_inf)
         self.pinned_serials: set[int] = set()  # host storages made page-locked (is_pinned)
+        self.holding: str | None = None  # a check of values running: its bool reads hold
         self.data_reads = 0
         # (user line or None, what) -> reads: the report names lines, not internal reads
         self.read_ops: dict[tuple[str | None, str], int] = {}

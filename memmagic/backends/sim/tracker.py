@@ -432,8 +432,6 @@ class SimTracker(StorageTracker):
                 return META if mode.in_kernel_invocation else args[0].fake_device
         if func is _RECORD_STREAM:
             return None
-        if func is _WHILE_LOOP:
-            raise SimulationUnsupported(WHILE_LOOP_REFUSED)
         s = self.s
         s.in_dispatch += 1
         try:
@@ -455,10 +453,9 @@ class SimTracker(StorageTracker):
                 raise self._over_budget(n)
             if func is _LOCAL_SCALAR or func is _ITEM:
                 return self._read_scalar(_LOCAL_SCALAR, args[0])
-            if func is _EQUAL:
-                return self._equal(*args)
-            if func is _ALLCLOSE:
-                return self._allclose(*args, **kwargs)
+            special = _SPECIAL_OPS.get(func)  # reads of values, refusals
+            if special is not None:
+                return special(self, *args, **kwargs)
             if forced is not None:
                 pool = forced if s.cuda else "device"
                 self._out_unsure = False
@@ -761,9 +758,21 @@ class SimTracker(StorageTracker):
 
     def _read_scalar(self, func, t: torch.Tensor):
         self.s.value_reads += 1
+        if self.s.holding is not None and t.dtype == torch.bool and _priv.fake_constant(t) is None:
+            self.s.note_read(f"{self.s.holding}, taken to hold")  # (see backend._install_value_checks)
+            return True
 
         def zero() -> bool:
             serial = self.serial_of(t)
             return serial is not None and serial in self.s.zero_read_serials
 
         return read_scalar(func, t, zero, self.s.note_read)
+
+
+def _refuse_while_loop(tracker: SimTracker, *args, **kwargs):
+    raise SimulationUnsupported(WHILE_LOOP_REFUSED)
+
+
+# ops the per-op path hands to a method of their own
+_SPECIAL_OPS = {_EQUAL: SimTracker._equal, _ALLCLOSE: SimTracker._allclose,
+                _WHILE_LOOP: _refuse_while_loop}
