@@ -526,6 +526,17 @@ def test_a_gap_no_line_reads_is_halved_by_runs_to_the_largest_that_fits(memory, 
     assert cell.run(batch_size=largest + 1).fits is False
 
 
+def _asserting_loop(batch: int) -> str:
+    """A loop of 64 samples in batches of ``batch_size``, 16 MiB a sample, that asserts its
+    batch divides them (as llm.c's train_gpt2.py asserts of its total batch)."""
+    return ("import torch\n"
+            f"batch_size = {batch}\n"
+            "assert 64 % batch_size == 0\n"
+            "for _ in range(64 // batch_size):\n"
+            "    x = torch.randn(batch_size, 1 << 22, device='cuda', requires_grad=True)\n"
+            "    (x * 2).sum().backward()\n")
+
+
 def test_a_halving_the_script_refuses_says_why_it_stopped():
     """karpathy/llm.c's train_gpt2.py asserts that its total batch is a multiple of the
     micro-batch: where the halving's size fails that ``assert`` (no message), the doctor's
@@ -535,13 +546,7 @@ def test_a_halving_the_script_refuses_says_why_it_stopped():
     from memmagic.doctor.ranking import rank
     from memmagic.whatif.engine import Cell
 
-    src = ("import torch\n"
-           "batch_size = 8\n"
-           "assert 64 % batch_size == 0\n"
-           "for _ in range(64 // batch_size):\n"
-           "    x = torch.randn(batch_size, 1 << 22, device='cuda', requires_grad=True)\n"
-           "    (x * 2).sum().backward()\n")
-    cell = Cell(src, {}, backend_options={"gpu_memory": "300MiB"})
+    cell = Cell(_asserting_loop(8), {}, backend_options={"gpu_memory": "300MiB"})
     _, rows, notes = rank(cell)
     said, = [n for n in notes if "halving the gap" in n]
     assert said.startswith("batch: 4 fits and 8 runs out, found by 1 run halving the gap one "
@@ -558,13 +563,7 @@ def test_the_largest_run_that_fits_is_a_row_where_the_halving_cannot_close_the_g
     from memmagic.doctor.ranking import rank
     from memmagic.whatif.engine import Cell
 
-    src = ("import torch\n"
-           "batch_size = 16\n"
-           "assert 64 % batch_size == 0\n"
-           "for _ in range(64 // batch_size):\n"
-           "    x = torch.randn(batch_size, 1 << 22, device='cuda', requires_grad=True)\n"
-           "    (x * 2).sum().backward()\n")
-    cell = Cell(src, {}, backend_options={"gpu_memory": "150MiB"})
+    cell = Cell(_asserting_loop(16), {}, backend_options={"gpu_memory": "150MiB"})
     _, rows, notes = rank(cell)
     batch = {r.label: r for r in rows if r.label.startswith("batch ")}
     assert sorted(batch) == ["batch 2 (from 16)", "batch 4 (from 16)", "batch 8 (from 16)"]
