@@ -968,3 +968,11 @@ def test_symbolic_sizes_stay_symbols_through_a_pad_under_the_python_dispatcher(d
     else:  # specialized: the sizes are the example's ints again
         assert (tuple(labels.shape), tuple(h.shape)) == ((8, 512), (8, 512, 16))
         assert priv.shape_guards(mode), priv.shape_guards(mode)
+
+
+def test_while_loop_hop_is_torchs_operator():
+    """The operator the simulation refuses (tracker._SPECIAL_OPS) is the one
+    ``torch._higher_order_ops.while_loop`` dispatches."""
+    hop = priv.while_loop_hop()
+    assert hop.name() == "while_loop"
+    assert isinstance(hop, torch._ops.HigherOrderOperator)

@@ -743,9 +743,9 @@ class SimTracker(StorageTracker):
                   atol: float = 1e-08, equal_nan: bool = False) -> bool:
         """``torch.allclose`` as ATen computes it, ``isclose(a, b).all()`` read into Python,
         its tensors made on the way: the value where both are known, else True, noted: the
-        check of one computation against another (a tutorial's ``assert``, ``gradcheck``,
-        a solver's loop until it converges) holds on a GPU that runs the code as its author
-        meant, where the placeholder, False, would fail it or never end."""
+        check of one computation against another (a tutorial's ``assert``, a solver's loop
+        until it converges) holds on a GPU that runs the code as its author meant, where
+        the placeholder, False, would fail it or never end."""
         with self:
             both = _aten.all.default(_aten.isclose.default(a, b, rtol, atol, equal_nan))
         const = _priv.fake_constant(both)
@@ -758,8 +758,9 @@ class SimTracker(StorageTracker):
 
     def _read_scalar(self, func, t: torch.Tensor):
         self.s.value_reads += 1
-        if self.s.holding is not None and t.dtype == torch.bool and _priv.fake_constant(t) is None:
-            self.s.note_read(f"{self.s.holding}, taken to hold")  # (see backend._install_value_checks)
+        holding = self.s.holding  # a check of values (backend._install_value_checks)
+        if holding is not None and t.dtype == torch.bool and _priv.fake_constant(t) is None:
+            self.s.note_read(f"{holding}, taken to hold")
             return True
 
         def zero() -> bool:
