@@ -1157,7 +1157,17 @@ def wrapper_inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
 
 # --- higher-order operators (flex_attention) ---
 # Tested in tests/core/test_torch_private_sim.py.
-__all__ += ["attention_hops", "hops_through_mode", "while_loop_hop"]
+__all__ += ["attention_hops", "hops_through_mode", "while_loop_hop", "build_dynamo_rules"]
+
+
+def build_dynamo_rules() -> None:
+    """Build dynamo's map of torch's functions to how it traces them (cached for the
+    process) from torch's own objects: built while a run has replaced some of them
+    (``torch.nested.nested_tensor``), it would key the stand-ins, and miss the originals
+    after the run."""
+    from torch._dynamo.trace_rules import get_torch_obj_rule_map
+
+    get_torch_obj_rule_map()
 
 
 def while_loop_hop() -> Any:

@@ -490,3 +490,25 @@ def test_from_pretrained_with_a_device_map_loads_a_checkpoint_onto_the_simulated
     assert seen["device"] == "cuda:0"
     n = sum(p.numel() for p in GPT2LMHeadModel.from_pretrained(tmp_path).parameters())
     assert out.report.after - out.report.before >= n * 4  # the weights, fp32, on the card
+
+
+def test_dynamos_map_of_torchs_functions_keys_torchs_own_after_a_run():
+    """A run replaces some of torch's functions (torch.nested's makers, torch.cuda's
+    queries): dynamo's map of torch's functions to how it traces them (built once for the
+    process) is built from torch's own before that, so a lookup in a run (flex_attention,
+    a static KV cache) does not stop on "Duplicate torch object", and after the run the
+    map still knows torch's own functions."""
+    import torch._dynamo.trace_rules as rules
+
+    rules.get_torch_obj_rule_map.cache_clear()
+    try:
+        out, _ = run("""
+            import torch
+            import torch._dynamo.trace_rules as rules
+            seen["looked"] = rules.lookup(torch.nested.nested_tensor) is not None
+        """, {"seen": Recorder(seen := {})})
+        assert out.error is None, out.error
+        assert torch.nested.nested_tensor in rules.get_torch_obj_rule_map()
+        assert torch.cuda.is_available in rules.get_torch_obj_rule_map()
+    finally:
+        rules.get_torch_obj_rule_map.cache_clear()

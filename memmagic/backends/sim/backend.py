@@ -506,6 +506,7 @@ class SimBackend(Backend):
 def _install(patches: Patches, state: SimState, tracker: SimTracker, target: CardSpec | None,
              autocast: dict[str, Any], notes: list[str], decode: str) -> None:
     """Everything a simulated run changes in torch and in libraries."""
+    _priv.build_dynamo_rules()  # from torch's own functions, before any is replaced
     # a meta kernel's error reaches the user as the op's own error: fake tensors' log of
     # it (some 40 lines on stderr, with the dispatcher's frames) would only repeat it
     patches.set(logging.getLogger("torch._subclasses.fake_tensor"), "disabled", True)

@@ -652,8 +652,14 @@ _NESTED_MAKERS = ("as_nested_tensor", "nested_tensor", "nested_tensor_from_jagge
                   "masked_select")
 
 
-def _refuse_nested(*args: Any, **kwargs: Any) -> Any:
-    raise SimulationUnsupported(NESTED_REFUSED)
+def _refuse_nested(name: str) -> Callable:
+    """A stand-in for ``torch.nested.<name>`` (one per name: dynamo maps each of torch's
+    functions to one object)."""
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise SimulationUnsupported(NESTED_REFUSED)
+
+    refused.__name__ = refused.__qualname__ = name
+    return refused
 
 
 def _one_gpu_scatter(original: Callable) -> Callable:
@@ -745,7 +751,7 @@ def install_compat(patches: Patches, notes: list[str], target: CardSpec | None =
             patches.set(mod, attr, _refuse_gradcheck)
     for attr in _NESTED_MAKERS:
         if hasattr(torch.nested, attr):
-            patches.set(torch.nested, attr, _refuse_nested)
+            patches.set(torch.nested, attr, _refuse_nested(attr))
     _parameter_subclasses(patches)
     patches.call_on_restore(_forget_simulated_code_maps)
     # transformers' from_pretrained copies weights to the device on worker threads, where the
