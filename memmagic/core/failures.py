@@ -23,7 +23,7 @@ __all__ = ["PACKAGE_DIR", "GENERATOR_FLAGS", "frames_of", "release_call_closures
            "requested_bytes", "requested_text", "release_own_frames", "strip_own_frames",
            "needs_missing_cuda", "add_note_once", "NO_GPU_HINT", "simulated_error_types",
            "register_simulated_errors", "clear_frame",
-           "error_text", "user_frame", "out_of_memory_behind"]
+           "error_text", "user_line_in", "out_of_memory_behind"]
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # model code a cell calls (memmagic.zoo): the user's code, not memmagic's machinery
@@ -325,17 +325,20 @@ def error_text(error: BaseException | None) -> str | None:
     msg = str(error).strip().splitlines()
     if msg:
         return f"{type(error).__name__}: {msg[0]}"
-    uf = user_frame(error.__traceback__) if isinstance(error, Exception) else None
-    if uf is None:  # (a Ctrl-C stays "KeyboardInterrupt")
+    where = user_line_in(error.__traceback__) if isinstance(error, Exception) else None
+    if where is None:  # (a Ctrl-C stays "KeyboardInterrupt")
         return type(error).__name__
-    return f"{type(error).__name__} at line {uf[1]}" + (f" (`{uf[3]}`)" if uf[3] else "")
+    return f"{type(error).__name__} at {where}"
 
 
-def user_frame(tb: Any) -> tuple[str, int, str, str] | None:
-    """(file, line, function, source) of the innermost frame of the user's code in the
-    traceback ``tb`` (None: none of its frames is)."""
+def user_line_in(tb: Any) -> str | None:
+    """'line N (`source`)' of the innermost frame of the user's code in the traceback
+    ``tb`` (None: none of its frames is)."""
     best = None
     for fs in traceback.extract_tb(tb):
         if is_user_file(fs.filename):
-            best = (fs.filename, fs.lineno or 0, fs.name, (fs.line or "").strip())
-    return best
+            best = fs
+    if best is None:
+        return None
+    src = (best.line or "").strip()
+    return f"line {best.lineno or 0}" + (f" (`{src}`)" if src else "")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from ..core.failures import requested_bytes, user_frame
+from ..core.failures import requested_bytes, user_line_in
 from ..report import MemoryReport, format_bytes
 from .holders import found_in, freed_by_del, name_rank, namespace_roots, storage_of
 
@@ -138,11 +138,7 @@ def describe_oom(report: MemoryReport, error: BaseException | None = None,
     holders = _live_holders(namespace, live or 0, unit) if namespace is not None else []
     by_module = tuple((r.module, r.activations) for r in report.modules_at(None) if r.activations)
     op, phase, module = failure_site(report, error)
-    line = None
-    if error is not None:
-        uf = user_frame(error.__traceback__)
-        if uf is not None:
-            line = f"line {uf[1]}" + (f" (`{uf[3]}`)" if uf[3] else "")
+    line = user_line_in(error.__traceback__) if error is not None else None
     left, left_bytes = (), 0
     if namespace is not None and bound:
         left, left_bytes = freed_by_del(namespace, bound, report, on_device)
