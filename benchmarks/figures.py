@@ -1034,10 +1034,10 @@ def symbolic_cost_row(reps: int = 3) -> dict[str, Any]:
     GPT-2-124M step under FakeTensorMode alone at batch 8 x 512, under FakeTensorMode over a
     ShapeEnv with the batch and the context as symbols (torch's Python dispatcher on, as
     make_fx and dynamo run it: without it the loss's pad specializes both), and
-    memmagic's simulated run of :data:`FIT_MAP_CELL` there; medians of ``reps`` after a
-    first of each, in this process. Also the guards the symbolic run took."""
-    import statistics
-
+    memmagic's simulated run of :data:`FIT_MAP_CELL` there: the symbolic run timed
+    alternately with each of the other two (:func:`.common.paired`, ``reps`` pairs after a
+    first of each), each ratio the median of its pairs, in this process. Also the guards
+    the symbolic run took."""
     from memmagic import Cell
     from memmagic.core import _torch_private as priv
 
@@ -1066,17 +1066,11 @@ def symbolic_cost_row(reps: int = 3) -> dict[str, Any]:
     def run() -> None:
         cell.run(strict=True)
 
-    out: dict[str, Any] = {"case": "GPT-2-124M AdamW step, batch 8 x 512"}
-    for name, fn in (("concrete", concrete), ("symbolic", symbolic), ("run", run)):
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        out[f"{name}_s"] = statistics.median(times)
-    out["symbolic_x"] = out["symbolic_s"] / out["concrete_s"]
-    out["runs_x"] = out["symbolic_s"] / out["run_s"]
+    fake, runs = paired(concrete, symbolic, reps), paired(run, symbolic, reps)
+    out: dict[str, Any] = {"case": "GPT-2-124M AdamW step, batch 8 x 512",
+                           "concrete_s": median(fake.a_s), "run_s": median(runs.a_s),
+                           "symbolic_s": median(fake.b_s + runs.b_s),
+                           "symbolic_x": fake.ratio, "runs_x": runs.ratio}
     out["guards"] = len(guards)
     out["symbols"] = " x ".join(symbols)
     return out
@@ -1091,8 +1085,9 @@ def symbolic_cost_figure(threads: int = 1) -> Figure:
         "over a ShapeEnv with the batch and the context as symbols and torch's Python "
         "dispatcher on ('symbolic': the one run issue 39 asks for, whose sizes hold for every "
         "batch and context inside its guards); memmagic's simulated run of the cell on a T4 "
-        "('run', what the plane of figure 3m makes four to six of, then checks); medians of 3 "
-        "after a first of each, in one fresh process",
+        "('run', what the plane of figure 3m makes four to six of, then checks); symbolic "
+        "timed alternately with each of the others, 3 pairs after a first of each, each ratio "
+        "the median of its pairs, in one fresh process",
         "none: a measurement (the fit map's plane is worth one symbolic run where a symbolic "
         "run costs at most about as much as the runs the plane makes)",
         [("case", "case", "text"), ("concrete_s", "fake", "s"), ("symbolic_s", "symbolic", "s"),
