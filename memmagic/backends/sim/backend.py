@@ -12,7 +12,6 @@ import pickle
 import random
 import re
 import sys
-import traceback
 from contextlib import ExitStack
 
 from typing import Any, Callable, Iterable
@@ -22,7 +21,7 @@ import torch
 from ...core import _torch_private as _priv
 from ...report import Category, MemoryReport, Note, format_bytes
 from ...core.tracking import Tracking, RoleHooks
-from ...core.failures import is_user_file, release_call_closures, release_own_frames
+from ...core.failures import release_call_closures, release_own_frames, user_line_in
 from ..base import DECODE_STEPS, Backend, Outcome
 from ..cpu import report_from_tracking
 from .autocast import install_cuda_autocast_policy, make_autocast_classes
@@ -941,12 +940,12 @@ def _explain(exc: BaseException, world_size: int | None = None) -> BaseException
     exc = size_error(exc) or exc  # sizes past 64 bits: CUDA's words, not fake tensors' frames
     if isinstance(exc, (SimulationError, SimulatedOutOfMemoryError)) or not isinstance(exc, Exception):
         if isinstance(exc, SimulatedOutOfMemoryError) and not getattr(exc, "_located", False):
-            where = _cell_line(exc.__traceback__)
+            where = user_line_in(exc.__traceback__)
             if where and exc.args:
                 exc.args = (f"{exc.args[0].rstrip('.')}, at {where}.",) + tuple(exc.args[1:])
             exc._located = True  # type: ignore[attr-defined]
         if isinstance(exc, SimulationError) and not getattr(exc, "_located", False):
-            where = _cell_line(exc.__traceback__)
+            where = user_line_in(exc.__traceback__)
             if where and not isinstance(exc, SimulationBudgetExceeded):
                 try:
                     exc.args = (f"{where}: {exc.args[0]}",) + tuple(exc.args[1:])
@@ -955,7 +954,7 @@ def _explain(exc: BaseException, world_size: int | None = None) -> BaseException
             exc._located = True  # type: ignore[attr-defined]
         return exc
     if isinstance(exc, _priv.StageNotRun):
-        new = StageWaits(f"{_cell_line(exc.__traceback__) or 'the cell'}: {exc}: run the job's "
+        new = StageWaits(f"{user_line_in(exc.__traceback__) or 'the cell'}: {exc}: run the job's "
                          "ranks together (--ranks all), so that each stage gets what the "
                          "stages before it send")
         new._located = True  # type: ignore[attr-defined]
@@ -972,7 +971,7 @@ def _explain(exc: BaseException, world_size: int | None = None) -> BaseException
     if not fake_error and (not any(s in msg for s in _SMELLS)
                            or any(s in msg for s in _CARD_TOO_OLD)):
         return exc
-    where = _cell_line(exc.__traceback__) or "the cell"
+    where = user_line_in(exc.__traceback__) or "the cell"
     first = msg.strip().splitlines()[0] if msg.strip() else ""
     if isinstance(exc, _priv.DynamicOutputShapeException):
         why = "an op whose output size depends on tensor values (nonzero, boolean-mask indexing, unique)"
@@ -990,17 +989,5 @@ def _explain(exc: BaseException, world_size: int | None = None) -> BaseException
     new.__cause__ = exc
     new._located = True  # type: ignore[attr-defined]
     return new
-
-
-def _cell_line(tb) -> str | None:
-    """'line N (`source`)' of the innermost frame that belongs to the user's code."""
-    best = None
-    for fs in traceback.extract_tb(tb):
-        if is_user_file(fs.filename):
-            best = fs
-    if best is None:
-        return None
-    src = (best.line or "").strip()
-    return f"line {best.lineno}" + (f" (`{src}`)" if src else "")
 
 
