@@ -132,14 +132,20 @@ _CLOCK_NOTE = ("torch.cuda.synchronize() waited for nothing: a simulation runs n
                "simulation's own, not a GPU's")
 
 
+def _asked_by_torch(frame: Any) -> bool:
+    """Whether the code of ``frame`` is torch's or memmagic's (which read the CPU build's
+    own answers in a simulated run), not a library's or the user's."""
+    caller = frame.f_globals.get("__name__", "") or ""
+    return caller.partition(".")[0] in ("torch", "memmagic")
+
+
 def _to_outside_code(own: Callable[[], Any], answer: Any) -> Callable[[], Any]:
     """``own`` (a ``torch.backends.cudnn`` query) answering ``answer`` to code outside torch
     and memmagic, as on a CUDA build with cuDNN (pytorch/tutorials' memory_format asks
     ``cudnn.version() >= 7603``; the CPU build's None stopped it), and its own answer to
     torch (whose CPU kernels must not take the cuDNN path)."""
     def query() -> Any:
-        caller = sys._getframe(1).f_globals.get("__name__", "") or ""
-        return own() if caller.partition(".")[0] in ("torch", "memmagic") else answer
+        return own() if _asked_by_torch(sys._getframe(1)) else answer
 
     return query
 
@@ -162,8 +168,7 @@ class _CudaBuildVersion(types.ModuleType):
     def __getattribute__(self, name: str) -> Any:
         d = types.ModuleType.__getattribute__(self, "__dict__")
         if name == "cuda" and d["_on"]:
-            caller = sys._getframe(1).f_globals.get("__name__", "") or ""
-            if caller.partition(".")[0] not in ("torch", "memmagic"):
+            if not _asked_by_torch(sys._getframe(1)):
                 return SIMULATED_CUDA_VERSION
         if name in ("__dict__", "done"):
             return types.ModuleType.__getattribute__(self, name)
